@@ -1,0 +1,103 @@
+"""A TCP socket that carries ofl frames, with a deadline on every blocking step.
+
+Both sides use it: the server for its connection loop, the client for its calls. Sends are
+scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
+caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from . import wire
+from .errors import ConnectionLost, DeadlineExceeded
+
+IOV_MAX = 1024  # Linux limit of iovecs per sendmsg
+
+
+def set_socket_options(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
+        except OSError:
+            pass  # the kernel caps it; the default still works
+
+
+class Channel:
+    def __init__(self, sock: socket.socket, max_payload: int):
+        self.sock = sock
+        self.max_payload = max_payload
+        set_socket_options(sock)
+
+    # -- deadlines -----------------------------------------------------------------------
+    def _arm(self, deadline: float | None) -> None:
+        if deadline is None:
+            self.sock.settimeout(None)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline passed")
+        self.sock.settimeout(left)
+
+    # -- send ----------------------------------------------------------------------------
+    def send_frame(self, kind: wire.Kind, request_id: int, parts=(), deadline: float | None = None,
+                   version: int = wire.PROTOCOL_VERSION) -> None:
+        parts = [memoryview(p).cast("B") for p in parts]
+        length = sum(len(p) for p in parts)
+        self.send_all([wire.pack_header(kind, request_id, length, version), *parts], deadline)
+
+    def send_all(self, parts: list, deadline: float | None) -> None:
+        pending = [memoryview(p).cast("B") for p in parts if len(p)]
+        try:
+            while pending:
+                self._arm(deadline)
+                sent = self.sock.sendmsg(pending[:IOV_MAX])
+                while sent:
+                    if sent >= len(pending[0]):
+                        sent -= len(pending.pop(0))
+                    else:
+                        pending[0] = pending[0][sent:]
+                        sent = 0
+        except TimeoutError:
+            raise DeadlineExceeded("deadline passed while sending") from None
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            if isinstance(exc, DeadlineExceeded):
+                raise
+            raise ConnectionLost(f"send failed: {exc}") from None
+
+    # -- receive -------------------------------------------------------------------------
+    def recv_into(self, view: memoryview, deadline: float | None) -> None:
+        """Fill `view` completely or raise."""
+        got, n = 0, len(view)
+        try:
+            while got < n:
+                self._arm(deadline)
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise ConnectionLost(f"peer closed the connection ({got} of {n} bytes received)")
+                got += k
+        except TimeoutError:
+            raise DeadlineExceeded(f"deadline passed with {got} of {n} bytes received") from None
+        except (ConnectionResetError, OSError) as exc:
+            if isinstance(exc, ConnectionLost | DeadlineExceeded):
+                raise
+            raise ConnectionLost(f"receive failed: {exc}") from None
+
+    def recv_header(self, deadline: float | None) -> wire.Header:
+        raw = bytearray(wire.HEADER_SIZE)
+        self.recv_into(memoryview(raw), deadline)
+        return wire.unpack_header(bytes(raw), self.max_payload)
+
+    def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
+        buf = bytearray(header.length)
+        self.recv_into(memoryview(buf), deadline)
+        return buf
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

@@ -1,0 +1,301 @@
+"""The ofl client: one Connection per link, and Links for "rank r uses link r".
+
+Every call has a deadline. When a call fails on the link (deadline, peer gone, framing
+lost) the connection is dropped so no late reply can land in a caller's buffer; the next
+call reconnects once, within its own deadline. Error replies from a healthy server raise
+RemoteError and keep the connection.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import env, wire
+from .backends import client_backend
+from .channel import Channel
+from .errors import (ConnectionLost, DeadlineExceeded, OflError, OutOfRange, ProtocolError,
+                     RemoteError, VersionMismatch)
+from .region import Region, RegionDescriptor
+from .server import parse_address
+from .stats import Stats
+
+CHUNK_BYTES = 4 << 20  # a large read is split into pipelined READ frames of this size
+
+
+class Connection:
+    """A connection to one ofl server over one link.
+
+    >>> conn = Connection("10.0.0.1:7471", backend="verbs", link="spark0")
+    >>> rows = Region.from_buffer("rows", np.empty(24 * 264, np.uint8))
+    >>> conn.gather("engram-l1-r0", offsets, 264, into=rows)
+    """
+
+    def __init__(self, address: str | tuple[str, int], *, backend: str | None = None,
+                 identity: str = "ofl-client", link: str | None = None,
+                 deadline_s: float | None = None, connect_timeout_s: float | None = None,
+                 max_inflight: int | None = None, connect: bool = True):
+        self.address = parse_address(address) if isinstance(address, str) else tuple(address)
+        self.backend_name = backend or env.OFL_BACKEND.get()
+        self.identity = identity
+        self.link = link
+        self.deadline_s = deadline_s or env.OFL_DEADLINE_MS.get_float() / 1000
+        self.connect_timeout_s = connect_timeout_s or env.OFL_CONNECT_TIMEOUT_MS.get_float() / 1000
+        self.max_inflight = max_inflight or env.OFL_MAX_INFLIGHT.get_int()
+        self.stats = Stats("ofl_client", {"backend": self.backend_name, "link": link or ""})
+        self.regions: dict[str, RegionDescriptor] = {}
+        self.peer_identity: str | None = None
+        self.max_message_bytes = env.OFL_MAX_MESSAGE_BYTES.get_int()
+        self.max_gather_rows = wire.MAX_GATHER_ROWS
+        self._channel: Channel | None = None
+        self._backend = None
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._connects = 0
+        if connect:
+            with self._lock:
+                self._connect(time.monotonic() + self.connect_timeout_s)
+
+    # -- set-up --------------------------------------------------------------------------
+    def _connect(self, deadline: float) -> None:
+        backend = client_backend(self.backend_name)
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            sock = socket.create_connection(self.address, timeout=left)
+        except TimeoutError:
+            raise DeadlineExceeded(f"connect to {self._where()} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self._where()}: {exc}") from None
+        ch = Channel(sock, max_payload=1 << 40)
+        try:
+            hello = {"identity": self.identity, "backend": self.backend_name, "link": self.link,
+                     **backend.hello_extras()}
+            ch.send_frame(wire.Kind.HELLO, 0, [wire.encode_json(hello)], deadline)
+            header = ch.recv_header(deadline)
+            payload = ch.recv_payload(header, deadline) if header.length <= wire.MAX_CONTROL_BYTES \
+                else b""
+            if header.kind == wire.Kind.ERROR:
+                message = _error_text(payload)
+                if "version mismatch" in message:
+                    raise VersionMismatch(f"{self._where()} refused the connection: {message}")
+                raise RemoteError(f"{self._where()} refused the connection: {message}")
+            if header.kind != wire.Kind.HELLO_OK:
+                raise ProtocolError(f"expected HELLO_OK from {self._where()}, got {header.kind.name}")
+            reply = wire.decode_json(payload, "HELLO_OK")
+            self.regions = {d.name: d for d in map(RegionDescriptor.from_json, reply.get("regions", []))}
+            self.peer_identity = reply.get("identity")
+            self.max_message_bytes = int(reply.get("max_message_bytes", self.max_message_bytes))
+            self.max_gather_rows = int(reply.get("max_gather_rows", self.max_gather_rows))
+            self._channel = ch
+            backend.setup(self, reply)
+        except BaseException:
+            self._channel = None
+            backend.close()
+            ch.close()
+            raise
+        self._backend = backend
+        self._connects += 1
+        if self._connects > 1:
+            self.stats.add("reconnects")
+
+    def _where(self) -> str:
+        host, port = self.address
+        return f"{host}:{port}" + (f" (link {self.link})" if self.link else "")
+
+    def _drop(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    @property
+    def connected(self) -> bool:
+        return self._channel is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def region(self, name: str) -> RegionDescriptor:
+        try:
+            return self.regions[name]
+        except KeyError:
+            raise OflError(f"{self._where()} publishes no region {name!r} "
+                           f"(it has: {', '.join(self.regions) or 'none'})") from None
+
+    # -- calls ---------------------------------------------------------------------------
+    def _call(self, what: str, deadline_s: float | None, fn):
+        deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        with self._lock:
+            if self._channel is None:
+                self._connect(deadline)
+            try:
+                return fn(deadline)
+            except (DeadlineExceeded, ConnectionLost, ProtocolError) as exc:
+                self.stats.add("failures")
+                self.stats.add("deadlines" if isinstance(exc, DeadlineExceeded) else "link_errors")
+                self._drop()
+                raise type(exc)(f"{what} via {self._where()}: {exc}") from None
+
+    def read(self, region: str, offset: int, length: int, into, into_offset: int = 0, *,
+             deadline_s: float | None = None) -> None:
+        """Read `length` bytes at `offset` of the remote region into `into[into_offset:]`."""
+        self.gather(region, np.array([offset], np.uint64), length, into, into_offset,
+                    deadline_s=deadline_s)
+
+    def gather(self, region: str, offsets, lengths, into, into_offset: int = 0, *,
+               deadline_s: float | None = None) -> None:
+        """Read many ranges of one remote region, back to back, into `into[into_offset:]`.
+
+        `lengths` is one row length for all ranges (Engram rows) or one per range. All
+        ranges are checked against the region before any request leaves this process.
+        """
+        desc = self.region(region)
+        offsets = np.ascontiguousarray(offsets, dtype=np.uint64).reshape(-1)
+        if not isinstance(lengths, int | np.integer):
+            lengths = np.ascontiguousarray(lengths, dtype=np.uint32).reshape(-1)
+            if len(lengths) != len(offsets):
+                raise ValueError(f"{len(offsets)} offsets but {len(lengths)} lengths")
+        else:
+            lengths = int(lengths)
+        why = wire.check_ranges(offsets, lengths, desc.length)
+        if why:
+            self.stats.add("out_of_range")
+            raise OutOfRange(f"region {region!r}: {why}")
+        total = wire.ReadRequest(desc.index, offsets, lengths).total_bytes
+        dest = _dest_array(into, into_offset, total)
+        if not len(offsets):
+            return
+
+        def run(deadline: float) -> None:
+            if isinstance(into, Region):
+                self._backend.register_local(into)
+            self._backend.read(self, desc, offsets, lengths, dest, deadline)
+
+        self._call(f"gather of {len(offsets)} ranges from {region!r}", deadline_s, run)
+        self.stats.add("reads")
+        self.stats.add("read_bytes", total)
+
+    def request(self, payload: bytes, *, deadline_s: float | None = None) -> bytes:
+        """Send a message and wait for its reply."""
+        if len(payload) > self.max_message_bytes:
+            raise ValueError(f"message of {len(payload)} bytes exceeds the limit of "
+                             f"{self.max_message_bytes}")
+        reply = self._call("message", deadline_s,
+                           lambda deadline: self._backend.request(self, payload, deadline))
+        self.stats.add("messages")
+        return reply
+
+    # -- helpers the channel-carried backends use -----------------------------------------
+    def channel_request(self, payload, deadline: float) -> bytes:
+        rid = next(self._ids)
+        self._channel.send_frame(wire.Kind.MESSAGE, rid, [payload], deadline)
+        header = self._expect(rid, wire.Kind.MESSAGE_REPLY, deadline)
+        if header.length > self.max_message_bytes:
+            raise ProtocolError(f"reply of {header.length} bytes exceeds the limit")
+        return bytes(self._channel.recv_payload(header, deadline))
+
+    def channel_read(self, desc: RegionDescriptor, offsets, lengths, dest: np.ndarray,
+                     deadline: float) -> None:
+        """READ frames, pipelined: up to max_inflight chunks in flight, replies in order."""
+        chunks = list(_chunks(offsets, lengths, self.max_gather_rows))
+        pending: list[tuple[int, int, int]] = []  # (request id, dest start, bytes)
+        pos = 0
+        it = iter(chunks)
+        while True:
+            while len(pending) < self.max_inflight:
+                chunk = next(it, None)
+                if chunk is None:
+                    break
+                req = wire.ReadRequest(desc.index, *chunk)
+                rid = next(self._ids)
+                self._channel.send_frame(wire.Kind.READ, rid, req.encode(), deadline)
+                pending.append((rid, pos, req.total_bytes))
+                pos += req.total_bytes
+            if not pending:
+                return
+            rid, start, n = pending.pop(0)
+            header = self._expect(rid, wire.Kind.READ_DATA, deadline)
+            if header.length != n:
+                raise ProtocolError(f"READ_DATA of {header.length} bytes, {n} expected")
+            self._channel.recv_into(memoryview(dest[start:start + n]), deadline)
+
+    def _expect(self, rid: int, kind: wire.Kind, deadline: float) -> wire.Header:
+        header = self._channel.recv_header(deadline)
+        if header.kind == wire.Kind.ERROR:
+            message = _error_text(self._channel.recv_payload(header, deadline))
+            # Replies still in flight would desynchronise the stream: start afresh.
+            self._drop()
+            self.stats.add("remote_errors")
+            raise RemoteError(f"{self._where()}: {message}")
+        if header.kind != kind or header.request_id != rid:
+            raise ProtocolError(f"expected {kind.name} #{rid}, got {header.kind.name} "
+                                f"#{header.request_id}")
+        return header
+
+
+class Links:
+    """One connection per link: rank r of the engine uses link r (one per Spark)."""
+
+    def __init__(self, addresses: Sequence[str], **kwargs):
+        self.connections = [Connection(a, link=kwargs.pop("link", None) or f"link{i}", **kwargs)
+                            for i, a in enumerate(addresses)]
+
+    def for_rank(self, rank: int) -> Connection:
+        if not 0 <= rank < len(self.connections):
+            raise OflError(f"rank {rank} has no link ({len(self.connections)} configured)")
+        return self.connections[rank]
+
+    def __len__(self) -> int:
+        return len(self.connections)
+
+    def close(self) -> None:
+        for c in self.connections:
+            c.close()
+
+
+def _chunks(offsets: np.ndarray, lengths, max_rows: int):
+    """Split ranges into READ frames of at most max_rows ranges and about CHUNK_BYTES."""
+    if isinstance(lengths, int) and len(offsets) == 1 and lengths > CHUNK_BYTES:
+        start = int(offsets[0])
+        for o in range(0, lengths, CHUNK_BYTES):
+            yield np.array([start + o], np.uint64), min(CHUNK_BYTES, lengths - o)
+        return
+    if isinstance(lengths, int):
+        rows = max(1, min(max_rows, CHUNK_BYTES // max(lengths, 1)))
+        for i in range(0, len(offsets), rows):
+            yield offsets[i:i + rows], lengths
+        return
+    for i in range(0, len(offsets), max_rows):
+        yield offsets[i:i + max_rows], lengths[i:i + max_rows]
+
+
+def _dest_array(into, into_offset: int, total: int) -> np.ndarray:
+    arr = into.array if isinstance(into, Region) else np.frombuffer(memoryview(into).cast("B"),
+                                                                     np.uint8)
+    if isinstance(into, Region) and not into.writable or arr.flags.writeable is False:
+        raise ValueError("the destination buffer is read-only")
+    if into_offset < 0 or into_offset + total > len(arr):
+        raise OutOfRange(f"destination holds {len(arr)} bytes; {total} bytes at offset "
+                         f"{into_offset} do not fit")
+    return arr[into_offset:into_offset + total]
+
+
+def _error_text(payload) -> str:
+    try:
+        return str(wire.decode_json(payload, "ERROR").get("error", "unspecified error"))
+    except ProtocolError:
+        return "unreadable error reply"

@@ -1,0 +1,149 @@
+"""Registered memory: a named, contiguous byte buffer a server publishes or a client reads into.
+
+A Region wraps any buffer (numpy array, bytearray, mmap) as a flat uint8 view with a stable
+address. File-backed regions (Region.allocate, Region.from_file) can also be mapped by a
+same-host peer, which is what the shm backend needs.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import OutOfRange
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class RegionDescriptor:
+    """What a peer learns about a published region during the handshake."""
+
+    name: str
+    length: int
+    index: int
+    # Backend extras: shm {"path", "file_offset"}, verbs {"addr", "rkey"}.
+    extras: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "length": self.length, "index": self.index,
+                "extras": self.extras}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> RegionDescriptor:
+        from .errors import ProtocolError
+
+        try:
+            name, length, index = obj["name"], obj["length"], obj["index"]
+            extras = obj.get("extras", {})
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"bad region descriptor {obj!r}") from exc
+        if not (isinstance(name, str) and isinstance(length, int) and isinstance(index, int)
+                and isinstance(extras, dict) and length >= 0 and index >= 0):
+            raise ProtocolError(f"bad region descriptor {obj!r}")
+        return cls(name, length, index, extras)
+
+
+class Region:
+    """A named flat byte buffer. Keep it alive as long as any peer may read it."""
+
+    def __init__(self, name: str, buffer, *, path: str | None = None, file_offset: int = 0,
+                 _owned: tuple = ()):
+        view = memoryview(buffer)
+        if not view.contiguous:
+            raise ValueError(f"region {name!r}: buffer must be contiguous")
+        self.name = name
+        self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self.array = np.frombuffer(self.view, dtype=np.uint8) if len(self.view) else np.empty(0, np.uint8)
+        self.path = path
+        self.file_offset = file_offset
+        self._owned = _owned
+        self._unlink = False
+
+    @property
+    def length(self) -> int:
+        return len(self.view)
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data) if self.length else 0
+
+    @property
+    def writable(self) -> bool:
+        return not self.view.readonly
+
+    def check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise OutOfRange(f"region {self.name!r}: [{offset}, {offset + length}) is outside "
+                             f"[0, {self.length})")
+
+    @classmethod
+    def from_buffer(cls, name: str, buffer) -> Region:
+        """Wrap memory the caller owns (numpy array, bytearray, mmap)."""
+        return cls(name, buffer)
+
+    @classmethod
+    def allocate(cls, name: str, length: int) -> Region:
+        """Page-aligned shared memory under /dev/shm, usable by every backend; unlinked on close."""
+        path = os.path.join(SHM_DIR, f"ofl-{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(length, 1))
+            mm = mmap.mmap(fd, max(length, 1))
+        finally:
+            os.close(fd)
+        region = cls(name, memoryview(mm)[:length], path=path, _owned=(mm,))
+        region._unlink = True
+        return region
+
+    @classmethod
+    def from_file(cls, name: str, path: str, *, offset: int = 0, length: int | None = None,
+                  writable: bool = False) -> Region:
+        """Map (part of) a file, e.g. an Engram shard; the page cache holds it, not the heap."""
+        size = os.path.getsize(path)
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise OutOfRange(f"{path}: [{offset}, {offset + length}) is outside the file ({size} B)")
+        page = mmap.ALLOCATIONGRANULARITY
+        start = offset - offset % page
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, length + offset - start, offset=start,
+                           access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        view = memoryview(mm)[offset - start:offset - start + length]
+        return cls(name, view, path=os.path.abspath(path), file_offset=offset, _owned=(mm,))
+
+    def close(self) -> None:
+        """Release the mapping (and the /dev/shm file of an allocated region)."""
+        self.array = np.empty(0, np.uint8)
+        try:
+            self.view.release()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when it does
+        for owned in self._owned:
+            try:
+                owned.close()
+            except BufferError:
+                pass  # a peer view still exists; the mapping goes when it does
+        if self._unlink and self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self._owned = ()
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Region({self.name!r}, {self.length} B{', ' + self.path if self.path else ''})"

@@ -1,0 +1,138 @@
+"""The ofl wire protocol: one frame format for every control and data message.
+
+Frame = 24-byte header + payload.  Header (little endian):
+    u32 magic "OFL1" | u16 version | u16 kind | u64 request_id | u64 payload_length
+Every header is validated (magic, version, kind, length bound) before its payload is read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from .errors import ProtocolError, VersionMismatch
+
+MAGIC = 0x314C464F  # b"OFL1" read as a little-endian u32
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<IHHQQ")
+HEADER_SIZE = HEADER.size  # 24
+MAX_CONTROL_BYTES = 1 << 20  # handshake / error JSON
+MAX_GATHER_ROWS = 1 << 16  # rows per READ frame; clients split larger gathers
+READ_HEAD = struct.Struct("<III")  # region index, count, row length (0: per-row lengths follow)
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    HELLO_OK = 2
+    ERROR = 3
+    READ = 4
+    READ_DATA = 5
+    MESSAGE = 6
+    MESSAGE_REPLY = 7
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    request_id: int
+    length: int
+
+
+def pack_header(kind: Kind, request_id: int, length: int, version: int = PROTOCOL_VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, int(kind), request_id, length)
+
+
+def unpack_header(raw: bytes, max_payload: int) -> Header:
+    """Validate and decode a header; raises ProtocolError / VersionMismatch."""
+    if len(raw) != HEADER_SIZE:
+        raise ProtocolError(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
+    magic, version, kind, request_id, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:08x} (not an ofl peer?)")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version mismatch: peer speaks {version}, "
+                              f"this side speaks {PROTOCOL_VERSION}")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    if length > max_payload:
+        raise ProtocolError(f"{kind.name} payload of {length} bytes exceeds the limit of {max_payload}")
+    return Header(kind, request_id, length)
+
+
+def encode_json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_json(payload: bytes, what: str) -> dict:
+    try:
+        obj = json.loads(bytes(payload))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"{what}: payload is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """A batched read: `count` ranges of one region, concatenated into one reply."""
+
+    region: int
+    offsets: np.ndarray  # uint64
+    lengths: np.ndarray | int  # uint32 array, or one row length for all
+
+    @property
+    def total_bytes(self) -> int:
+        if isinstance(self.lengths, int):
+            return self.lengths * len(self.offsets)
+        return int(self.lengths.sum(dtype=np.uint64))
+
+    def encode(self) -> list:
+        """Payload buffers (header + arrays, no copy of the offsets)."""
+        fixed = isinstance(self.lengths, int)
+        head = READ_HEAD.pack(self.region, len(self.offsets), self.lengths if fixed else 0)
+        parts = [head, np.ascontiguousarray(self.offsets, dtype="<u8").data]
+        if not fixed:
+            parts.append(np.ascontiguousarray(self.lengths, dtype="<u4").data)
+        return parts
+
+    @classmethod
+    def decode(cls, payload) -> ReadRequest:
+        if len(payload) < READ_HEAD.size:
+            raise ProtocolError(f"READ payload of {len(payload)} bytes is shorter than its head")
+        region, count, row = READ_HEAD.unpack_from(payload)
+        if count == 0 or count > MAX_GATHER_ROWS:
+            raise ProtocolError(f"READ of {count} ranges (allowed 1..{MAX_GATHER_ROWS})")
+        expect = READ_HEAD.size + 8 * count + (0 if row else 4 * count)
+        if len(payload) != expect:
+            raise ProtocolError(f"READ payload is {len(payload)} bytes, {expect} expected for "
+                                f"{count} ranges")
+        offsets = np.frombuffer(payload, dtype="<u8", count=count, offset=READ_HEAD.size)
+        if row:
+            return cls(region, offsets, row)
+        lengths = np.frombuffer(payload, dtype="<u4", count=count, offset=READ_HEAD.size + 8 * count)
+        return cls(region, offsets, lengths)
+
+
+def check_ranges(offsets: np.ndarray, lengths: np.ndarray | int, region_length: int) -> str | None:
+    """Why the ranges fall outside [0, region_length), or None when all are inside.
+
+    Unsigned arithmetic cannot wrap here: each length is checked against the region first.
+    """
+    lengths_u = np.asarray(lengths, dtype=np.uint64)
+    if np.any(lengths_u > region_length):
+        return f"a range is longer than the region ({region_length} B)"
+    limit = np.uint64(region_length) - lengths_u
+    bad = np.flatnonzero(offsets > limit)
+    if bad.size:
+        i = int(bad[0])
+        length = int(lengths_u if lengths_u.ndim == 0 else lengths_u[i])
+        return (f"range {i}: [{int(offsets[i])}, {int(offsets[i]) + length}) is outside "
+                f"[0, {region_length}) ({bad.size} ranges out of bounds)")
+    return None
