@@ -67,6 +67,8 @@ export OFL_TEST_RDMA_ADDR=10.99.0.1
 # The root is read-only: no __pycache__ writes, caches go to tmpfs.
 export PYTHONDONTWRITEBYTECODE=1
 export XDG_CACHE_HOME=/tmp/.cache
+# Root has CAP_IPC_LOCK anyway; this also covers CMD dropping privileges.
+ulimit -l unlimited
 
 mapfile -d '' -t argv <"$RES/argv"
 cwd=$(<"$RES/cwd")

@@ -174,8 +174,13 @@ chmod +x "$tmp/root/init"
 cp "$here/guest-init.sh" "$tmp/work/guest-init.sh"
 printf '%s' "$PWD" >"$tmp/work/cwd"
 printf '%s\0' "$@" >"$tmp/work/argv"
-printf '%s\0' "PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin" "HOME=${HOME:-/root}" \
-    "TERM=${TERM:-dumb}" "LANG=${LANG:-C.UTF-8}" >"$tmp/work/env"
+# PATH as here (so CMD resolves the same tools), plus the sbin dirs for root.
+guest_path=$PATH
+for d in /usr/local/sbin /usr/sbin /sbin; do
+    [[ :$guest_path: == *:$d:* ]] || guest_path=$guest_path:$d
+done
+printf '%s\0' "PATH=$guest_path" "HOME=${HOME:-/root}" "TERM=${TERM:-dumb}" \
+    "LANG=${LANG:-C.UTF-8}" >"$tmp/work/env"
 
 # --- boot ---------------------------------------------------------------------
 # stdin </dev/null keeps qemu from putting the terminal into raw mode and

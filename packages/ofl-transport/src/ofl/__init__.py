@@ -2,8 +2,16 @@
 the offload host and the engine hosts, on one API over three backends (verbs, tcp, shm)."""
 
 from .client import Connection, Links
-from .errors import (BackendUnavailable, ConnectionLost, DeadlineExceeded, OflError,
-                     OutOfRange, ProtocolError, RemoteError, VersionMismatch)
+from .errors import (
+                     BackendUnavailable,
+                     ConnectionLost,
+                     DeadlineExceeded,
+                     OflError,
+                     OutOfRange,
+                     ProtocolError,
+                     RemoteError,
+                     VersionMismatch,
+)
 from .region import Region, RegionDescriptor
 from .server import Server
 from .wire import PROTOCOL_VERSION

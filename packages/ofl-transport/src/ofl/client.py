@@ -19,8 +19,15 @@ import numpy as np
 from . import env, wire
 from .backends import client_backend
 from .channel import Channel
-from .errors import (ConnectionLost, DeadlineExceeded, OflError, OutOfRange, ProtocolError,
-                     RemoteError, VersionMismatch)
+from .errors import (
+    ConnectionLost,
+    DeadlineExceeded,
+    OflError,
+    OutOfRange,
+    ProtocolError,
+    RemoteError,
+    VersionMismatch,
+)
 from .region import Region, RegionDescriptor
 from .server import parse_address
 from .stats import Stats
@@ -68,9 +75,9 @@ class Connection:
         try:
             sock = socket.create_connection(self.address, timeout=left)
         except TimeoutError:
-            raise DeadlineExceeded(f"connect to {self._where()} timed out") from None
+            raise DeadlineExceeded(f"connect to {self.where()} timed out") from None
         except OSError as exc:
-            raise ConnectionLost(f"cannot connect to {self._where()}: {exc}") from None
+            raise ConnectionLost(f"cannot connect to {self.where()}: {exc}") from None
         ch = Channel(sock, max_payload=1 << 40)
         try:
             hello = {"identity": self.identity, "backend": self.backend_name, "link": self.link,
@@ -80,12 +87,12 @@ class Connection:
             payload = ch.recv_payload(header, deadline) if header.length <= wire.MAX_CONTROL_BYTES \
                 else b""
             if header.kind == wire.Kind.ERROR:
-                message = _error_text(payload)
+                message = wire.error_text(payload)
                 if "version mismatch" in message:
-                    raise VersionMismatch(f"{self._where()} refused the connection: {message}")
-                raise RemoteError(f"{self._where()} refused the connection: {message}")
+                    raise VersionMismatch(f"{self.where()} refused the connection: {message}")
+                raise RemoteError(f"{self.where()} refused the connection: {message}")
             if header.kind != wire.Kind.HELLO_OK:
-                raise ProtocolError(f"expected HELLO_OK from {self._where()}, got {header.kind.name}")
+                raise ProtocolError(f"expected HELLO_OK from {self.where()}, got {header.kind.name}")
             reply = wire.decode_json(payload, "HELLO_OK")
             self.regions = {d.name: d for d in map(RegionDescriptor.from_json, reply.get("regions", []))}
             self.peer_identity = reply.get("identity")
@@ -103,7 +110,7 @@ class Connection:
         if self._connects > 1:
             self.stats.add("reconnects")
 
-    def _where(self) -> str:
+    def where(self) -> str:
         host, port = self.address
         return f"{host}:{port}" + (f" (link {self.link})" if self.link else "")
 
@@ -133,7 +140,7 @@ class Connection:
         try:
             return self.regions[name]
         except KeyError:
-            raise OflError(f"{self._where()} publishes no region {name!r} "
+            raise OflError(f"{self.where()} publishes no region {name!r} "
                            f"(it has: {', '.join(self.regions) or 'none'})") from None
 
     # -- calls ---------------------------------------------------------------------------
@@ -148,7 +155,7 @@ class Connection:
                 self.stats.add("failures")
                 self.stats.add("deadlines" if isinstance(exc, DeadlineExceeded) else "link_errors")
                 self._drop()
-                raise type(exc)(f"{what} via {self._where()}: {exc}") from None
+                raise type(exc)(f"{what} via {self.where()}: {exc}") from None
 
     def read(self, region: str, offset: int, length: int, into, into_offset: int = 0, *,
              deadline_s: float | None = None) -> None:
@@ -236,11 +243,11 @@ class Connection:
     def _expect(self, rid: int, kind: wire.Kind, deadline: float) -> wire.Header:
         header = self._channel.recv_header(deadline)
         if header.kind == wire.Kind.ERROR:
-            message = _error_text(self._channel.recv_payload(header, deadline))
+            message = wire.error_text(self._channel.recv_payload(header, deadline))
             # Replies still in flight would desynchronise the stream: start afresh.
             self._drop()
             self.stats.add("remote_errors")
-            raise RemoteError(f"{self._where()}: {message}")
+            raise RemoteError(f"{self.where()}: {message}")
         if header.kind != kind or header.request_id != rid:
             raise ProtocolError(f"expected {kind.name} #{rid}, got {header.kind.name} "
                                 f"#{header.request_id}")
@@ -292,10 +299,3 @@ def _dest_array(into, into_offset: int, total: int) -> np.ndarray:
         raise OutOfRange(f"destination holds {len(arr)} bytes; {total} bytes at offset "
                          f"{into_offset} do not fit")
     return arr[into_offset:into_offset + total]
-
-
-def _error_text(payload) -> str:
-    try:
-        return str(wire.decode_json(payload, "ERROR").get("error", "unspecified error"))
-    except ProtocolError:
-        return "unreadable error reply"

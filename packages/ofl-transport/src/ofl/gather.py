@@ -19,6 +19,6 @@ def gather_into(src: np.ndarray, offsets: np.ndarray, lengths, dest: np.ndarray)
         dest[: len(offsets) * n].reshape(len(offsets), n)[:] = rows[offsets.astype(np.intp)]
         return
     pos = 0
-    for o, n in zip(offsets.tolist(), lengths.tolist()):
+    for o, n in zip(offsets.tolist(), lengths.tolist(), strict=False):
         dest[pos:pos + n] = src[o:o + n]
         pos += n

@@ -9,9 +9,9 @@ and the server keeps serving the others.
 from __future__ import annotations
 
 import logging
-import time
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from . import env, wire
@@ -232,7 +232,7 @@ class Server:
             n = req.lengths
             slices = [view[o:o + n] for o in req.offsets.tolist()]
         else:
-            slices = [view[o:o + n] for o, n in zip(req.offsets.tolist(), req.lengths.tolist())]
+            slices = [view[o:o + n] for o, n in zip(req.offsets.tolist(), req.lengths.tolist(), strict=False)]
         total = req.total_bytes
         ch.send_all([wire.pack_header(wire.Kind.READ_DATA, request_id, total), *slices], None)
         self.stats.add("reads")

@@ -79,6 +79,14 @@ def decode_json(payload: bytes, what: str) -> dict:
     return obj
 
 
+def error_text(payload) -> str:
+    """The message of an ERROR frame's payload, never raising."""
+    try:
+        return str(decode_json(payload, "ERROR").get("error", "unspecified error"))
+    except ProtocolError:
+        return "unreadable error reply"
+
+
 @dataclass(frozen=True)
 class ReadRequest:
     """A batched read: `count` ranges of one region, concatenated into one reply."""
