@@ -37,16 +37,21 @@ rdma link add rxe0 type rxe netdev dummy0 || die "rdma link add rxe0 failed"
 
 # The port turns ACTIVE and the GID table fills asynchronously after
 # `rdma link add`; wait for both (a few seconds at most, even under TCG).
+# `read` instead of `cat`: no fork per file, the table has 1024 entries.
 port=/sys/class/infiniband/rxe0/ports/1
 gid_index=
 for _ in $(seq 100); do
-    if [[ $(cat "$port/state" 2>/dev/null) == *ACTIVE* ]]; then
-        # Unused table entries fail to read, hence the 2>/dev/null.
-        for f in "$port"/gid_attrs/types/*; do
-            i=${f##*/}
-            [[ $(cat "$f" 2>/dev/null) == "RoCE v2" ]] || continue
+    state=
+    read -r state 2>/dev/null <"$port/state"
+    if [[ $state == *ACTIVE* ]]; then
+        for ((i = 0; ; i++)); do
+            [[ -e $port/gid_attrs/types/$i ]] || break
+            # Unused entries fail to read (EINVAL).
+            read -r type 2>/dev/null <"$port/gid_attrs/types/$i" || continue
+            [[ $type == "RoCE v2" ]] || continue
             # IPv4-mapped GID, as sysfs prints it: 0000:...:0000:ffff:0a63:0001
-            [[ $(cat "$port/gids/$i" 2>/dev/null) == 0000:0000:0000:0000:0000:ffff:* ]] || continue
+            read -r gid 2>/dev/null <"$port/gids/$i" || continue
+            [[ $gid == 0000:0000:0000:0000:0000:ffff:* ]] || continue
             gid_index=$i
             break
         done
@@ -54,7 +59,7 @@ for _ in $(seq 100); do
     [[ -n $gid_index ]] && break
     sleep 0.1
 done
-[[ -n $gid_index ]] || die "rxe0 port 1 never became ACTIVE with a RoCE v2 IPv4 GID (state: $(cat "$port/state" 2>/dev/null))"
+[[ -n $gid_index ]] || die "rxe0 port 1 never became ACTIVE with a RoCE v2 IPv4 GID (state: ${state:-unknown})"
 
 # --- the command ------------------------------------------------------------
 # Host environment chosen by run.sh (PATH, HOME, TERM, LANG).

@@ -25,7 +25,8 @@ Options:
   --timeout SECONDS  kill the guest after this long (default 300)
   -h, --help         show this help
 
-Exit status: CMD's, or 124 if the guest timed out or never reported one.
+Exit status: CMD's; 124 if the guest timed out, failed to set up rxe0 or
+never reported a status; 2 for usage errors and missing prerequisites.
 Needs (Debian): qemu-system-x86 linux-image-amd64 busybox-static kmod cpio
 iproute2 ibverbs-providers (rdma-core).
 EOF

@@ -9,6 +9,7 @@ RemoteError and keep the connection.
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 import time
@@ -122,6 +123,18 @@ class Connection:
             self._channel.close()
             self._channel = None
 
+    def check_alive(self) -> None:
+        """Raise ConnectionLost if the peer has closed the bootstrap socket (never blocks)."""
+        poller = select.poll()
+        poller.register(self._channel.sock, select.POLLIN)
+        events = poller.poll(0)
+        if not events:
+            return
+        if events[0][1] & (select.POLLHUP | select.POLLERR):
+            raise ConnectionLost("peer gone")
+        if not self._channel.sock.recv(1, socket.MSG_PEEK):
+            raise ConnectionLost("peer closed the connection")
+
     @property
     def connected(self) -> bool:
         return self._channel is not None
@@ -144,18 +157,28 @@ class Connection:
                            f"(it has: {', '.join(self.regions) or 'none'})") from None
 
     # -- calls ---------------------------------------------------------------------------
-    def _call(self, what: str, deadline_s: float | None, fn):
+    def _call(self, what: str, deadline_s: float | None, fn, idempotent: bool = False):
+        """Run fn(deadline) on a live link. An idempotent call (a read) that finds the link
+        dead is retried once on a fresh connection within the same deadline, so a server
+        restart costs no failed read; a message is never sent twice behind the caller's back."""
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         with self._lock:
-            if self._channel is None:
-                self._connect(deadline)
-            try:
-                return fn(deadline)
-            except (DeadlineExceeded, ConnectionLost, ProtocolError) as exc:
-                self.stats.add("failures")
-                self.stats.add("deadlines" if isinstance(exc, DeadlineExceeded) else "link_errors")
-                self._drop()
-                raise type(exc)(f"{what} via {self.where()}: {exc}") from None
+            for attempt in (0, 1):
+                fresh = self._channel is None
+                try:
+                    if fresh:
+                        self._connect(deadline)
+                    return fn(deadline)
+                except (DeadlineExceeded, ConnectionLost, ProtocolError) as exc:
+                    self._drop()
+                    if (idempotent and not fresh and attempt == 0
+                            and isinstance(exc, ConnectionLost)):
+                        self.stats.add("retries")
+                        continue
+                    self.stats.add("failures")
+                    self.stats.add("deadlines" if isinstance(exc, DeadlineExceeded)
+                                   else "link_errors")
+                    raise type(exc)(f"{what} via {self.where()}: {exc}") from None
 
     def read(self, region: str, offset: int, length: int, into, into_offset: int = 0, *,
              deadline_s: float | None = None) -> None:
@@ -192,7 +215,8 @@ class Connection:
                 self._backend.register_local(into)
             self._backend.read(self, desc, offsets, lengths, dest, deadline)
 
-        self._call(f"gather of {len(offsets)} ranges from {region!r}", deadline_s, run)
+        self._call(f"gather of {len(offsets)} ranges from {region!r}", deadline_s, run,
+                   idempotent=True)
         self.stats.add("reads")
         self.stats.add("read_bytes", total)
 

@@ -48,6 +48,21 @@ class RegionDescriptor:
         return cls(name, length, index, extras)
 
 
+def remove_stale_shm() -> None:
+    """Unlink /dev/shm files left by ofl processes that died without closing (kill -9)."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("ofl-")]
+    except OSError:
+        return
+    for n in names:
+        pid = n.split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
+
+
 class Region:
     """A named flat byte buffer. Keep it alive as long as any peer may read it."""
 
@@ -89,6 +104,7 @@ class Region:
     @classmethod
     def allocate(cls, name: str, length: int) -> Region:
         """Page-aligned shared memory under /dev/shm, usable by every backend; unlinked on close."""
+        remove_stale_shm()
         path = os.path.join(SHM_DIR, f"ofl-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

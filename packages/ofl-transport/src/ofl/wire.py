@@ -133,6 +133,8 @@ def check_ranges(offsets: np.ndarray, lengths: np.ndarray | int, region_length: 
 
     Unsigned arithmetic cannot wrap here: each length is checked against the region first.
     """
+    if len(offsets) == 0:
+        return None
     lengths_u = np.asarray(lengths, dtype=np.uint64)
     if np.any(lengths_u > region_length):
         return f"a range is longer than the region ({region_length} B)"

@@ -66,6 +66,7 @@ class ClientBackend(tcp.ClientBackend):
         return np.frombuffer(mm, np.uint8, count=length, offset=offset - start)
 
     def read(self, conn, desc, offsets, lengths, dest, deadline) -> None:
+        conn.check_alive()  # the mapping outlives a dead server: do not read from it silently
         gather_into(self.maps[desc.index], offsets, lengths, dest)
 
     def close(self) -> None:

@@ -12,11 +12,14 @@ int64_t ofl_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Poll `cq` until the completion with wr_id == want arrives. Unsignalled reads before it
- * complete in order on an RC send queue, so one completion accounts for its batch. */
-static int wait_send(struct ofl_qp *q, uint64_t want, int64_t deadline_ns, struct ofl_status *st) {
+/* Poll the send CQ until a completion with wr_id >= want arrives. wr_ids rise within a
+ * call and an RC send queue completes in order, so one signalled completion retires every
+ * earlier work request, including batches whose completion was reaped by an earlier poll.
+ * *done holds 1 + the highest wr_id seen. */
+static int wait_send(struct ofl_qp *q, uint64_t want, uint64_t *done, int64_t deadline_ns,
+                     struct ofl_status *st) {
     struct ibv_wc wc[16];
-    for (;;) {
+    while (*done <= want) {
         int n = ibv_poll_cq(q->send_cq, 16, wc);
         if (n < 0)
             return OFL_EPOLL;
@@ -26,12 +29,13 @@ static int wait_send(struct ofl_qp *q, uint64_t want, int64_t deadline_ns, struc
                 st->wr_id = wc[i].wr_id;
                 return OFL_EWC;
             }
-            if (wc[i].wr_id == want)
-                return OFL_OK;
+            if (wc[i].wr_id + 1 > *done)
+                *done = wc[i].wr_id + 1;
         }
         if (n == 0 && ofl_now_ns() > deadline_ns)
             return OFL_ETIMEDOUT;
     }
+    return OFL_OK;
 }
 
 int ofl_read_gather(struct ofl_qp *q, uint64_t remote_base, uint32_t rkey,
@@ -48,7 +52,7 @@ int ofl_read_gather(struct ofl_qp *q, uint64_t remote_base, uint32_t rkey,
 
     /* Two batches in flight: post batch k+1 before waiting for batch k, so the link never
      * idles while Python-free C code refills it. wr_id = index of the batch's last row. */
-    uint64_t inflight[2];
+    uint64_t inflight[2], done = 0;
     int n_inflight = 0;
     size_t i = 0;
     uint64_t dest = local_addr;
@@ -84,7 +88,7 @@ int ofl_read_gather(struct ofl_qp *q, uint64_t remote_base, uint32_t rkey,
             i += n;
             continue;
         }
-        int rc = wait_send(q, inflight[0], deadline_ns, st);
+        int rc = wait_send(q, inflight[0], &done, deadline_ns, st);
         if (rc)
             return rc;
         inflight[0] = inflight[1];
@@ -118,7 +122,8 @@ int ofl_send(struct ofl_qp *q, uint64_t addr, uint32_t len, uint32_t lkey, uint6
         return OFL_EPOST;
     }
     st->posted = st->signalled = 1;
-    return wait_send(q, wr_id, deadline_ns, st);
+    uint64_t done = 0;
+    return wait_send(q, wr_id, &done, deadline_ns, st);
 }
 
 static int take_recv(const struct ibv_wc *wc, struct ofl_completion *out, struct ofl_status *st) {
