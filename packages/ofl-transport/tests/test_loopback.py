@@ -10,8 +10,19 @@ import time
 import numpy as np
 import pytest
 
-from ofl import (BackendUnavailable, Connection, ConnectionLost, DeadlineExceeded, Links,
-                 OflError, OutOfRange, Region, RemoteError, Server, wire)
+from ofl import (
+    BackendUnavailable,
+    Connection,
+    ConnectionLost,
+    DeadlineExceeded,
+    Links,
+    OflError,
+    OutOfRange,
+    Region,
+    RemoteError,
+    Server,
+    wire,
+)
 from ofl.probe import PROBE_REGION, pattern
 
 ROW = 264

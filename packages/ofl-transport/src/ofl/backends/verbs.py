@@ -1,8 +1,9 @@
 """verbs backend: RC queue pairs over RoCE v2 (RDMA READ for reads, SEND/RECV for messages).
 
-pyverbs opens the device, allocates the protection domain, registers memory and queries
-ports and GIDs. The compiled helper (ofl._verbs_cffi, from csrc/) creates the queue pair,
-walks it INIT -> RTR -> RTS, and runs the data path: a gather of thousands of rows is
+pyverbs finds the device and queries its port (MTU, state), limits and GIDs. The compiled
+helper (ofl._verbs_cffi, from csrc/) owns every object the data path posts on - context,
+protection domain, memory registrations, the queue pair and its INIT -> RTR -> RTS walk -
+because pyverbs (rdma-core < 61) hands out no usable C pointers; and it runs the data path: a gather of thousands of rows is
 posted as chained work requests with one signalled completion per batch, in one call.
 Asking for verbs where it cannot run raises BackendUnavailable with the reason.
 """
@@ -62,11 +63,10 @@ class Device:
         self.ffi, self.lib = _helper()
         try:
             from pyverbs.device import Context, get_device_list
-            from pyverbs.pd import PD
         except ImportError as exc:
             raise BackendUnavailable(
-                "the verbs backend needs pyverbs (Debian: python3-pyverbs, put "
-                f"/usr/lib/python3/dist-packages on the path; or PyPI pyverbs): {exc}") from None
+                "the verbs backend needs pyverbs (Debian: python3-pyverbs, with its package "
+                f"folder on PYTHONPATH; or PyPI pyverbs): {exc}") from None
         try:
             devices = [d.name.decode() for d in get_device_list()]
         except Exception as exc:  # noqa: BLE001 - pyverbs raises its own error types
@@ -77,40 +77,48 @@ class Device:
             raise BackendUnavailable(f"RDMA device {name!r} not found (have: {', '.join(devices)})")
         self.name = name or devices[0]
         self.port = port
-        self.ctx = Context(name=self.name)
-        self.pd = PD(self.ctx)
-        port_attr = self.ctx.query_port(port)
-        self.mtu = int(port_attr.active_mtu)
-        self.max_rd_atomic = max(1, min(16, int(self.ctx.query_device().max_qp_rd_atom)))
-        index = env.OFL_GID_INDEX.get()
-        self.gid_index = int(index) if index else roce_v2_gid_index(self.name, port)
-        gid = self.ctx.query_gid(port, self.gid_index).gid
-        self.gid = ipaddress.IPv6Address(gid).packed
-        self._mrs: dict[int, tuple[Region, object]] = {}
+        with Context(name=self.name) as ctx:
+            port_attr = ctx.query_port(port)
+            if int(port_attr.state) != 4:  # IBV_PORT_ACTIVE
+                raise BackendUnavailable(f"{self.name} port {port} is not active "
+                                         f"(state {int(port_attr.state)})")
+            self.mtu = int(port_attr.active_mtu)
+            self.max_rd_atomic = max(1, min(16, int(ctx.query_device().max_qp_rd_atom)))
+            index = env.OFL_GID_INDEX.get()
+            self.gid_index = int(index) if index else roce_v2_gid_index(self.name, port)
+            self.gid = ipaddress.IPv6Address(ctx.query_gid(port, self.gid_index).gid).packed
+        self.status = self.ffi.new("struct ofl_status *")
+        out = self.ffi.new("struct ofl_device **")
+        if self.lib.ofl_device_open(self.name.encode(), out, self.status):
+            raise BackendUnavailable(f"cannot open {self.name}: "
+                                     f"{os.strerror(self.status.sys_errno)}")
+        self.handle = out[0]
+        self._mrs: dict[int, tuple[Region, object, int, int]] = {}
         self._mr_lock = threading.Lock()
 
-    def register(self, region: Region, remote_read: bool) -> object:
-        """Register `region` once (cached); returns the pyverbs MR."""
-        from pyverbs.mr import MR
-
+    def register(self, region: Region, remote_read: bool) -> tuple[int, int]:
+        """Register `region` once (cached; the cache keeps it alive); returns (lkey, rkey)."""
         with self._mr_lock:
             entry = self._mrs.get(id(region))
             if entry is None:
                 access = (IBV_ACCESS_REMOTE_READ if remote_read else 0) | \
                          (IBV_ACCESS_LOCAL_WRITE if region.writable else 0)
-                try:
-                    mr = MR(self.pd, max(region.length, 1), access, address=region.address)
-                except Exception as exc:  # noqa: BLE001
-                    raise OflError(f"cannot register region {region.name!r} "
-                                   f"({region.length} B) with {self.name}: {exc}") from None
-                entry = self._mrs[id(region)] = (region, mr)
-            return entry[1]
+                st = self.ffi.new("struct ofl_status *")
+                mr = self.lib.ofl_reg_mr(self.handle, region.address, max(region.length, 1),
+                                         access, st)
+                if mr == self.ffi.NULL:
+                    raise OflError(f"cannot register region {region.name!r} ({region.length} B) "
+                                   f"with {self.name}: {os.strerror(st.sys_errno)} (is "
+                                   "`ulimit -l` large enough?)")
+                entry = (region, mr, self.lib.ofl_mr_lkey(mr), self.lib.ofl_mr_rkey(mr))
+                self._mrs[id(region)] = entry
+            return entry[2], entry[3]
 
     def lkey_for(self, address: int, length: int) -> int:
         with self._mr_lock:
-            for region, mr in self._mrs.values():
+            for region, _, lkey, _ in self._mrs.values():
                 if region.address <= address and address + length <= region.address + region.length:
-                    return mr.lkey
+                    return lkey
         raise OflError("verbs reads land in registered memory: pass a Region (e.g. "
                        "Region.from_buffer(name, array)) as the destination")
 
@@ -118,7 +126,7 @@ class Device:
         with self._mr_lock:
             entry = self._mrs.pop(id(region), None)
         if entry:
-            entry[1].close()
+            self.lib.ofl_dereg_mr(entry[1])
 
 
 def roce_v2_gid_index(device: str, port: int) -> int:
@@ -149,16 +157,16 @@ class QueuePair:
         self.device, self.ffi, self.lib = device, device.ffi, device.lib
         self.status = self.ffi.new("struct ofl_status *")
         out = self.ffi.new("struct ofl_qp **")
-        self._check(self.lib.ofl_qp_create(device.ctx.context, device.pd.pd, SQ_DEPTH, depth,
-                                           out, self.status), "create the queue pair")
+        self._check(self.lib.ofl_qp_create(device.handle, SQ_DEPTH, depth, out, self.status),
+                    "create the queue pair")
         self.q = out[0]
         self.psn = secrets.randbelow(1 << 24)
         self.slot_bytes = wire.HEADER_SIZE + max_message_bytes
         self.depth = depth
         self.recv = Region.allocate("ofl-recv", self.slot_bytes * depth)
         self.send = Region.allocate("ofl-send", self.slot_bytes)
-        self.recv_lkey = device.register(self.recv, remote_read=False).lkey
-        self.send_lkey = device.register(self.send, remote_read=False).lkey
+        self.recv_lkey = device.register(self.recv, remote_read=False)[0]
+        self.send_lkey = device.register(self.send, remote_read=False)[0]
         self.completion = self.ffi.new("struct ofl_completion *")
         self._send_ids = 0
 
@@ -261,9 +269,9 @@ class ServerBackend:
         self.regions: list[Region] = []
 
     def publish(self, region: Region) -> dict:
-        mr = self.device.register(region, remote_read=True)
+        _, rkey = self.device.register(region, remote_read=True)
         self.regions.append(region)
-        return {"addr": region.address, "rkey": mr.rkey}
+        return {"addr": region.address, "rkey": rkey}
 
     def accept(self, hello: dict, server) -> tuple[ServerSession, dict]:
         remote = hello.get("verbs")

@@ -56,8 +56,18 @@ int ofl_wait_recv(struct ofl_qp *q, int64_t deadline_ns, int64_t spin_ns,
 int64_t ofl_now_ns(void);
 
 /* Set-up */
-int ofl_qp_create(struct ibv_context *ctx, struct ibv_pd *pd, uint32_t sq_depth,
-                  uint32_t rq_depth, struct ofl_qp **out, struct ofl_status *st);
+struct ofl_device {
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+};
+int ofl_device_open(const char *name, struct ofl_device **out, struct ofl_status *st);
+void ofl_device_close(struct ofl_device *d);
+struct ibv_mr *ofl_reg_mr(struct ofl_device *d, uint64_t addr, size_t len, int access,
+                          struct ofl_status *st);
+uint32_t ofl_mr_lkey(struct ibv_mr *mr);
+uint32_t ofl_mr_rkey(struct ibv_mr *mr);
+int ofl_dereg_mr(struct ibv_mr *mr);
+int ofl_qp_create(struct ofl_device *dev, uint32_t sq_depth, uint32_t rq_depth, struct ofl_qp **out, struct ofl_status *st);
 int ofl_qp_connect(struct ofl_qp *q, uint8_t port, uint8_t gid_index, uint32_t local_psn,
                    uint32_t remote_qpn, uint32_t remote_psn, const uint8_t *remote_gid,
                    int mtu, uint8_t max_rd_atomic, struct ofl_status *st);

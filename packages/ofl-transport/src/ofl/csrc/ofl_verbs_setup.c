@@ -1,7 +1,9 @@
 /* Queue-pair set-up: CQs, completion channel, an RC QP and its INIT -> RTR -> RTS walk.
  *
- * pyverbs opens the device, allocates the protection domain and registers memory; it does
- * not hand out raw QP/CQ pointers, so the QP the data path posts on is created here. */
+ * pyverbs finds the device and queries its ports and GIDs. Its objects do not hand out
+ * usable C pointers (Context.context and PD.pd in rdma-core < 61 return the pointer cast to
+ * a Python object, and touching it crashes), so everything the data path posts on - the
+ * context, protection domain, memory registrations and queue pairs - is made here. */
 #include "ofl_verbs.h"
 
 #include <errno.h>
@@ -13,11 +15,64 @@ static int fail(struct ofl_status *st) {
     return OFL_ESYS;
 }
 
-int ofl_qp_create(struct ibv_context *ctx, struct ibv_pd *pd, uint32_t sq_depth,
-                  uint32_t rq_depth, struct ofl_qp **out, struct ofl_status *st) {
+int ofl_device_open(const char *name, struct ofl_device **out, struct ofl_status *st) {
     memset(st, 0, sizeof(*st));
-    if (!ctx || !pd || sq_depth < 2 || rq_depth < 1)
+    int n = 0;
+    errno = 0;
+    struct ibv_device **list = ibv_get_device_list(&n);
+    if (!list)
+        return fail(st);
+    struct ibv_device *dev = NULL;
+    for (int i = 0; i < n && !dev; i++)
+        if (!strcmp(ibv_get_device_name(list[i]), name))
+            dev = list[i];
+    struct ofl_device *d = NULL;
+    int rc = OFL_OK;
+    if (!dev) {
+        errno = ENODEV;
+        rc = fail(st);
+    } else if (!(d = calloc(1, sizeof(*d))) || !(d->ctx = ibv_open_device(dev)) ||
+               !(d->pd = ibv_alloc_pd(d->ctx))) {
+        rc = fail(st);
+        ofl_device_close(d);
+        d = NULL;
+    }
+    ibv_free_device_list(list);
+    *out = d;
+    return rc;
+}
+
+void ofl_device_close(struct ofl_device *d) {
+    if (!d)
+        return;
+    if (d->pd)
+        ibv_dealloc_pd(d->pd);
+    if (d->ctx)
+        ibv_close_device(d->ctx);
+    free(d);
+}
+
+struct ibv_mr *ofl_reg_mr(struct ofl_device *d, uint64_t addr, size_t len, int access,
+                          struct ofl_status *st) {
+    memset(st, 0, sizeof(*st));
+    errno = 0;
+    struct ibv_mr *mr = ibv_reg_mr(d->pd, (void *)(uintptr_t)addr, len, access);
+    if (!mr)
+        fail(st);
+    return mr;
+}
+
+uint32_t ofl_mr_lkey(struct ibv_mr *mr) { return mr->lkey; }
+uint32_t ofl_mr_rkey(struct ibv_mr *mr) { return mr->rkey; }
+int ofl_dereg_mr(struct ibv_mr *mr) { return ibv_dereg_mr(mr); }
+
+int ofl_qp_create(struct ofl_device *dev, uint32_t sq_depth, uint32_t rq_depth,
+                  struct ofl_qp **out, struct ofl_status *st) {
+    memset(st, 0, sizeof(*st));
+    if (!dev || sq_depth < 2 || rq_depth < 1)
         return OFL_EINVAL;
+    struct ibv_context *ctx = dev->ctx;
+    struct ibv_pd *pd = dev->pd;
     struct ofl_qp *q = calloc(1, sizeof(*q));
     if (!q)
         return fail(st);

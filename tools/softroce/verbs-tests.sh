@@ -1,0 +1,10 @@
+#!/bin/bash
+# The soft-RoCE tier: boot the guest (tools/softroce/run.sh) and run the verbs backend's
+# real tests there with the repository's .venv. Debian's pyverbs is added alone to the
+# path (its dist-packages folder also holds an older cffi that would shadow the venv's).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+exec tools/softroce/run.sh --timeout "${SOFTROCE_TIMEOUT:-420}" -- bash -c '
+  mkdir -p /tmp/pyverbs-only && ln -sf /usr/lib/python3/dist-packages/pyverbs /tmp/pyverbs-only/
+  PYTHONPATH=/tmp/pyverbs-only exec .venv/bin/python -m pytest -p no:cacheprovider -q \
+    -m softroce packages/ofl-transport/tests "$@"' verbs-tests "$@"
