@@ -1,0 +1,30 @@
+#!/bin/bash
+# Prove the torch-free packages install alone (a plain, non-editable `pip install
+# packages/<name>`) into a fresh venv that has no torch, import without it, and pass their
+# own tests there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_FREE=(ofl-transport)
+
+venv=.venv-torchfree
+rm -rf "$venv"
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip
+for pkg in "${TORCH_FREE[@]}"; do
+  OFL_BUILD_VERBS=require "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    "packages/$pkg[test]" 2>&1 | grep -v "^WARNING: Location" || true
+done
+if "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "check-torch-free: torch got installed into $venv" >&2
+  exit 1
+fi
+for pkg in "${TORCH_FREE[@]}"; do
+  # Run from the tests folder so the package comes from site-packages, not src/.
+  (cd "packages/$pkg/tests" && "../../../$venv/bin/python" -m pytest -p no:cacheprovider -q .)
+done
+"$venv/bin/python" - <<'PY'
+import sys
+import ofl  # noqa: F401
+assert "torch" not in sys.modules, "a torch-free package imported torch"
+print("check-torch-free: ok, no torch imported")
+PY
