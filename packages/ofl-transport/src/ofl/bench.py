@@ -2,7 +2,8 @@
 measured in one run, interleaved (A, B, A, B, ...), reported as ratios.
 
 * tcp_over_raw_socket: 64 MiB reads over ofl tcp vs a plain zero-copy Python socket doing
-  the same transfer (server `sendall` from the buffer, client `recv_into` a preallocated one).
+  the same transfer (server `sendall` from the buffer, client `recv_into` a preallocated one,
+  with the same socket options ofl sets: TCP_NODELAY, 8 MiB buffers).
 * shm_over_memcpy: 64 MiB reads over ofl shm vs a numpy copy between two shared buffers.
 * Engram-shaped gathers (24 rows x 264 B per token at random offsets of a >= 1 GiB region)
   for batches of 1, 64 and 4,096 tokens: rows/s and per-call p50/p99, for tcp and shm.
@@ -23,6 +24,7 @@ import time
 import numpy as np
 
 from . import __version__
+from .channel import set_socket_options
 from .cli import parse_size, start_loopback_server
 from .client import Connection
 from .probe import PROBE_REGION, fill
@@ -40,7 +42,7 @@ def raw_server(size: int) -> None:
     lsock = socket.create_server(("127.0.0.1", 0))
     print(f"raw on {lsock.getsockname()[1]}", flush=True)
     conn, _ = lsock.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    set_socket_options(conn)  # the same tuning ofl uses, so the ratio measures protocol cost
     head = bytearray(REQ.size)
     while True:
         view = memoryview(head)
@@ -61,6 +63,19 @@ def raw_read(sock: socket.socket, dest: memoryview, offset: int) -> None:
         got += sock.recv_into(dest[got:])
 
 
+def interleaved(a, b, offsets: list[int]) -> tuple[list[float], list[float]]:
+    """Time a(off) and b(off) on the same offsets, alternating which goes first so neither
+    always meets the other's warm caches."""
+    ta, tb = [], []
+    for k, off in enumerate(offsets):
+        order = ((a, ta), (b, tb)) if k % 2 == 0 else ((b, tb), (a, ta))
+        for fn, times in order:
+            t = time.perf_counter()
+            fn(off)
+            times.append(time.perf_counter() - t)
+    return ta, tb
+
+
 def median_gbit(times: list[float], nbytes: int) -> float:
     return nbytes * 8 / float(np.median(times)) / 1e9
 
@@ -72,21 +87,14 @@ def bench_tcp_vs_raw(region_size: int, size: int, repeats: int) -> dict:
     try:
         port = int(raw.stdout.readline().split()[-1])
         rsock = socket.create_connection(("127.0.0.1", port))
-        rsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_socket_options(rsock)
         conn = Connection(address, backend="tcp")
         dest = Region.allocate("dest", size)
-        t_ofl, t_raw = [], []
-        for k in range(repeats + 1):
-            off = (k * size) % (region_size - size)
-            t = time.perf_counter()
-            conn.read(PROBE_REGION, off, size, dest)
-            a = time.perf_counter() - t
-            t = time.perf_counter()
-            raw_read(rsock, dest.view, off)
-            b = time.perf_counter() - t
-            if k:  # the first pair warms caches and connections
-                t_ofl.append(a)
-                t_raw.append(b)
+        offsets = [(k * size) % (region_size - size) for k in range(repeats)]
+        interleaved(lambda off: conn.read(PROBE_REGION, off, size, dest),
+                    lambda off: raw_read(rsock, dest.view, off), offsets[:2])  # warm-up
+        t_ofl, t_raw = interleaved(lambda off: conn.read(PROBE_REGION, off, size, dest),
+                                   lambda off: raw_read(rsock, dest.view, off), offsets)
         conn.close()
         rsock.close()
         dest.close()
@@ -105,18 +113,12 @@ def bench_shm_vs_memcpy(region_size: int, size: int, repeats: int) -> dict:
         conn = Connection(address, backend="shm")
         src = conn._backend.maps[conn.region(PROBE_REGION).index]  # the same mapping ofl reads
         dest = Region.allocate("dest", size)
-        t_ofl, t_np = [], []
-        for k in range(repeats + 1):
-            off = (k * size) % (region_size - size)
-            t = time.perf_counter()
+        # Fault the whole mapping in first: the timed reads then compare copies, not page faults.
+        for off in range(0, region_size - size + 1, size):
             conn.read(PROBE_REGION, off, size, dest)
-            a = time.perf_counter() - t
-            t = time.perf_counter()
-            np.copyto(dest.array, src[off:off + size])
-            b = time.perf_counter() - t
-            if k:
-                t_ofl.append(a)
-                t_np.append(b)
+        offsets = [(k * size) % (region_size - size) for k in range(repeats)]
+        t_ofl, t_np = interleaved(lambda off: conn.read(PROBE_REGION, off, size, dest),
+                                  lambda off: np.copyto(dest.array, src[off:off + size]), offsets)
         conn.close()
         dest.close()
     finally:
