@@ -93,10 +93,11 @@ moddir=/lib/modules/$kver
 ls /usr/lib/*/libibverbs/librxe-rdmav*.so >/dev/null 2>&1 ||
     die "no rxe verbs provider (librxe-rdmav*.so); install the Debian package ibverbs-providers"
 
-# The guest overmounts these with empty tmpfs/devtmpfs, so it could not see CMD's directory.
+# The guest overmounts these with devtmpfs/proc/sysfs. (/tmp and /run get tmpfs too, but
+# CMD's directory is shared on its own and mounted back at its path: CI may clone into /tmp.)
 case $PWD/ in
-/tmp/* | /run/* | /dev/* | /proc/* | /sys/*)
-    die "the current directory $PWD is hidden inside the guest (tmpfs there); run from elsewhere" ;;
+/dev/* | /proc/* | /sys/* | /run/softroce/*)
+    die "the current directory $PWD is hidden inside the guest; run from elsewhere" ;;
 esac
 
 # --- temp dir: initramfs tree, image and the results share --------------------
@@ -158,11 +159,16 @@ mount -t tmpfs -o mode=1777 tmpfs /host/tmp
 mount -t tmpfs -o mode=755 tmpfs /host/run
 mkdir -p /host/run/softroce
 mount -t 9p -o "$p9" work /host/run/softroce || fail "cannot mount the results share (9p work)"
+# CMD's directory, shared on its own, at its own path (it may lie under the tmpfs above).
+cwd=$(cat /host/run/softroce/cwd)
+mkdir -p "/host$cwd" 2>/dev/null
+mount -t 9p -o "$p9,ro" cwd "/host$cwd" || fail "cannot mount $cwd (9p cwd)"
 # The serial line would turn \n into \r\n; the host terminal is not in raw
 # mode (qemu's stdin is /dev/null), so plain \n is what it wants.
 stty -onlcr 2>/dev/null
 chroot /host /bin/bash /run/softroce/guest-init.sh
 sync
+umount "/host$cwd"
 umount /host/run/softroce
 # Console level 0 hides even the kernel's "reboot: Power down" line.
 echo 0 >/proc/sys/kernel/printk
@@ -198,6 +204,7 @@ timeout --foreground -k 10 "$timeout_s" \
     -append "console=ttyS0 rdinit=/init panic=-1 quiet loglevel=3" \
     -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
     -virtfs "local,path=$tmp/work,mount_tag=work,security_model=none,multidevs=remap" \
+    -virtfs "local,path=$PWD,mount_tag=cwd,security_model=none,readonly=on,multidevs=remap" \
     </dev/null
 qemu_rc=$?
 set -e
