@@ -10,14 +10,18 @@
 #include <stdint.h>
 #include <infiniband/verbs.h>
 
+/* Everything from here to "cdef-end" is also read by _verbs_build.py as the cffi cdef. */
+/* cdef-begin */
 /* Error codes returned by the helper (negative; 0 = success). */
-#define OFL_OK 0
-#define OFL_ETIMEDOUT (-1)   /* deadline passed; outstanding work requests may remain */
-#define OFL_EPOST (-2)       /* ibv_post_* refused a work request */
-#define OFL_EPOLL (-3)       /* ibv_poll_cq failed */
-#define OFL_EWC (-4)         /* a completion carried an error status (see ofl_status) */
-#define OFL_EINVAL (-5)      /* bad arguments */
-#define OFL_ESYS (-6)        /* a set-up verb failed (errno in ofl_status.sys_errno) */
+enum ofl_rc {
+    OFL_OK = 0,
+    OFL_ETIMEDOUT = -1, /* deadline passed; outstanding work requests may remain */
+    OFL_EPOST = -2,     /* ibv_post_* refused a work request */
+    OFL_EPOLL = -3,     /* ibv_poll_cq failed */
+    OFL_EWC = -4,       /* a completion carried an error status (see ofl_status) */
+    OFL_EINVAL = -5,    /* bad arguments */
+    OFL_ESYS = -6,      /* a set-up verb failed (errno in ofl_status.sys_errno) */
+};
 
 struct ofl_qp {
     struct ibv_qp *qp;
@@ -73,5 +77,7 @@ int ofl_qp_connect(struct ofl_qp *q, uint8_t port, uint8_t gid_index, uint32_t l
                    int mtu, uint8_t max_rd_atomic, struct ofl_status *st);
 uint32_t ofl_qp_num(struct ofl_qp *q);
 void ofl_qp_destroy(struct ofl_qp *q);
+
+/* cdef-end */
 
 #endif
