@@ -135,6 +135,9 @@ def check_ranges(offsets: np.ndarray, lengths: np.ndarray | int, region_length: 
     """
     if len(offsets) == 0:
         return None
+    if isinstance(lengths, int) and lengths <= region_length \
+            and int(offsets.max()) <= region_length - lengths:
+        return None  # fast path for fixed-length rows: one reduction
     lengths_u = np.asarray(lengths, dtype=np.uint64)
     if np.any(lengths_u > region_length):
         return f"a range is longer than the region ({region_length} B)"
