@@ -363,3 +363,27 @@ def test_verbs_without_a_device_fails_loudly(monkeypatch):
     assert any(w in str(exc.value) for w in ("no RDMA device", "pyverbs", "not built"))
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         Server("carrier-pigeon")
+
+
+def test_peer_metadata_and_verification_on_every_connect():
+    seen = []
+
+    def verify(meta):
+        seen.append(meta)
+        if meta.get("tables") != "v1":
+            raise ValueError(f"holds tables {meta.get('tables')!r}, expected 'v1'")
+
+    srv = Server("tcp", handler=lambda b: b, metadata={"tables": "v1"}).start()
+    host, port = srv.address
+    conn = Connection((host, port), backend="tcp", verify_peer=verify)
+    assert conn.peer_metadata == {"tables": "v1"} and conn.request(b"x") == b"x"
+    srv.stop()
+    other = Server("tcp", host, port, handler=lambda b: b, metadata={"tables": "v2"}).start()
+    try:
+        from ofl import PeerRejected
+
+        with pytest.raises(PeerRejected, match="expected 'v1'"):
+            conn.request(b"y")  # the reconnect meets a server with other tables: refused
+        assert len(seen) == 2 and conn.stats["peers_rejected"] == 1
+    finally:
+        other.stop()

@@ -3,14 +3,15 @@ the offload host and the engine hosts, on one API over three backends (verbs, tc
 
 from .client import Connection, Links
 from .errors import (
-                     BackendUnavailable,
-                     ConnectionLost,
-                     DeadlineExceeded,
-                     OflError,
-                     OutOfRange,
-                     ProtocolError,
-                     RemoteError,
-                     VersionMismatch,
+    BackendUnavailable,
+    ConnectionLost,
+    DeadlineExceeded,
+    OflError,
+    OutOfRange,
+    PeerRejected,
+    ProtocolError,
+    RemoteError,
+    VersionMismatch,
 )
 from .region import Region, RegionDescriptor
 from .server import Server
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "Connection", "ConnectionLost", "DeadlineExceeded", "Links",
-    "OflError", "OutOfRange", "PROTOCOL_VERSION", "ProtocolError", "Region",
+    "OflError", "OutOfRange", "PROTOCOL_VERSION", "PeerRejected", "ProtocolError", "Region",
     "RegionDescriptor", "RemoteError", "Server", "VersionMismatch",
 ]

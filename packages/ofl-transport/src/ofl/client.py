@@ -13,7 +13,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from .errors import (
     DeadlineExceeded,
     OflError,
     OutOfRange,
+    PeerRejected,
     ProtocolError,
     RemoteError,
     VersionMismatch,
@@ -47,7 +48,8 @@ class Connection:
     def __init__(self, address: str | tuple[str, int], *, backend: str | None = None,
                  identity: str = "ofl-client", link: str | None = None,
                  deadline_s: float | None = None, connect_timeout_s: float | None = None,
-                 max_inflight: int | None = None, connect: bool = True):
+                 max_inflight: int | None = None, connect: bool = True,
+                 verify_peer: Callable[[dict], None] | None = None):
         self.address = parse_address(address) if isinstance(address, str) else tuple(address)
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.identity = identity
@@ -55,6 +57,10 @@ class Connection:
         self.deadline_s = deadline_s or env.OFL_DEADLINE_MS.get_float() / 1000
         self.connect_timeout_s = connect_timeout_s or env.OFL_CONNECT_TIMEOUT_MS.get_float() / 1000
         self.max_inflight = max_inflight or env.OFL_MAX_INFLIGHT.get_int()
+        # Called with the server's metadata on every (re)connect, before any call uses the
+        # link; raising refuses that server (e.g. it holds other tables than expected).
+        self.verify_peer = verify_peer
+        self.peer_metadata: dict = {}
         self.stats = Stats("ofl_client", {"backend": self.backend_name, "link": link or ""})
         self.regions: dict[str, RegionDescriptor] = {}
         self.peer_identity: str | None = None
@@ -97,6 +103,18 @@ class Connection:
             reply = wire.decode_json(payload, "HELLO_OK")
             self.regions = {d.name: d for d in map(RegionDescriptor.from_json, reply.get("regions", []))}
             self.peer_identity = reply.get("identity")
+            metadata = reply.get("metadata", {})
+            if not isinstance(metadata, dict):
+                raise ProtocolError("HELLO_OK metadata is not an object")
+            if self.verify_peer is not None:
+                try:
+                    self.verify_peer(metadata)
+                except OflError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the verifier's reason, as a refusal
+                    self.stats.add("peers_rejected")
+                    raise PeerRejected(f"{self.where()} rejected: {exc}") from None
+            self.peer_metadata = metadata
             self.max_message_bytes = int(reply.get("max_message_bytes", self.max_message_bytes))
             self.max_gather_rows = int(reply.get("max_gather_rows", self.max_gather_rows))
             self._channel = ch

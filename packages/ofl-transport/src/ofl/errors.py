@@ -31,3 +31,7 @@ class DeadlineExceeded(OflError, TimeoutError):
 
 class ConnectionLost(OflError, ConnectionError):
     """The link broke (peer died, closed, or a deadline forced it shut)."""
+
+
+class PeerRejected(OflError):
+    """The caller's verify_peer hook refused the server's handshake metadata."""

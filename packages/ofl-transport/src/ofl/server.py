@@ -47,11 +47,12 @@ class Server:
     def __init__(self, backend: str | None = None, host: str = "127.0.0.1", port: int = 0, *,
                  identity: str = "ofl-server", handler: Handler | None = None,
                  max_connections: int = 64, max_message_bytes: int | None = None,
-                 handshake_timeout_s: float | None = None):
+                 handshake_timeout_s: float | None = None, metadata: dict | None = None):
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.backend = server_backend(self.backend_name)
         self.identity = identity
         self.handler = handler
+        self.metadata = metadata or {}  # JSON handed to every client in the handshake
         self.max_connections = max_connections
         self.max_message_bytes = max_message_bytes or env.OFL_MAX_MESSAGE_BYTES.get_int()
         self.handshake_timeout_s = (handshake_timeout_s if handshake_timeout_s is not None
@@ -173,7 +174,7 @@ class Server:
         reply = {"identity": self.identity, "backend": self.backend_name,
                  "regions": [d.to_json() for d in self.descriptors],
                  "max_message_bytes": self.max_message_bytes,
-                 "max_gather_rows": wire.MAX_GATHER_ROWS, **extras}
+                 "max_gather_rows": wire.MAX_GATHER_ROWS, "metadata": self.metadata, **extras}
         ch.send_frame(wire.Kind.HELLO_OK, header.request_id, [wire.encode_json(reply)], deadline)
         log.info("%s connected: identity=%r link=%r", ch.sock.getpeername(),
                  hello.get("identity"), hello.get("link"))
