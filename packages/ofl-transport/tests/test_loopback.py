@@ -382,8 +382,10 @@ def test_peer_metadata_and_verification_on_every_connect():
     try:
         from ofl import PeerRejected
 
+        with pytest.raises(ConnectionLost):
+            conn.request(b"y")  # the old server is gone (messages are not resent)
         with pytest.raises(PeerRejected, match="expected 'v1'"):
-            conn.request(b"y")  # the reconnect meets a server with other tables: refused
+            conn.request(b"z")  # the reconnect meets a server with other tables: refused
         assert len(seen) == 2 and conn.stats["peers_rejected"] == 1
     finally:
         other.stop()
