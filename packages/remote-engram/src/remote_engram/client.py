@@ -1,0 +1,195 @@
+"""EngramClient: this rank's Engram rows, from the offload host when it can, from the
+local shard when it cannot - the same bytes either way.
+
+Per step: row ids (known from token ids alone, before the forward reaches layer 1 or 14)
+are deduplicated and fetched with one batched gather per layer. Every remote gather has a
+deadline; on any failure the rows come from the local shard, the fallback is counted, and
+the link is left alone for a back-off before it is tried again. The server's manifest is
+checked on every (re)connect: a server holding other tables is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ofl import Connection, OflError, Region
+from ofl.stats import Stats
+
+from . import env
+from .geometry import ROW_BYTES, EngramGeometry
+from .hashing import row_ids
+from .shard import ShardReader, shard_name
+
+log = logging.getLogger("remote_engram.client")
+
+
+class EngramUnavailable(RuntimeError):
+    """Neither the remote table nor a local shard can serve these rows."""
+
+
+class ManifestMismatch(ValueError):
+    """The server holds other tables than this rank expects."""
+
+
+class EngramClient:
+    """Rows of `rank`'s shards for each layer of `geometry`.
+
+    >>> c = EngramClient(geometry=V41, rank=0, shard_dir="/nvme/engram",
+    ...                  remote="10.0.0.1:7480", backend="verbs")
+    >>> h = c.prefetch(token_ids)          # at forward entry
+    >>> rows = c.wait(h)                   # {layer: [B, T, 12, 264] uint8} at layer 1 / 14
+    """
+
+    def __init__(self, *, geometry: EngramGeometry, rank: int, nranks: int = 2,
+                 shard_dir: str | None = None, remote: str | None = None,
+                 backend: str | None = None, token_map: np.ndarray | None = None,
+                 deadline_s: float | None = None, backoff_s: float | None = None,
+                 prefetch_depth: int | None = None):
+        self.geometry, self.rank, self.nranks = geometry, rank, nranks
+        self.columns = geometry.rank_columns(rank, nranks)
+        self.ranges = {layer: geometry.rank_rows(layer, rank, nranks) for layer in geometry.layers}
+        self.token_map = token_map
+        self.deadline_s = deadline_s or env.ENGRAM_DEADLINE_MS.get_float() / 1000
+        self.backoff_s = backoff_s if backoff_s is not None else env.ENGRAM_BACKOFF_S.get_float()
+        self.stats = Stats("engram_client", {"rank": str(rank)})
+        self.local: dict[int, ShardReader] = {}
+        shard_dir = shard_dir if shard_dir is not None else env.ENGRAM_SHARD_DIR.get()
+        if shard_dir:
+            for layer in geometry.layers:
+                self.local[layer] = self._open_local(shard_dir, layer)
+        self.local_digests = {layer: r.digest() for layer, r in self.local.items()}
+        remote = remote if remote is not None else env.ENGRAM_REMOTE.get()
+        if not remote and not self.local:
+            raise ValueError("EngramClient needs a remote endpoint, local shards, or both")
+        self.conn: Connection | None = None
+        self.regions: dict[int, str] = {}
+        if remote:
+            self.conn = Connection(remote, backend=backend or env.ENGRAM_BACKEND.get(),
+                                   identity=f"engram-client-r{rank}", link=f"rank{rank}",
+                                   deadline_s=self.deadline_s, connect=False,
+                                   verify_peer=self._verify_manifest)
+        self._backoff_until = 0.0
+        self._scratch: Region | None = None
+        self._lock = threading.Lock()
+        depth = prefetch_depth or env.ENGRAM_PREFETCH_DEPTH.get_int()
+        self._slots = threading.BoundedSemaphore(depth)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-prefetch")
+
+    def _open_local(self, shard_dir: str, layer: int) -> ShardReader:
+        path = os.path.join(shard_dir, shard_name(layer, self.rank, self.nranks))
+        reader = ShardReader(path)
+        lo, hi = self.ranges[layer]
+        if (reader.layer, reader.lo, reader.hi, reader.header.total_rows) != \
+                (layer, lo, hi, self.geometry.rows(layer)):
+            raise ValueError(f"{path}: holds layer {reader.layer} rows [{reader.lo}, {reader.hi}) "
+                             f"of {reader.header.total_rows}; the geometry wants layer {layer} "
+                             f"[{lo}, {hi}) of {self.geometry.rows(layer)}")
+        return reader
+
+    def _verify_manifest(self, manifest: dict) -> None:
+        regions = {}
+        for layer, (lo, hi) in self.ranges.items():
+            match = [s for s in manifest.get("shards", []) if s.get("layer") == layer
+                     and s.get("lo") == lo and s.get("hi") == hi
+                     and s.get("total_rows") == self.geometry.rows(layer)]
+            if not match:
+                self.stats.add("manifest_rejections")
+                raise ManifestMismatch(f"server has no shard of layer {layer} rows [{lo}, {hi})")
+            want = self.local_digests.get(layer)
+            if want and match[0].get("digest") != want:
+                self.stats.add("manifest_rejections")
+                raise ManifestMismatch(f"layer {layer}: server digest {match[0].get('digest')} "
+                                       f"!= local shard {want}")
+            regions[layer] = match[0]["region"]
+        self.regions = regions
+
+    # -- fetching ------------------------------------------------------------------------
+    def fetch(self, layer: int, ids) -> np.ndarray:
+        """Rows for global row ids `ids` (any shape) as uint8 [*ids.shape, 264]."""
+        ids = np.asarray(ids, dtype=np.int64)
+        lo, hi = self.ranges[layer]
+        flat = ids.reshape(-1)
+        if flat.size and (flat.min() < lo or flat.max() >= hi):
+            raise ValueError(f"layer {layer} rank {self.rank}: row ids must lie in [{lo}, {hi})")
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        with self._lock:
+            rows = self._remote_rows(layer, uniq)
+            if rows is None:
+                rows = self._local_rows(layer, uniq)
+            out = rows[inverse]
+        self.stats.add("fetches")
+        self.stats.add("rows", flat.size)
+        self.stats.add("unique_rows", uniq.size)
+        return out.reshape(ids.shape + (ROW_BYTES,))
+
+    def _remote_rows(self, layer: int, uniq: np.ndarray) -> np.ndarray | None:
+        if self.conn is None or not uniq.size:
+            return None
+        if time.monotonic() < self._backoff_until:
+            self.stats.add("backoff_skips")
+            return None
+        lo = self.ranges[layer][0]
+        scratch = self._scratch_for(uniq.size * ROW_BYTES)
+        try:
+            if layer not in self.regions:
+                self.conn.request(b'{"op":"manifest"}')  # connects; verify_peer fills regions
+            self.conn.gather(self.regions[layer], (uniq - lo).astype(np.uint64) * ROW_BYTES,
+                             ROW_BYTES, into=scratch)
+        except OflError as exc:
+            # At most one failure per back-off period reaches here, so this log is bounded.
+            self.stats.add("remote_failures")
+            self.stats.add("fallbacks")
+            log.warning("Engram rank %d: remote fetch failed (%s); reading local shards for "
+                        "%.1f s", self.rank, exc, self.backoff_s)
+            self._backoff_until = time.monotonic() + self.backoff_s
+            if not self.local:
+                raise EngramUnavailable(f"remote fetch failed and no local shard: {exc}") from exc
+            return None
+        self.stats.add("remote_rows", uniq.size)
+        return scratch.array[:uniq.size * ROW_BYTES].reshape(uniq.size, ROW_BYTES)
+
+    def _local_rows(self, layer: int, uniq: np.ndarray) -> np.ndarray:
+        reader = self.local.get(layer)
+        if reader is None:
+            raise EngramUnavailable(f"layer {layer}: the remote is in back-off and there is no "
+                                    "local shard")
+        self.stats.add("local_rows", uniq.size)
+        return reader.rows(uniq)
+
+    def _scratch_for(self, nbytes: int) -> Region:
+        if self._scratch is None or self._scratch.length < nbytes:
+            size = 1 << max(20, (nbytes - 1).bit_length())  # grow in powers of two
+            self._scratch = Region.allocate("engram-rows", size)
+        return self._scratch
+
+    def fetch_tokens(self, tokens, valid=None) -> dict[int, np.ndarray]:
+        """{layer: [B, T, C, 264]} for raw token ids [B, T]; C = this rank's columns."""
+        if self.token_map is None:
+            raise ValueError("fetch_tokens needs the compressed token_map")
+        return {layer: self.fetch(layer, row_ids(self.geometry, layer, tokens, self.token_map,
+                                                 valid, columns=self.columns))
+                for layer in self.geometry.layers}
+
+    def prefetch(self, tokens, valid=None) -> Future:
+        """Start fetch_tokens in the background (at forward entry); wait() collects it.
+        At most ENGRAM_PREFETCH_DEPTH prefetches are in flight; a further call waits."""
+        self._slots.acquire()
+        future = self._pool.submit(self.fetch_tokens, tokens, valid)
+        future.add_done_callback(lambda _: self._slots.release())
+        return future
+
+    def wait(self, handle: Future, timeout: float | None = None) -> dict[int, np.ndarray]:
+        return handle.result(timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self.conn is not None:
+            self.conn.close()
+        for reader in self.local.values():
+            reader.close()

@@ -1,0 +1,61 @@
+"""Qualify a link before enabling remote Engram: the server's rows, read over the link,
+must equal the local shards byte for byte (a sample, or every row)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ofl import Connection, Region
+
+from .geometry import ROW_BYTES
+from .shard import ShardReader
+
+CHUNK = 1 << 14  # rows per gather when comparing everything
+
+
+def qualify_link(address: str, backend: str, shard_paths: list[str], *, sample: int = 100_000,
+                 all_rows: bool = False, seed: int = 0, link: str = "") -> dict:
+    """Compare rows of each local shard with the server's copy over one link."""
+    conn = Connection(address, backend=backend, link=link or None, identity="engram-qualify")
+    report = {"link": link, "address": address, "backend": backend, "shards": [], "ok": True}
+    rng = np.random.default_rng(seed)
+    dest = Region.allocate("qualify", CHUNK * ROW_BYTES)
+    try:
+        manifest = conn.peer_metadata.get("shards", [])
+        for path in shard_paths:
+            with ShardReader(path) as local:
+                h = local.header
+                entry = next((s for s in manifest if (s.get("layer"), s.get("lo"), s.get("hi"))
+                              == (h.layer, h.lo, h.hi)), None)
+                res = {"shard": os.path.basename(path), "layer": h.layer, "rows_compared": 0,
+                       "mismatched_rows": 0, "first_mismatch": None,
+                       "digest_equal": bool(entry and entry.get("digest") == local.digest())}
+                if entry is None:
+                    res["error"] = "the server has no shard with this layer and row range"
+                    report["ok"] = False
+                    report["shards"].append(res)
+                    continue
+                if all_rows:
+                    ids = np.arange(h.lo, h.hi, dtype=np.int64)
+                else:
+                    ids = np.unique(np.concatenate([
+                        [h.lo, h.hi - 1], rng.integers(h.lo, h.hi, min(sample, h.rows))]))
+                for start in range(0, len(ids), CHUNK):
+                    part = ids[start:start + CHUNK]
+                    conn.gather(entry["region"], (part - h.lo).astype(np.uint64) * ROW_BYTES,
+                                ROW_BYTES, into=dest)
+                    got = dest.array[:len(part) * ROW_BYTES].reshape(len(part), ROW_BYTES)
+                    bad = np.flatnonzero((got != local.rows(part)).any(axis=1))
+                    res["rows_compared"] += len(part)
+                    res["mismatched_rows"] += int(bad.size)
+                    if bad.size and res["first_mismatch"] is None:
+                        res["first_mismatch"] = int(part[bad[0]])
+                if res["mismatched_rows"] or not res["digest_equal"]:
+                    report["ok"] = False
+                report["shards"].append(res)
+    finally:
+        dest.close()
+        conn.close()
+    return report

@@ -1,0 +1,188 @@
+"""The Engram server: shards loaded into RAM, published over ofl, one listener per link.
+
+On verbs a client reads rows with one-sided RDMA READ: this process's CPU is not in the
+data path. On tcp/shm ofl answers the gathers. The manifest (layers, row ranges, a digest
+per shard) travels in every handshake, so a client refuses a server holding other tables.
+It binds only to the addresses it is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ofl import Region, Server
+from ofl.server import parse_address
+from ofl.stats import Stats
+
+from . import __version__
+from .geometry import ROW_BYTES
+from .shard import ShardReader
+
+log = logging.getLogger("remote_engram.server")
+COPY_ROWS = 1 << 18
+MADV_HUGEPAGE = 14
+
+Progress = Callable[[str, int, int], None]
+
+
+def lock_memory(region: Region) -> str:
+    """mlock the region; returns "ok" or the reason it failed (reported, not fatal)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlock(ctypes.c_void_p(region.address), ctypes.c_size_t(region.length)) == 0:
+        return "ok"
+    return os.strerror(ctypes.get_errno())
+
+
+def advise_hugepages(region: Region) -> str:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(region.address), ctypes.c_size_t(region.length),
+                    MADV_HUGEPAGE) == 0:
+        return "ok"
+    return os.strerror(ctypes.get_errno())
+
+
+class LoadedShard:
+    def __init__(self, path: str, backend: str, in_ram: bool, mlock: bool, hugepages: bool,
+                 progress: Progress | None):
+        reader = ShardReader(path)
+        self.path = path
+        self.header = reader.header
+        self.name = os.path.basename(path).removesuffix(".bin")
+        self.digest = reader.digest()
+        nbytes = self.header.rows * ROW_BYTES
+        self.hugepages = "off"
+        t = time.perf_counter()
+        if not in_ram:
+            # Serve from the page cache through the file mapping.
+            self.region = Region.from_file(self.name, path, offset=4096, length=nbytes)
+            reader.close()
+        else:
+            # shm clients map the region by path, so it must be file-backed; other backends
+            # take anonymous memory (no /dev/shm size limit).
+            self.region = (Region.allocate(self.name, nbytes) if backend == "shm"
+                           else Region.from_buffer(self.name, mmap.mmap(-1, max(nbytes, 1))))
+            self.hugepages = advise_hugepages(self.region) if hugepages else "off"
+            dest = self.region.array[:nbytes].reshape(self.header.rows, ROW_BYTES)
+            for start in range(0, self.header.rows, COPY_ROWS):
+                end = min(start + COPY_ROWS, self.header.rows)
+                dest[start:end] = reader.table[start:end]
+                if progress:
+                    progress(self.name, end, self.header.rows)
+            reader.close()
+        self.mlock = lock_memory(self.region) if mlock and in_ram else "off"
+        self.load_seconds = time.perf_counter() - t
+
+    def manifest_entry(self) -> dict:
+        h = self.header
+        return {"region": self.name, "layer": h.layer, "lo": h.lo, "hi": h.hi,
+                "total_rows": h.total_rows, "row_bytes": h.row_bytes, "digest": self.digest}
+
+
+class EngramServer:
+    def __init__(self, shard_paths: list[str], *, backend: str, listen: list[str],
+                 identity: str = "engram-server", in_ram: bool = True, mlock: bool = True,
+                 hugepages: bool = False, progress: Progress | None = None):
+        if not shard_paths:
+            raise ValueError("no shards given")
+        self.backend = backend
+        self.shards = [LoadedShard(p, backend, in_ram, mlock, hugepages, progress)
+                       for p in shard_paths]
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate shard names: {names}")
+        self.manifest = {"format": "DSV41EN1", "row_bytes": ROW_BYTES, "version": __version__,
+                         "shards": [s.manifest_entry() for s in self.shards]}
+        self.stats = Stats("engram_server", {"identity": identity})
+        self.servers: list[Server] = []
+        for address in listen:
+            host, port = parse_address(address, 7480)
+            srv = Server(backend, host, port, identity=identity, handler=self.handle,
+                         metadata=self.manifest)
+            for shard in self.shards:
+                srv.register(shard.region)
+            self.servers.append(srv)
+        self._http: ThreadingHTTPServer | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(s.region.length for s in self.shards)
+
+    def health(self) -> dict:
+        return {"ok": True, "backend": self.backend, "shards": len(self.shards),
+                "resident_bytes": self.resident_bytes,
+                "mlock": {s.name: s.mlock for s in self.shards},
+                "hugepages": {s.name: s.hugepages for s in self.shards},
+                "links": ["%s:%d" % s.address for s in self.servers]}
+
+    def metrics(self) -> str:
+        text = self.stats.prometheus() + "".join(s.stats.prometheus() for s in self.servers)
+        locked = sum(s.region.length for s in self.shards if s.mlock == "ok")
+        return (text + "# TYPE engram_server_resident_bytes gauge\n"
+                f"engram_server_resident_bytes {self.resident_bytes}\n"
+                "# TYPE engram_server_mlocked_bytes gauge\n"
+                f"engram_server_mlocked_bytes {locked}\n")
+
+    def handle(self, payload: bytes) -> bytes:
+        """Control messages: {"op": "manifest" | "health" | "metrics"}."""
+        try:
+            op = json.loads(payload).get("op")
+        except (ValueError, AttributeError):
+            op = None
+        self.stats.add("control_messages")
+        if op == "manifest":
+            return json.dumps(self.manifest).encode()
+        if op == "health":
+            return json.dumps(self.health()).encode()
+        if op == "metrics":
+            return self.metrics().encode()
+        raise ValueError('expected a JSON object {"op": "manifest" | "health" | "metrics"}')
+
+    def start(self, metrics_listen: str | None = None) -> EngramServer:
+        for srv in self.servers:
+            srv.start()
+        if metrics_listen:
+            self._http = serve_http(self, *parse_address(metrics_listen, 9480))
+        return self
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+        if self._http:
+            self._http.shutdown()
+            self._http.server_close()
+        for s in self.shards:
+            s.region.close()
+
+
+def serve_http(server: EngramServer, host: str, port: int) -> ThreadingHTTPServer:
+    """GET /metrics (Prometheus text) and /health (JSON) on the given address only."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            if self.path == "/metrics":
+                body, kind = server.metrics().encode(), "text/plain; version=0.0.4"
+            elif self.path == "/health":
+                body, kind = json.dumps(server.health()).encode(), "application/json"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name="engram-http").start()
+    return httpd
