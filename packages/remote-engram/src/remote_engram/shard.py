@@ -1,6 +1,6 @@
 """The shard file (TensorFold recipe format): engram-l{L}-r{rank}of{N}.bin.
 
-A 4,096-byte header whose first 48 bytes are six little-endian u64 - magic "DSV41EN1",
+A 4,096-byte header whose first 48 bytes are six little-endian u64 - magic 0x31344E4531565344,
 layer, lo, hi, total_rows, row_bytes (264) - then rows lo..hi-1 back to back: global row r
 sits at byte 4096 + (r - lo) * 264. Rank r owns a contiguous run of (order, head) columns,
 hence a contiguous row range.
@@ -18,7 +18,8 @@ import numpy as np
 
 from .geometry import ROW_BYTES
 
-MAGIC = 0x31344E4531565344  # b"DSV41EN1" as a little-endian u64
+# DESIGN 4.1's u64 (named "DSV41EN1" there; little-endian on disk its bytes read "DSV1EN41").
+MAGIC = 0x31344E4531565344
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<6Q")
 

@@ -1,0 +1,78 @@
+"""Test helpers other packages' suites share: two "hosts" in network namespaces joined by
+veth pairs, one pair per link (like the offload host and the Sparks). Needs root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def sh(*cmd, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def netns_unavailable() -> str | None:
+    """None where `ip netns` works here, else the reason (for a pytest skip)."""
+    probe = f"oflp{os.getpid() % 100000}"
+    try:
+        sh("ip", "netns", "add", probe)
+        sh("ip", "netns", "del", probe)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"ip netns not permitted here ({exc}); the root CI machine runs it"
+    return None
+
+
+class TwoHosts:
+    """Namespaces `host` and `engine`, link i = veth pair with 10.23{i}.0.1 (host side) and
+    10.23{i}.0.2 (engine side). Addresses exist only inside these namespaces."""
+
+    def __init__(self, links: int = 2, mtu: int = 9000):
+        tag = f"{os.getpid() % 100000}"
+        self.host, self.engine = f"oflh{tag}", f"ofle{tag}"
+        self.links = [(f"10.23{i}.0.1", f"10.23{i}.0.2") for i in range(links)]
+        self.host_dev = [f"oh{i}{tag}" for i in range(links)]
+        self.engine_dev = [f"oe{i}{tag}" for i in range(links)]
+        self.mtu = mtu
+
+    def __enter__(self) -> TwoHosts:
+        sh("ip", "netns", "add", self.host)
+        sh("ip", "netns", "add", self.engine)
+        try:
+            for i, (host_ip, engine_ip) in enumerate(self.links):
+                h, e = self.host_dev[i], self.engine_dev[i]
+                sh("ip", "link", "add", h, "type", "veth", "peer", "name", e)
+                sh("ip", "link", "set", h, "netns", self.host)
+                sh("ip", "link", "set", e, "netns", self.engine)
+                for ns, dev, ip in ((self.host, h, host_ip), (self.engine, e, engine_ip)):
+                    sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                    sh("ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
+            for ns in (self.host, self.engine):
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sh("ip", "netns", "del", self.host, check=False)
+        sh("ip", "netns", "del", self.engine, check=False)
+
+    def popen_host(self, args: list[str], **kw) -> subprocess.Popen:
+        """Start a process on the host side (e.g. a server)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.host, *args], **kw)
+
+    def run_engine(self, args: list[str], check=False) -> subprocess.CompletedProcess:
+        return sh("ip", "netns", "exec", self.engine, *args, check=check)
+
+    def python_engine(self, code: str) -> subprocess.CompletedProcess:
+        import textwrap
+
+        return self.run_engine([sys.executable, "-c", textwrap.dedent(code)])
+
+    def set_link(self, i: int, up: bool) -> None:
+        sh("ip", "-n", self.engine, "link", "set", self.engine_dev[i], "up" if up else "down")
+
+    def rx_bytes(self, i: int) -> int:
+        return int(self.run_engine(
+            ["cat", f"/sys/class/net/{self.engine_dev[i]}/statistics/rx_bytes"], check=True).stdout)
