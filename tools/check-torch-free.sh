@@ -4,7 +4,7 @@
 # own tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_FREE=(ofl-transport)
+TORCH_FREE=(ofl-transport remote-engram)  # in dependency order: ours are not on an index
 
 venv=.venv-torchfree
 rm -rf "$venv"
@@ -25,6 +25,7 @@ done
 "$venv/bin/python" - <<'PY'
 import sys
 import ofl  # noqa: F401
+import remote_engram, remote_engram.server, remote_engram.client, remote_engram.cli  # noqa: F401,E401
 assert "torch" not in sys.modules, "a torch-free package imported torch"
 print("check-torch-free: ok, no torch imported")
 PY

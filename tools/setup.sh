@@ -26,9 +26,12 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# The root environment: every package editable, with its test extras.
+# The root environment: every package editable, with its test extras. torch==2.13.0 is
+# the CPU build that lies on these machines (a bare `torch` would pull a CUDA build).
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 \
+  | grep -v "^WARNING: Location" || true
 specs=(ruff)
 for pkg in packages/*/ stack/; do
   [[ -f $pkg/pyproject.toml ]] && specs+=(-e "${pkg%/}[test]")

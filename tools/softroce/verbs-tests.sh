@@ -7,4 +7,4 @@ cd "$(dirname "$0")/../.."
 exec tools/softroce/run.sh --timeout "${SOFTROCE_TIMEOUT:-420}" -- bash -c '
   mkdir -p /tmp/pyverbs-only && ln -sf /usr/lib/python3/dist-packages/pyverbs /tmp/pyverbs-only/
   PYTHONPATH=/tmp/pyverbs-only exec .venv/bin/python -m pytest -p no:cacheprovider -q --color=no \
-    -m softroce packages/ofl-transport/tests "$@"' verbs-tests "$@"
+    -m softroce packages/*/tests "$@"' verbs-tests "$@"

@@ -209,7 +209,7 @@ def test_garbage_before_hello_and_truncated_frames(served):
 
 
 def test_kill_9_mid_read_fails_before_deadline():
-    from conftest import ServeProcess
+    from ofl.testing import ServeProcess
 
     srv = ServeProcess("tcp", size=64 << 20)
     try:
@@ -240,7 +240,7 @@ def test_kill_9_mid_read_fails_before_deadline():
 
 
 def test_shm_read_notices_dead_server():
-    from conftest import ServeProcess
+    from ofl.testing import ServeProcess
 
     srv = ServeProcess("shm")
     conn = Connection(srv.address, backend="shm")

@@ -30,7 +30,7 @@ def verbs_env(monkeypatch):
 
 @pytest.fixture
 def verbs_server():
-    from conftest import ServeProcess
+    from ofl.testing import ServeProcess
 
     os.environ["OFL_IB_DEVICE"] = DEVICE or ""
     srv = ServeProcess("verbs", size=4 << 20)

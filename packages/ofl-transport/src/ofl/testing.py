@@ -1,11 +1,14 @@
-"""Test helpers other packages' suites share: two "hosts" in network namespaces joined by
-veth pairs, one pair per link (like the offload host and the Sparks). Needs root."""
+"""Test helpers other packages' suites share: a real `ofl serve` process, and two "hosts"
+in network namespaces joined by veth pairs, one pair per link (like the offload host and
+the Sparks; needs root)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 
 def sh(*cmd, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
@@ -76,3 +79,50 @@ class TwoHosts:
     def rx_bytes(self, i: int) -> int:
         return int(self.run_engine(
             ["cat", f"/sys/class/net/{self.engine_dev[i]}/statistics/rx_bytes"], check=True).stdout)
+
+
+class ServeProcess:
+    """A real `ofl serve` process (pattern region + echo handler) on 127.0.0.1."""
+
+    def __init__(self, backend: str, size: int = 8 << 20):
+        self.backend = backend
+        self.size = size
+        from .cli import start_loopback_server
+
+        self.proc, self.address = start_loopback_server(backend, size)
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def restart(self) -> None:
+        """Kill and start again on the same port (a server restart)."""
+        self.kill()
+        deadline = time.monotonic() + 10
+        while True:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ofl.cli", "serve", "--backend", self.backend, "--listen",
+                 self.address, "--size", str(self.size)], stdout=subprocess.PIPE, text=True)
+            line = proc.stdout.readline()
+            if "ofl serve:" in line:
+                self.proc = proc
+                return
+            proc.wait()
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not restart on its port")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
