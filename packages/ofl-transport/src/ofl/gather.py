@@ -1,24 +1,40 @@
-"""Copy scattered ranges of a local array into one contiguous destination (shm reads)."""
+"""Copy scattered ranges of a local array into one contiguous destination (shm reads, the
+tcp server's many-row replies, local Engram shards). The compiled loop prefetches rows
+ahead; numpy is the fallback where it was not built, with the same bytes."""
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
+
+try:
+    from ._gather_cffi import ffi, lib
+except ImportError:  # built without a C compiler
+    lib = None
 
 
 def gather_into(src: np.ndarray, offsets: np.ndarray, lengths, dest: np.ndarray) -> None:
     """dest = concat(src[o:o+n] for each range). Ranges must already be bounds-checked."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    fixed = isinstance(lengths, int | np.integer)
+    if lib is not None and len(src) and dest.flags.c_contiguous:
+        d, s, o = ffi.from_buffer(dest), ffi.from_buffer(src), ffi.from_buffer("uint64_t[]", offsets)
+        if fixed:
+            lib.ofl_gather_rows(d, s, o, len(offsets), int(lengths))
+        else:
+            lens = np.ascontiguousarray(lengths, dtype=np.uint32)
+            lib.ofl_gather_ranges(d, s, o, ffi.from_buffer("uint32_t[]", lens), len(offsets))
+        return
+    gather_into_numpy(src, offsets, lengths, dest)
+
+
+def gather_into_numpy(src: np.ndarray, offsets: np.ndarray, lengths, dest: np.ndarray) -> None:
+    pos = 0
     if isinstance(lengths, int | np.integer):
         n = int(lengths)
-        if len(offsets) == 1:
-            dest[:n] = src[int(offsets[0]):int(offsets[0]) + n]
-            return
-        # A (len-n+1, n) view whose row i starts at byte i: fancy indexing then copies
-        # each row with one strided copy, no index array of n entries per row.
-        rows = as_strided(src, shape=(len(src) - n + 1, n), strides=(1, 1), writeable=False)
-        dest[: len(offsets) * n].reshape(len(offsets), n)[:] = rows[offsets.astype(np.intp)]
+        out = dest[: len(offsets) * n].reshape(len(offsets), n)
+        for i, o in enumerate(offsets.tolist()):
+            out[i] = src[o:o + n]
         return
-    pos = 0
-    for o, n in zip(offsets.tolist(), lengths.tolist(), strict=False):
+    for o, n in zip(offsets.tolist(), lengths.tolist()):
         dest[pos:pos + n] = src[o:o + n]
         pos += n
