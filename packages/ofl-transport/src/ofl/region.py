@@ -7,6 +7,7 @@ same-host peer, which is what the shm backend needs.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -46,6 +47,16 @@ class RegionDescriptor:
                 and isinstance(extras, dict) and length >= 0 and index >= 0):
             raise ProtocolError(f"bad region descriptor {obj!r}")
         return cls(name, length, index, extras)
+
+
+MADV_HUGEPAGE = 14
+
+
+def _libc_call(name: str, address: int, length: int, *extra: int) -> str:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(ctypes.c_void_p(address), ctypes.c_size_t(length), *extra) == 0:
+        return "ok"
+    return os.strerror(ctypes.get_errno())
 
 
 def remove_stale_shm() -> None:
@@ -135,6 +146,15 @@ class Region:
             os.close(fd)
         view = memoryview(mm)[offset - start:offset - start + length]
         return cls(name, view, path=os.path.abspath(path), file_offset=offset, _owned=(mm,))
+
+    def lock(self) -> str:
+        """mlock the region so it never pages out; "ok" or the reason it failed (callers
+        report it: locking is best effort where RLIMIT_MEMLOCK forbids it)."""
+        return _libc_call("mlock", self.address, self.length)
+
+    def advise_hugepages(self) -> str:
+        """madvise(MADV_HUGEPAGE); "ok" or the reason it failed."""
+        return _libc_call("madvise", self.address, self.length, MADV_HUGEPAGE)
 
     def close(self) -> None:
         """Release the mapping (and the /dev/shm file of an allocated region)."""

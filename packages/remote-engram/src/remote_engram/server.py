@@ -8,7 +8,6 @@ It binds only to the addresses it is given.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import mmap
@@ -28,25 +27,8 @@ from .shard import ShardReader
 
 log = logging.getLogger("remote_engram.server")
 COPY_ROWS = 1 << 18
-MADV_HUGEPAGE = 14
 
 Progress = Callable[[str, int, int], None]
-
-
-def lock_memory(region: Region) -> str:
-    """mlock the region; returns "ok" or the reason it failed (reported, not fatal)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mlock(ctypes.c_void_p(region.address), ctypes.c_size_t(region.length)) == 0:
-        return "ok"
-    return os.strerror(ctypes.get_errno())
-
-
-def advise_hugepages(region: Region) -> str:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(region.address), ctypes.c_size_t(region.length),
-                    MADV_HUGEPAGE) == 0:
-        return "ok"
-    return os.strerror(ctypes.get_errno())
 
 
 class LoadedShard:
@@ -69,7 +51,7 @@ class LoadedShard:
             # take anonymous memory (no /dev/shm size limit).
             self.region = (Region.allocate(self.name, nbytes) if backend == "shm"
                            else Region.from_buffer(self.name, mmap.mmap(-1, max(nbytes, 1))))
-            self.hugepages = advise_hugepages(self.region) if hugepages else "off"
+            self.hugepages = self.region.advise_hugepages() if hugepages else "off"
             dest = self.region.array[:nbytes].reshape(self.header.rows, ROW_BYTES)
             for start in range(0, self.header.rows, COPY_ROWS):
                 end = min(start + COPY_ROWS, self.header.rows)
@@ -77,7 +59,7 @@ class LoadedShard:
                 if progress:
                     progress(self.name, end, self.header.rows)
             reader.close()
-        self.mlock = lock_memory(self.region) if mlock and in_ram else "off"
+        self.mlock = self.region.lock() if mlock and in_ram else "off"
         self.load_seconds = time.perf_counter() - t
 
     def manifest_entry(self) -> dict:
