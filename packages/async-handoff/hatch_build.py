@@ -1,0 +1,1 @@
+../../tools/build/hatch_cffi_hook.py

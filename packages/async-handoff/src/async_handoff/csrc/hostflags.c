@@ -1,0 +1,338 @@
+/* Host flags: see hostflags.h for the slot protocol. C11 atomics, Linux futexes. */
+#include "hostflags.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HF_MAGIC 0x46484841u /* "AHHF" */
+#define HF_VERSION 1u
+#define WORD(seq, state) (((uint64_t)(seq) << 3) | (uint64_t)(state))
+#define STATE_OF(w) ((uint32_t)((w) & 7u))
+#define SEQ_OF(w) ((w) >> 3)
+
+struct header {
+    uint32_t magic, version, nslots, slot_bytes;
+    _Atomic uint32_t generation;
+    _Atomic uint32_t doorbell; /* futex word: bumped by every submit and generation change */
+    _Atomic uint64_t next_seq;
+    _Atomic int64_t heartbeat_ns;
+    _Atomic uint32_t proxy_pid;
+    _Atomic uint32_t proxy_state;
+};
+
+struct slot {
+    _Atomic uint64_t word;
+    _Atomic uint32_t generation;
+    uint32_t req_len;
+    uint64_t reply_seq;
+    uint32_t reply_len;
+    uint32_t status;
+    _Atomic uint32_t reply_event; /* futex word: bumped when a reply is posted */
+    uint32_t pad;
+    int64_t submit_ns;
+    uint8_t pad2[16];
+};
+
+_Static_assert(sizeof(struct header) <= HF_STATUS_OFFSET, "header overlaps the status text");
+_Static_assert(sizeof(struct slot) == HF_SLOT_CTL_BYTES, "slot control block size");
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+int64_t hf_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static size_t ctl_bytes(uint32_t nslots) {
+    size_t n = (size_t)nslots * HF_SLOT_CTL_BYTES;
+    return (n + 4095) & ~(size_t)4095;
+}
+
+size_t hf_region_size(uint32_t nslots, uint32_t slot_bytes) {
+    return HF_HEADER_BYTES + ctl_bytes(nslots) + (size_t)nslots * 2 * slot_bytes;
+}
+
+static struct header *hdr(const void *base) { return (struct header *)base; }
+
+static struct slot *slot_at(const void *base, uint32_t i) {
+    return (struct slot *)((uint8_t *)base + HF_HEADER_BYTES) + i;
+}
+
+static uint8_t *req_area(const void *base, uint32_t i) {
+    const struct header *h = hdr(base);
+    return (uint8_t *)base + HF_HEADER_BYTES + ctl_bytes(h->nslots) + (size_t)i * 2 * h->slot_bytes;
+}
+
+static uint8_t *reply_area(const void *base, uint32_t i) {
+    return req_area(base, i) + hdr(base)->slot_bytes;
+}
+
+/* -- primitives ------------------------------------------------------------------------ */
+uint32_t hf_load32(uint32_t *p) { return atomic_load_explicit((_Atomic uint32_t *)p, memory_order_acquire); }
+void hf_store32(uint32_t *p, uint32_t v) { atomic_store_explicit((_Atomic uint32_t *)p, v, memory_order_release); }
+uint64_t hf_load64(uint64_t *p) { return atomic_load_explicit((_Atomic uint64_t *)p, memory_order_acquire); }
+
+int hf_cas64(uint64_t *p, uint64_t expected, uint64_t desired) {
+    return atomic_compare_exchange_strong_explicit((_Atomic uint64_t *)p, &expected, desired,
+                                                   memory_order_acq_rel, memory_order_acquire);
+}
+
+int hf_futex_wait(uint32_t *p, uint32_t expected, int64_t timeout_ns) {
+    struct timespec ts = {.tv_sec = timeout_ns / 1000000000, .tv_nsec = timeout_ns % 1000000000};
+    /* Not FUTEX_PRIVATE: the word lives in memory shared between processes. */
+    long rc = syscall(SYS_futex, p, FUTEX_WAIT, expected, &ts, NULL, 0);
+    if (rc == 0)
+        return HF_OK;
+    return errno == ETIMEDOUT ? HF_ETIMEDOUT : HF_OK; /* EAGAIN/EINTR: value moved, re-check */
+}
+
+int hf_futex_wake(uint32_t *p, int n) { return (int)syscall(SYS_futex, p, FUTEX_WAKE, n, NULL, NULL, 0); }
+
+static void bump_and_wake(_Atomic uint32_t *word) {
+    atomic_fetch_add_explicit(word, 1, memory_order_acq_rel);
+    hf_futex_wake((uint32_t *)word, INT_MAX);
+}
+
+/* Wait until *p != old: spin (pause/yield) for spin_ns, then (nap mode) sleep on the futex.
+ * spin mode spins until the deadline. */
+int hf_wait_change(uint32_t *p, uint32_t old, int mode, int64_t spin_ns, int64_t deadline_ns) {
+    int64_t now = hf_now_ns(), spin_until = now + spin_ns;
+    for (;;) {
+        if (hf_load32(p) != old)
+            return HF_OK;
+        now = hf_now_ns();
+        if (now >= deadline_ns)
+            return HF_ETIMEDOUT;
+        if (mode == HF_SPIN || now < spin_until) {
+            for (int i = 0; i < 64; i++)
+                cpu_relax();
+            continue;
+        }
+        int64_t left = deadline_ns - now;
+        hf_futex_wait(p, old, left < 100000000 ? left : 100000000);
+    }
+}
+
+/* -- region ---------------------------------------------------------------------------- */
+int hf_format(void *base, size_t size, uint32_t nslots, uint32_t slot_bytes) {
+    if (!nslots || !slot_bytes || size < hf_region_size(nslots, slot_bytes))
+        return HF_EBAD;
+    memset(base, 0, HF_HEADER_BYTES + ctl_bytes(nslots));
+    struct header *h = hdr(base);
+    h->nslots = nslots;
+    h->slot_bytes = slot_bytes;
+    h->version = HF_VERSION;
+    atomic_store_explicit(&h->next_seq, 1, memory_order_relaxed);
+    atomic_store_explicit(&h->heartbeat_ns, -1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    h->magic = HF_MAGIC; /* last: a reader that sees the magic sees a formatted region */
+    return HF_OK;
+}
+
+int hf_validate(const void *base, size_t size) {
+    const struct header *h = hdr(base);
+    if (size < HF_HEADER_BYTES || h->magic != HF_MAGIC || h->version != HF_VERSION ||
+        !h->nslots || !h->slot_bytes || size < hf_region_size(h->nslots, h->slot_bytes))
+        return HF_EBAD;
+    return HF_OK;
+}
+
+void hf_get_info(const void *base, struct hf_info *out) {
+    struct header *h = hdr(base);
+    out->nslots = h->nslots;
+    out->slot_bytes = h->slot_bytes;
+    out->generation = atomic_load(&h->generation);
+    out->proxy_pid = atomic_load(&h->proxy_pid);
+    out->proxy_state = atomic_load(&h->proxy_state);
+    out->next_seq = atomic_load(&h->next_seq);
+    int64_t beat = atomic_load_explicit(&h->heartbeat_ns, memory_order_acquire);
+    out->heartbeat_age_ns = beat < 0 ? -1 : hf_now_ns() - beat;
+}
+
+void hf_set_proxy(void *base, uint32_t pid, uint32_t state) {
+    atomic_store(&hdr(base)->proxy_pid, pid);
+    atomic_store(&hdr(base)->proxy_state, state);
+}
+
+void hf_heartbeat(void *base) {
+    atomic_store_explicit(&hdr(base)->heartbeat_ns, hf_now_ns(), memory_order_release);
+}
+
+/* -- engine side ----------------------------------------------------------------------- */
+int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot_out, uint64_t *seq_out) {
+    struct header *h = hdr(base);
+    if (len > h->slot_bytes)
+        return HF_ETOOBIG;
+    for (uint32_t i = 0; i < h->nslots; i++) {
+        struct slot *s = slot_at(base, i);
+        uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+        if (STATE_OF(w) != HF_FREE)
+            continue;
+        uint64_t seq = atomic_fetch_add_explicit(&h->next_seq, 1, memory_order_relaxed);
+        if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(seq, HF_FILLING),
+                                                     memory_order_acq_rel, memory_order_acquire))
+            continue;
+        memcpy(req_area(base, i), req, len);
+        s->req_len = len;
+        s->submit_ns = hf_now_ns();
+        atomic_store_explicit(&s->generation, atomic_load(&h->generation), memory_order_relaxed);
+        atomic_store_explicit(&s->word, WORD(seq, HF_REQUEST), memory_order_release);
+        bump_and_wake(&h->doorbell);
+        *slot_out = i;
+        *seq_out = seq;
+        return HF_OK;
+    }
+    return HF_EFULL;
+}
+
+static int free_slot(struct slot *s, uint64_t w) {
+    return atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(SEQ_OF(w), HF_FREE),
+                                                   memory_order_acq_rel, memory_order_acquire);
+}
+
+int hf_poll(void *base, uint32_t i, uint64_t seq, uint8_t *out, uint32_t cap, uint32_t *len,
+            uint32_t *status) {
+    struct header *h = hdr(base);
+    if (i >= h->nslots)
+        return HF_EBAD;
+    struct slot *s = slot_at(base, i);
+    uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+    if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
+        return HF_ESTALE;
+    if (STATE_OF(w) != HF_REPLY)
+        return STATE_OF(w) <= HF_TAKEN ? HF_PENDING : (free_slot(s, w), HF_EBAD);
+    uint32_t n = s->reply_len;
+    if (s->reply_seq != seq || n > h->slot_bytes || n > cap || s->status > HF_ROUND_BAD) {
+        free_slot(s, w);
+        return HF_EBAD;
+    }
+    memcpy(out, reply_area(base, i), n);
+    *len = n;
+    *status = s->status;
+    return free_slot(s, w) ? HF_OK : HF_ESTALE;
+}
+
+int hf_wait_reply(void *base, uint32_t i, uint64_t seq, int mode, int64_t spin_ns, int64_t deadline_ns) {
+    if (i >= hdr(base)->nslots)
+        return HF_EBAD;
+    struct slot *s = slot_at(base, i);
+    for (;;) {
+        uint32_t event = atomic_load_explicit(&s->reply_event, memory_order_acquire);
+        uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+        if (SEQ_OF(w) != seq || STATE_OF(w) == HF_REPLY || STATE_OF(w) == HF_FREE)
+            return HF_OK;
+        int rc = hf_wait_change((uint32_t *)&s->reply_event, event, mode, spin_ns, deadline_ns);
+        if (rc)
+            return rc;
+    }
+}
+
+int hf_reclaim(void *base, uint32_t i, uint64_t seq) {
+    if (i >= hdr(base)->nslots)
+        return HF_EBAD;
+    struct slot *s = slot_at(base, i);
+    for (;;) {
+        uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+        if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
+            return HF_ESTALE;
+        if (free_slot(s, w))
+            return HF_OK;
+    }
+}
+
+uint32_t hf_new_generation(void *base, uint32_t *reclaimed) {
+    struct header *h = hdr(base);
+    uint32_t gen = atomic_fetch_add(&h->generation, 1) + 1;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < h->nslots; i++) {
+        struct slot *s = slot_at(base, i);
+        for (;;) {
+            uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+            if (STATE_OF(w) == HF_FREE)
+                break;
+            if (free_slot(s, w)) {
+                n++;
+                break;
+            }
+        }
+    }
+    atomic_store(&h->heartbeat_ns, -1);
+    bump_and_wake(&h->doorbell); /* an old proxy still waiting sees the change and leaves */
+    *reclaimed = n;
+    return gen;
+}
+
+int64_t hf_round_age_ns(const void *base, uint32_t i, uint64_t seq) {
+    struct slot *s = slot_at(base, i);
+    uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+    if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
+        return -1;
+    return hf_now_ns() - s->submit_ns;
+}
+
+/* -- proxy side ------------------------------------------------------------------------ */
+int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t deadline_ns,
+            uint32_t *slot_out, uint64_t *seq_out, uint8_t *out, uint32_t cap, uint32_t *len) {
+    struct header *h = hdr(base);
+    for (;;) {
+        uint32_t bell = atomic_load_explicit(&h->doorbell, memory_order_acquire);
+        if (atomic_load(&h->generation) != generation)
+            return HF_EGEN;
+        for (uint32_t i = 0; i < h->nslots; i++) {
+            struct slot *s = slot_at(base, i);
+            uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
+            if (STATE_OF(w) != HF_REQUEST ||
+                atomic_load_explicit(&s->generation, memory_order_relaxed) != generation)
+                continue;
+            if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(SEQ_OF(w), HF_TAKEN),
+                                                         memory_order_acq_rel, memory_order_acquire))
+                continue;
+            *slot_out = i;
+            *seq_out = SEQ_OF(w);
+            uint32_t n = s->req_len;
+            if (n > h->slot_bytes || n > cap)
+                return HF_EBAD; /* the caller completes the round with HF_ROUND_BAD */
+            memcpy(out, req_area(base, i), n);
+            *len = n;
+            return HF_OK;
+        }
+        int rc = hf_wait_change((uint32_t *)&h->doorbell, bell, mode, spin_ns, deadline_ns);
+        if (rc)
+            return rc;
+    }
+}
+
+int hf_complete(void *base, uint32_t i, uint64_t seq, const uint8_t *reply, uint32_t len,
+                uint32_t status) {
+    struct header *h = hdr(base);
+    if (i >= h->nslots)
+        return HF_EBAD;
+    if (len > h->slot_bytes)
+        return HF_ETOOBIG;
+    struct slot *s = slot_at(base, i);
+    uint64_t w = WORD(seq, HF_TAKEN);
+    if (atomic_load_explicit(&s->word, memory_order_acquire) != w)
+        return HF_ESTALE;
+    memcpy(reply_area(base, i), reply, len);
+    s->reply_len = len;
+    s->reply_seq = seq;
+    s->status = status;
+    if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(seq, HF_REPLY),
+                                                 memory_order_acq_rel, memory_order_acquire))
+        return HF_ESTALE; /* the engine abandoned the round meanwhile */
+    bump_and_wake(&s->reply_event);
+    return HF_OK;
+}

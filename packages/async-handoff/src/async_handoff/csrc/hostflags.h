@@ -1,0 +1,81 @@
+/* Host flags: request/reply slots in one shared-memory region, handed between the engine
+ * process and the proxy process with C11 atomics and futexes.
+ *
+ * Every slot has a 64-bit word = seq << 3 | state. A round's seq is unique for the
+ * region's lifetime, so every transition is a compare-exchange on (seq, state): a late
+ * reply for round n can never complete round n+1 (ABA-free), and a round abandoned by
+ * the engine can never be completed by the proxy.
+ *
+ *   FREE --submit(engine)--> FILLING --> REQUEST --take(proxy)--> TAKEN
+ *   TAKEN --complete(proxy)--> REPLY --poll(engine)--> FREE
+ *   FILLING/REQUEST/TAKEN/REPLY --reclaim(engine)--> FREE
+ *
+ * The proxy only takes rounds stamped with its generation; a respawn bumps the
+ * generation and reclaims every outstanding round, so a successor never answers its
+ * predecessor's rounds. */
+#ifndef HOSTFLAGS_H
+#define HOSTFLAGS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cdef-begin */
+enum hf_rc {
+    HF_OK = 0,
+    HF_PENDING = 1,     /* the round has no reply yet */
+    HF_EFULL = -1,      /* no free slot */
+    HF_ETOOBIG = -2,    /* payload larger than a slot */
+    HF_ETIMEDOUT = -3,  /* deadline passed */
+    HF_ESTALE = -4,     /* the slot no longer holds this round (reclaimed or consumed) */
+    HF_EBAD = -5,       /* slot contents fail validation (garbage) */
+    HF_EGEN = -6,       /* the caller's proxy generation is not the current one */
+};
+
+enum hf_state { HF_FREE = 0, HF_FILLING = 1, HF_REQUEST = 2, HF_TAKEN = 3, HF_REPLY = 4 };
+enum hf_wait_mode { HF_SPIN = 0, HF_NAP = 1 };
+enum hf_round_status { HF_ROUND_OK = 0, HF_ROUND_FAILED = 1, HF_ROUND_TIMEOUT = 2,
+                       HF_ROUND_BAD = 3 };
+enum hf_layout { HF_HEADER_BYTES = 4096, HF_STATUS_OFFSET = 128, HF_STATUS_BYTES = 3968,
+                 HF_SLOT_CTL_BYTES = 64 };
+
+struct hf_info {
+    uint32_t nslots, slot_bytes, generation, proxy_pid, proxy_state;
+    uint64_t next_seq;
+    int64_t heartbeat_age_ns; /* -1: never beat */
+};
+
+size_t hf_region_size(uint32_t nslots, uint32_t slot_bytes);
+int hf_format(void *base, size_t size, uint32_t nslots, uint32_t slot_bytes);
+int hf_validate(const void *base, size_t size);
+void hf_get_info(const void *base, struct hf_info *out);
+void hf_set_proxy(void *base, uint32_t pid, uint32_t state);
+
+/* engine side */
+int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot, uint64_t *seq);
+int hf_poll(void *base, uint32_t slot, uint64_t seq, uint8_t *out, uint32_t cap,
+            uint32_t *len, uint32_t *status);
+int hf_wait_reply(void *base, uint32_t slot, uint64_t seq, int mode, int64_t spin_ns,
+                  int64_t deadline_ns);
+int hf_reclaim(void *base, uint32_t slot, uint64_t seq);
+uint32_t hf_new_generation(void *base, uint32_t *reclaimed);
+int64_t hf_round_age_ns(const void *base, uint32_t slot, uint64_t seq);
+
+/* proxy side */
+int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t deadline_ns,
+            uint32_t *slot, uint64_t *seq, uint8_t *out, uint32_t cap, uint32_t *len);
+int hf_complete(void *base, uint32_t slot, uint64_t seq, const uint8_t *reply, uint32_t len,
+                uint32_t status);
+void hf_heartbeat(void *base);
+
+/* primitives (exported for tests) */
+int64_t hf_now_ns(void);
+uint32_t hf_load32(uint32_t *p);
+void hf_store32(uint32_t *p, uint32_t v);
+uint64_t hf_load64(uint64_t *p);
+int hf_cas64(uint64_t *p, uint64_t expected, uint64_t desired);
+int hf_futex_wait(uint32_t *p, uint32_t expected, int64_t timeout_ns);
+int hf_futex_wake(uint32_t *p, int n);
+int hf_wait_change(uint32_t *p, uint32_t old, int mode, int64_t spin_ns, int64_t deadline_ns);
+/* cdef-end */
+
+#endif

@@ -1,0 +1,48 @@
+"""Every environment variable async_handoff reads, with its default and what it does.
+
+Read when a Handoff is created; changing one in a running engine does nothing until it
+restarts. Rollback: unset VLLM_DSPARK_REMOTE_ASYNC on both ranks -> synchronous rounds.
+"""
+
+from __future__ import annotations
+
+from ofl.env import EnvVar
+
+VLLM_DSPARK_REMOTE_ASYNC = EnvVar(
+    "VLLM_DSPARK_REMOTE_ASYNC", "",
+    "Set (to anything but 0/empty) to run remote draft rounds through the proxy process; "
+    "unset = synchronous rounds in the engine (the reference deployment's switch).")
+ASYNC_HANDOFF_WAIT_MODE = EnvVar(
+    "ASYNC_HANDOFF_WAIT_MODE", "nap",
+    "How the proxy and a waiting engine wait for a flag: spin (busy-poll with pause/yield; "
+    "lowest latency, burns a core) or nap (spin briefly, then futex sleep).")
+ASYNC_HANDOFF_SPIN_US = EnvVar(
+    "ASYNC_HANDOFF_SPIN_US", "50", "nap mode: microseconds to spin before sleeping.")
+ASYNC_HANDOFF_SLOTS = EnvVar("ASYNC_HANDOFF_SLOTS", "4", "Rounds in flight at most.")
+ASYNC_HANDOFF_SLOT_BYTES = EnvVar(
+    "ASYNC_HANDOFF_SLOT_BYTES", str(1 << 20), "Largest request and largest reply (bytes).")
+ASYNC_HANDOFF_ROUND_DEADLINE_MS = EnvVar(
+    "ASYNC_HANDOFF_ROUND_DEADLINE_MS", "100",
+    "A round older than this is abandoned (reclaimed, counted timed out); the proxy also "
+    "gives the adapter this deadline.")
+ASYNC_HANDOFF_MAX_WAIT_MS = EnvVar(
+    "ASYNC_HANDOFF_MAX_WAIT_MS", "20", "The longest any engine-side call may block.")
+ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS = EnvVar(
+    "ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS", "1000",
+    "A proxy whose heartbeat is older than this is stuck: the watchdog kills and respawns it.")
+ASYNC_HANDOFF_RESPAWN_MAX = EnvVar(
+    "ASYNC_HANDOFF_RESPAWN_MAX", "3", "Respawns allowed per window; past it the handoff "
+    "stays disabled (target-only decoding) instead of flapping.")
+ASYNC_HANDOFF_RESPAWN_WINDOW_S = EnvVar(
+    "ASYNC_HANDOFF_RESPAWN_WINDOW_S", "300", "The respawn window (seconds).")
+ASYNC_HANDOFF_STARTUP_TIMEOUT_S = EnvVar(
+    "ASYNC_HANDOFF_STARTUP_TIMEOUT_S", "30", "How long a new proxy may take to pass its self-test.")
+
+ALL = [VLLM_DSPARK_REMOTE_ASYNC, ASYNC_HANDOFF_WAIT_MODE, ASYNC_HANDOFF_SPIN_US,
+       ASYNC_HANDOFF_SLOTS, ASYNC_HANDOFF_SLOT_BYTES, ASYNC_HANDOFF_ROUND_DEADLINE_MS,
+       ASYNC_HANDOFF_MAX_WAIT_MS, ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS, ASYNC_HANDOFF_RESPAWN_MAX,
+       ASYNC_HANDOFF_RESPAWN_WINDOW_S, ASYNC_HANDOFF_STARTUP_TIMEOUT_S]
+
+
+def async_enabled() -> bool:
+    return VLLM_DSPARK_REMOTE_ASYNC.get() not in ("", "0")

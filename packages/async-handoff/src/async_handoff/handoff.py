@@ -1,0 +1,280 @@
+"""Handoff: the engine side. submit() and poll() never block; wait() blocks at most
+max_wait. A watchdog thread respawns a dead or stuck proxy, at most R times per window W;
+past that the handoff stays disabled (the caller decodes without drafts) and says so.
+
+    h = Handoff(HandoffConfig.from_env(), "async_handoff.adapters:OflMessageAdapter",
+                {"address": "10.0.0.2:7490", "backend": "tcp"}).start()
+    t = h.submit(request)           # at step k: returns at once (None: no round this step)
+    reply = h.poll(t)               # at step k+1: the reply, or None -> no drafts this step
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from . import env
+from ._hostflags import lib
+from .hostflags import PROXY_FAILED, PROXY_READY, WAIT_MODES, HostFlags, Ticket
+
+log = logging.getLogger("async_handoff")
+
+
+@dataclass
+class HandoffConfig:
+    mode: str = "nap"
+    spin_us: float = 50
+    slots: int = 4
+    slot_bytes: int = 1 << 20
+    round_deadline_ms: float = 100
+    max_wait_ms: float = 20
+    heartbeat_timeout_ms: float = 1000
+    respawn_max: int = 3
+    respawn_window_s: float = 300
+    startup_timeout_s: float = 30
+    watchdog_interval_s: float = 0.05
+    proxy_env: dict = field(default_factory=dict)  # extra environment for the proxy
+
+    @classmethod
+    def from_env(cls) -> HandoffConfig:
+        return cls(mode=env.ASYNC_HANDOFF_WAIT_MODE.get(), spin_us=env.ASYNC_HANDOFF_SPIN_US.get_float(),
+                   slots=env.ASYNC_HANDOFF_SLOTS.get_int(),
+                   slot_bytes=env.ASYNC_HANDOFF_SLOT_BYTES.get_int(),
+                   round_deadline_ms=env.ASYNC_HANDOFF_ROUND_DEADLINE_MS.get_float(),
+                   max_wait_ms=env.ASYNC_HANDOFF_MAX_WAIT_MS.get_float(),
+                   heartbeat_timeout_ms=env.ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS.get_float(),
+                   respawn_max=env.ASYNC_HANDOFF_RESPAWN_MAX.get_int(),
+                   respawn_window_s=env.ASYNC_HANDOFF_RESPAWN_WINDOW_S.get_float(),
+                   startup_timeout_s=env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S.get_float())
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        c = lambda name, doc: Counter(f"async_handoff_{name}", doc, registry=r)  # noqa: E731
+        self.rounds_ok = c("rounds_ok", "rounds answered in time")
+        self.rounds_failed = c("rounds_failed", "rounds the adapter failed or the proxy lost")
+        self.rounds_timed_out = c("rounds_timed_out", "rounds past their deadline")
+        self.rounds_bad = c("rounds_bad", "rounds whose slot failed validation (garbage)")
+        self.stale_dropped = c("stale_replies_dropped", "polls that found the round gone")
+        self.no_slot = c("no_slot", "submits refused: every slot busy")
+        self.disabled_skips = c("disabled_skips", "submits refused: handoff not running")
+        self.watchdog_fires = c("watchdog_fires", "dead or stuck proxies detected")
+        self.respawns = c("respawns", "proxies respawned")
+        self.latency = Histogram("async_handoff_round_seconds", "submit -> reply taken",
+                                 registry=r, buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
+                                                      3e-2, 0.1, 0.3, 1.0))
+        self.mlocked = Gauge("async_handoff_mlocked", "1 when the host flags are mlocked",
+                             registry=r)
+        self.enabled = Gauge("async_handoff_enabled", "1 while rounds go through the proxy",
+                             registry=r)
+
+    def value(self, counter) -> float:
+        return counter._value.get()
+
+
+class Handoff:
+    def __init__(self, config: HandoffConfig, adapter: str, adapter_config: dict | None = None):
+        self.config = config
+        if config.mode not in WAIT_MODES:
+            raise ValueError(f"mode must be spin or nap, got {config.mode!r}")
+        self.adapter, self.adapter_config = adapter, adapter_config or {}
+        self.metrics = Metrics()
+        self.flags: HostFlags | None = None
+        self.proc: subprocess.Popen | None = None
+        self.generation = 0
+        self.enabled = False
+        self.reason = "not started"
+        self.proxy_status: dict = {}
+        self._respawns: deque[float] = deque()
+        self._retired: list[HostFlags] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._mode = WAIT_MODES[config.mode]
+        self._spin_ns = int(config.spin_us * 1000)
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> Handoff:
+        """Create the host flags, start the proxy, wait for its self-test (startup bound)."""
+        self.flags = HostFlags.create(f"async-handoff-{os.getpid()}-{secrets.token_hex(4)}",
+                                      self.config.slots, self.config.slot_bytes)
+        mlock = self.flags.lock()
+        self.metrics.mlocked.set(mlock == "ok")
+        log.info("host flags %s: mlock %s", self.flags.path, mlock)
+        self._spawn()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="handoff-watchdog")
+        self._watchdog.start()
+        return self
+
+    def _spawn(self) -> bool:
+        """Start a proxy for a fresh generation; True once its self-test passed."""
+        if not os.path.exists(self.flags.path):  # the region was removed underneath: renew it
+            old = self.flags
+            old.new_generation()
+            self.flags = HostFlags.create(f"async-handoff-{os.getpid()}-{secrets.token_hex(4)}",
+                                          self.config.slots, self.config.slot_bytes)
+            self.metrics.mlocked.set(self.flags.lock() == "ok")
+            self._retired.append(old)  # outstanding tickets still point into it: keep mapped
+        self.generation, reclaimed = self.flags.new_generation()
+        if reclaimed:
+            self.metrics.rounds_failed.inc(reclaimed)
+        c = self.config
+        cmd = [sys.executable, "-m", "async_handoff.proxy", "--region", self.flags.path,
+               "--generation", str(self.generation), "--adapter", self.adapter,
+               "--adapter-config", json.dumps(self.adapter_config), "--mode", c.mode,
+               "--spin-us", str(c.spin_us), "--round-deadline-ms", str(c.round_deadline_ms),
+               "--heartbeat-ms", str(min(100.0, c.heartbeat_timeout_ms / 4))]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **c.proxy_env},
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + c.startup_timeout_s
+        while time.monotonic() < deadline:
+            info = self.flags.info()
+            if info.proxy_pid == self.proc.pid and info.proxy_state in (PROXY_READY, PROXY_FAILED):
+                break
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        self.proxy_status = self.flags.read_status()
+        info = self.flags.info()
+        if info.proxy_pid == self.proc.pid and info.proxy_state == PROXY_READY:
+            self.enabled, self.reason = True, "running"
+            self.metrics.enabled.set(1)
+            log.info("proxy %d ready (generation %d): %s", self.proc.pid, self.generation,
+                     self.proxy_status)
+            return True
+        self._kill()
+        self._disable(f"proxy self-test failed: {self.proxy_status.get('error', 'no answer')}")
+        return False
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)  # also ends a SIGSTOPped proxy
+            self.proc.wait()
+
+    def _disable(self, reason: str) -> None:
+        self.enabled, self.reason = False, reason
+        self.metrics.enabled.set(0)
+        log.error("async handoff disabled: %s (decoding continues without remote drafts)", reason)
+
+    def _watch(self) -> None:
+        timeout_ns = self.config.heartbeat_timeout_ms * 1e6
+        while not self._stop.wait(self.config.watchdog_interval_s):
+            if not self.enabled and not self._respawn_allowed(peek=True):
+                continue
+            info = self.flags.info()
+            dead = self.proc is None or self.proc.poll() is not None
+            stuck = info.heartbeat_age_ns > timeout_ns
+            if not (dead or stuck or not self.enabled):
+                continue
+            with self._lock:
+                if self.enabled:
+                    self.metrics.watchdog_fires.inc()
+                    log.warning("proxy %s %s; restarting it", self.proc.pid if self.proc else "-",
+                                "died" if dead else "is stuck (heartbeat stale)")
+                    self.enabled = False
+                    self.metrics.enabled.set(0)
+                    self._kill()
+                elif self.reason.startswith("respawn bound"):
+                    continue
+                if not self._respawn_allowed():
+                    self._disable(f"respawn bound reached ({self.config.respawn_max} in "
+                                  f"{self.config.respawn_window_s:.0f} s)")
+                    continue
+                self.metrics.respawns.inc()
+                self._spawn()
+
+    def _respawn_allowed(self, peek: bool = False) -> bool:
+        now = time.monotonic()
+        while self._respawns and now - self._respawns[0] > self.config.respawn_window_s:
+            self._respawns.popleft()
+        if len(self._respawns) >= self.config.respawn_max:
+            return False
+        if not peek:
+            self._respawns.append(now)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+        with self._lock:
+            self._kill()
+            self.enabled = False
+            if self.flags is not None:
+                self.flags.close(unlink=True)
+            for old in self._retired:
+                old.close()
+
+    def __enter__(self) -> Handoff:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- rounds (never block past max_wait) ---------------------------------------------------
+    def submit(self, request: bytes) -> Ticket | None:
+        """Hand a round to the proxy; None when it cannot take one (no drafts this step)."""
+        if not self.enabled:
+            self.metrics.disabled_skips.inc()
+            return None
+        flags = self.flags
+        result = flags.submit(request)
+        if result == lib.HF_ETOOBIG:
+            raise ValueError(f"round of {len(request)} bytes exceeds the slot size "
+                             f"{flags.slot_bytes}")
+        if isinstance(result, Ticket):
+            return result
+        self.metrics.no_slot.inc()
+        return None
+
+    def poll(self, ticket: Ticket | None) -> bytes | None:
+        """The reply if it is there and belongs to this round; None otherwise (and a round
+        past its deadline is abandoned)."""
+        if ticket is None:
+            return None
+        rc, reply, status = ticket.flags.poll(ticket)
+        if rc == lib.HF_OK:
+            if status == lib.HF_ROUND_OK:
+                self.metrics.rounds_ok.inc()
+                self.metrics.latency.observe(time.monotonic() - ticket.submitted)
+                return reply
+            {lib.HF_ROUND_TIMEOUT: self.metrics.rounds_timed_out,
+             lib.HF_ROUND_BAD: self.metrics.rounds_bad}.get(status, self.metrics.rounds_failed).inc()
+            return None
+        if rc == lib.HF_PENDING:
+            if (time.monotonic() - ticket.submitted) * 1000 > self.config.round_deadline_ms:
+                if ticket.flags.reclaim(ticket):
+                    self.metrics.rounds_timed_out.inc()
+            return None
+        (self.metrics.rounds_bad if rc == lib.HF_EBAD else self.metrics.stale_dropped).inc()
+        return None
+
+    def wait(self, ticket: Ticket | None, timeout_s: float | None = None) -> bytes | None:
+        """poll(), after waiting for the reply at most min(timeout_s, max_wait)."""
+        if ticket is None:
+            return None
+        bound = self.config.max_wait_ms / 1000
+        wait_s = bound if timeout_s is None else min(timeout_s, bound)
+        ticket.flags.wait_reply(ticket, self._mode, self._spin_ns, time.monotonic() + wait_s)
+        return self.poll(ticket)
+
+    def prometheus(self) -> str:
+        return generate_latest(self.metrics.registry).decode()
+
+    def counters(self) -> dict:
+        m = self.metrics
+        return {name: m.value(getattr(m, name)) for name in (
+            "rounds_ok", "rounds_failed", "rounds_timed_out", "rounds_bad", "stale_dropped",
+            "no_slot", "disabled_skips", "watchdog_fires", "respawns")}
