@@ -36,7 +36,8 @@ struct slot {
     _Atomic uint32_t reply_event; /* futex word: bumped when a reply is posted */
     uint32_t pad;
     int64_t submit_ns;
-    uint8_t pad2[16];
+    uint64_t req_seal;   /* seal(seq, generation, request): the proxy checks it */
+    uint64_t reply_seal; /* seal(seq, status, reply): the engine checks it */
 };
 
 _Static_assert(sizeof(struct header) <= HF_STATUS_OFFSET, "header overlaps the status text");
@@ -78,6 +79,23 @@ static uint8_t *req_area(const void *base, uint32_t i) {
 
 static uint8_t *reply_area(const void *base, uint32_t i) {
     return req_area(base, i) + hdr(base)->slot_bytes;
+}
+
+/* A seal over a round's fields and payload, so bytes scribbled into a slot (by a bug or a
+ * stray writer) are refused instead of delivered. A multiply-xorshift mix, 8 bytes a step. */
+static uint64_t seal(uint64_t seq, uint64_t tag, const uint8_t *data, uint32_t len) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (seq * 0xBF58476D1CE4E5B9ull) ^ (tag << 32) ^ len;
+    uint32_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t w;
+        memcpy(&w, data + i, 8);
+        h = (h ^ w) * 0x94D049BB133111EBull;
+        h ^= h >> 31;
+    }
+    for (; i < len; i++)
+        h = (h ^ data[i]) * 0x100000001B3ull;
+    h ^= h >> 29;
+    return h | 1; /* never 0: a zeroed slot never carries a valid seal */
 }
 
 /* -- primitives ------------------------------------------------------------------------ */
@@ -185,10 +203,12 @@ int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot_out, 
         if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(seq, HF_FILLING),
                                                      memory_order_acq_rel, memory_order_acquire))
             continue;
+        uint32_t gen = atomic_load(&h->generation);
         memcpy(req_area(base, i), req, len);
         s->req_len = len;
         s->submit_ns = hf_now_ns();
-        atomic_store_explicit(&s->generation, atomic_load(&h->generation), memory_order_relaxed);
+        s->req_seal = seal(seq, gen, req, len);
+        atomic_store_explicit(&s->generation, gen, memory_order_relaxed);
         atomic_store_explicit(&s->word, WORD(seq, HF_REQUEST), memory_order_release);
         bump_and_wake(&h->doorbell);
         *slot_out = i;
@@ -215,7 +235,8 @@ int hf_poll(void *base, uint32_t i, uint64_t seq, uint8_t *out, uint32_t cap, ui
     if (STATE_OF(w) != HF_REPLY)
         return STATE_OF(w) <= HF_TAKEN ? HF_PENDING : (free_slot(s, w), HF_EBAD);
     uint32_t n = s->reply_len;
-    if (s->reply_seq != seq || n > h->slot_bytes || n > cap || s->status > HF_ROUND_BAD) {
+    if (s->reply_seq != seq || n > h->slot_bytes || n > cap || s->status > HF_ROUND_BAD ||
+        s->reply_seal != seal(seq, s->status, reply_area(base, i), n)) {
         free_slot(s, w);
         return HF_EBAD;
     }
@@ -303,7 +324,8 @@ int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t 
             *slot_out = i;
             *seq_out = SEQ_OF(w);
             uint32_t n = s->req_len;
-            if (n > h->slot_bytes || n > cap)
+            if (n > h->slot_bytes || n > cap ||
+                s->req_seal != seal(SEQ_OF(w), generation, req_area(base, i), n))
                 return HF_EBAD; /* the caller completes the round with HF_ROUND_BAD */
             memcpy(out, req_area(base, i), n);
             *len = n;
@@ -330,6 +352,7 @@ int hf_complete(void *base, uint32_t i, uint64_t seq, const uint8_t *reply, uint
     s->reply_len = len;
     s->reply_seq = seq;
     s->status = status;
+    s->reply_seal = seal(seq, status, reply, len);
     if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(seq, HF_REPLY),
                                                  memory_order_acq_rel, memory_order_acquire))
         return HF_ESTALE; /* the engine abandoned the round meanwhile */

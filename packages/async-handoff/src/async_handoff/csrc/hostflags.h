@@ -10,7 +10,9 @@
  *   TAKEN --complete(proxy)--> REPLY --poll(engine)--> FREE
  *   FILLING/REQUEST/TAKEN/REPLY --reclaim(engine)--> FREE
  *
- * The proxy only takes rounds stamped with its generation; a respawn bumps the
+ * Requests and replies carry a seal over their fields and bytes; a slot whose seal does not
+ * match (garbage) is refused, never delivered. The proxy only takes rounds stamped with its
+ * generation; a respawn bumps the
  * generation and reclaims every outstanding round, so a successor never answers its
  * predecessor's rounds. */
 #ifndef HOSTFLAGS_H
