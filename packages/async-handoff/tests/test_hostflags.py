@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from async_handoff._hostflags import ffi, lib
 from async_handoff.hostflags import HostFlags
 

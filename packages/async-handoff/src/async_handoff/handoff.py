@@ -171,23 +171,19 @@ class Handoff:
     def _watch(self) -> None:
         timeout_ns = self.config.heartbeat_timeout_ms * 1e6
         while not self._stop.wait(self.config.watchdog_interval_s):
-            if not self.enabled and not self._respawn_allowed(peek=True):
-                continue
-            info = self.flags.info()
-            dead = self.proc is None or self.proc.poll() is not None
-            stuck = info.heartbeat_age_ns > timeout_ns
-            if not (dead or stuck or not self.enabled):
-                continue
             with self._lock:
                 if self.enabled:
+                    dead = self.proc.poll() is not None
+                    if not dead and self.flags.info().heartbeat_age_ns <= timeout_ns:
+                        continue
                     self.metrics.watchdog_fires.inc()
-                    log.warning("proxy %s %s; restarting it", self.proc.pid if self.proc else "-",
+                    log.warning("proxy %d %s; restarting it", self.proc.pid,
                                 "died" if dead else "is stuck (heartbeat stale)")
                     self.enabled = False
                     self.metrics.enabled.set(0)
                     self._kill()
                 elif self.reason.startswith("respawn bound"):
-                    continue
+                    continue  # stays disabled: no flapping
                 if not self._respawn_allowed():
                     self._disable(f"respawn bound reached ({self.config.respawn_max} in "
                                   f"{self.config.respawn_window_s:.0f} s)")
@@ -195,14 +191,13 @@ class Handoff:
                 self.metrics.respawns.inc()
                 self._spawn()
 
-    def _respawn_allowed(self, peek: bool = False) -> bool:
+    def _respawn_allowed(self) -> bool:
         now = time.monotonic()
         while self._respawns and now - self._respawns[0] > self.config.respawn_window_s:
             self._respawns.popleft()
         if len(self._respawns) >= self.config.respawn_max:
             return False
-        if not peek:
-            self._respawns.append(now)
+        self._respawns.append(now)
         return True
 
     def close(self) -> None:
