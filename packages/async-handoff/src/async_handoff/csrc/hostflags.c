@@ -24,6 +24,7 @@ struct header {
     _Atomic int64_t heartbeat_ns;
     _Atomic uint32_t proxy_pid;
     _Atomic uint32_t proxy_state;
+    _Atomic uint32_t doorbell_waiters; /* sleepers on doorbell: wakes skip the syscall at 0 */
 };
 
 struct slot {
@@ -34,7 +35,7 @@ struct slot {
     uint32_t reply_len;
     uint32_t status;
     _Atomic uint32_t reply_event; /* futex word: bumped when a reply is posted */
-    uint32_t pad;
+    _Atomic uint32_t reply_waiters;
     int64_t submit_ns;
     uint64_t req_seal;   /* seal(seq, generation, request): the proxy checks it */
     uint64_t reply_seal; /* seal(seq, status, reply): the engine checks it */
@@ -119,29 +120,47 @@ int hf_futex_wait(uint32_t *p, uint32_t expected, int64_t timeout_ns) {
 
 int hf_futex_wake(uint32_t *p, int n) { return (int)syscall(SYS_futex, p, FUTEX_WAKE, n, NULL, NULL, 0); }
 
-static void bump_and_wake(_Atomic uint32_t *word) {
-    atomic_fetch_add_explicit(word, 1, memory_order_acq_rel);
-    hf_futex_wake((uint32_t *)word, INT_MAX);
+/* Waker and sleeper each write their word, then read the other's (all seq_cst): at least
+ * one sees the other, so a wake is never lost, and no futex syscall is made while nobody
+ * sleeps (the common case when both sides spin). */
+static void bump_and_wake(_Atomic uint32_t *word, _Atomic uint32_t *waiters) {
+    atomic_fetch_add(word, 1);
+    if (atomic_load(waiters))
+        hf_futex_wake((uint32_t *)word, INT_MAX);
 }
 
-/* Wait until *p != old: spin (pause/yield) for spin_ns, then (nap mode) sleep on the futex.
- * spin mode spins until the deadline. */
-int hf_wait_change(uint32_t *p, uint32_t old, int mode, int64_t spin_ns, int64_t deadline_ns) {
+static int wait_change(_Atomic uint32_t *word, _Atomic uint32_t *waiters, uint32_t old, int mode,
+                       int64_t spin_ns, int64_t deadline_ns) {
     int64_t now = hf_now_ns(), spin_until = now + spin_ns;
     for (;;) {
-        if (hf_load32(p) != old)
+        if (atomic_load_explicit(word, memory_order_acquire) != old)
             return HF_OK;
         now = hf_now_ns();
         if (now >= deadline_ns)
             return HF_ETIMEDOUT;
         if (mode == HF_SPIN || now < spin_until) {
-            for (int i = 0; i < 64; i++)
+            /* Check the word after every pause (one pause is ~40-140 cycles); read the
+             * clock only every 128 checks. */
+            for (int i = 0; i < 128; i++) {
+                if (atomic_load_explicit(word, memory_order_acquire) != old)
+                    return HF_OK;
                 cpu_relax();
+            }
             continue;
         }
         int64_t left = deadline_ns - now;
-        hf_futex_wait(p, old, left < 100000000 ? left : 100000000);
+        atomic_fetch_add(waiters, 1);
+        if (atomic_load(word) == old)
+            hf_futex_wait((uint32_t *)word, old, left < 100000000 ? left : 100000000);
+        atomic_fetch_sub(waiters, 1);
     }
+}
+
+/* Wait until *p != old: spin (pause/yield) for spin_ns, then (nap mode) sleep on the futex.
+ * spin mode spins until the deadline. (Standalone words: the waker must always wake.) */
+int hf_wait_change(uint32_t *p, uint32_t old, int mode, int64_t spin_ns, int64_t deadline_ns) {
+    _Atomic uint32_t always = 0;
+    return wait_change((_Atomic uint32_t *)p, &always, old, mode, spin_ns, deadline_ns);
 }
 
 /* -- region ---------------------------------------------------------------------------- */
@@ -210,7 +229,7 @@ int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot_out, 
         s->req_seal = seal(seq, gen, req, len);
         atomic_store_explicit(&s->generation, gen, memory_order_relaxed);
         atomic_store_explicit(&s->word, WORD(seq, HF_REQUEST), memory_order_release);
-        bump_and_wake(&h->doorbell);
+        bump_and_wake(&h->doorbell, &h->doorbell_waiters);
         *slot_out = i;
         *seq_out = seq;
         return HF_OK;
@@ -255,7 +274,7 @@ int hf_wait_reply(void *base, uint32_t i, uint64_t seq, int mode, int64_t spin_n
         uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
         if (SEQ_OF(w) != seq || STATE_OF(w) == HF_REPLY || STATE_OF(w) == HF_FREE)
             return HF_OK;
-        int rc = hf_wait_change((uint32_t *)&s->reply_event, event, mode, spin_ns, deadline_ns);
+        int rc = wait_change(&s->reply_event, &s->reply_waiters, event, mode, spin_ns, deadline_ns);
         if (rc)
             return rc;
     }
@@ -291,7 +310,7 @@ uint32_t hf_new_generation(void *base, uint32_t *reclaimed) {
         }
     }
     atomic_store(&h->heartbeat_ns, -1);
-    bump_and_wake(&h->doorbell); /* an old proxy still waiting sees the change and leaves */
+    bump_and_wake(&h->doorbell, &h->doorbell_waiters); /* an old proxy still waiting sees the change and leaves */
     *reclaimed = n;
     return gen;
 }
@@ -331,7 +350,7 @@ int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t 
             *len = n;
             return HF_OK;
         }
-        int rc = hf_wait_change((uint32_t *)&h->doorbell, bell, mode, spin_ns, deadline_ns);
+        int rc = wait_change(&h->doorbell, &h->doorbell_waiters, bell, mode, spin_ns, deadline_ns);
         if (rc)
             return rc;
     }
@@ -356,6 +375,45 @@ int hf_complete(void *base, uint32_t i, uint64_t seq, const uint8_t *reply, uint
     if (!atomic_compare_exchange_strong_explicit(&s->word, &w, WORD(seq, HF_REPLY),
                                                  memory_order_acq_rel, memory_order_acquire))
         return HF_ESTALE; /* the engine abandoned the round meanwhile */
-    bump_and_wake(&s->reply_event);
+    bump_and_wake(&s->reply_event, &s->reply_waiters);
+    return HF_OK;
+}
+
+/* -- benchmark peers ------------------------------------------------------------------- */
+/* Answer every round with its request until no round came for idle_ns. Returns rounds served. */
+int hf_echo_serve(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t idle_ns) {
+    uint8_t buf[4096];
+    uint32_t slot, len;
+    uint64_t seq;
+    int served = 0;
+    for (;;) {
+        int rc = hf_take(base, generation, mode, spin_ns, hf_now_ns() + idle_ns, &slot, &seq, buf,
+                         sizeof buf, &len);
+        if (rc == HF_ETIMEDOUT || rc == HF_EGEN)
+            return served;
+        if (rc == HF_OK && hf_complete(base, slot, seq, buf, len, HF_ROUND_OK) == HF_OK)
+            served++;
+    }
+}
+
+/* `count` rounds of submit -> wait -> poll; rtt_ns[i] = each round trip. 0 or an error. */
+int hf_ping(void *base, const uint8_t *req, uint32_t len, int mode, int64_t spin_ns,
+            uint32_t count, int64_t *rtt_ns) {
+    uint8_t out[4096];
+    uint32_t slot, n, status;
+    uint64_t seq;
+    for (uint32_t i = 0; i < count; i++) {
+        int64_t t = hf_now_ns();
+        int rc = hf_submit(base, req, len, &slot, &seq);
+        if (rc)
+            return rc;
+        rc = hf_wait_reply(base, slot, seq, mode, spin_ns, t + 1000000000LL);
+        if (rc)
+            return rc;
+        rc = hf_poll(base, slot, seq, out, sizeof out, &n, &status);
+        if (rc)
+            return rc;
+        rtt_ns[i] = hf_now_ns() - t;
+    }
     return HF_OK;
 }

@@ -69,6 +69,11 @@ int hf_complete(void *base, uint32_t slot, uint64_t seq, const uint8_t *reply, u
                 uint32_t status);
 void hf_heartbeat(void *base);
 
+/* benchmark peers, all in C: the cost of the flags themselves */
+int hf_echo_serve(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t idle_ns);
+int hf_ping(void *base, const uint8_t *req, uint32_t len, int mode, int64_t spin_ns,
+            uint32_t count, int64_t *rtt_ns);
+
 /* primitives (exported for tests) */
 int64_t hf_now_ns(void);
 uint32_t hf_load32(uint32_t *p);
