@@ -260,3 +260,12 @@ def test_soak_10000_rounds():
     finally:
         h.close()
         worker.stop()
+
+
+def test_selftest_cli(capsys):
+    from async_handoff.cli import main
+
+    assert main(["selftest", "--rounds", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "300 rounds: 300 ok, 0 without a reply; watchdog fires 0" in out
+    assert main(["env"]) == 0 and "VLLM_DSPARK_REMOTE_ASYNC" in capsys.readouterr().out

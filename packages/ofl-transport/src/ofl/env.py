@@ -55,6 +55,6 @@ ALL = [OFL_BACKEND, OFL_DEADLINE_MS, OFL_CONNECT_TIMEOUT_MS, OFL_MAX_INFLIGHT,
        OFL_MAX_MESSAGE_BYTES, OFL_IB_DEVICE, OFL_IB_PORT, OFL_GID_INDEX]
 
 
-def describe() -> str:
-    """One line per variable: name, default, doc (used by `ofl env`)."""
-    return "\n".join(f"{v.name} (default {v.default!r}): {v.doc}" for v in ALL)
+def describe(variables: list[EnvVar] | None = None) -> str:
+    """One line per variable: name, default, doc (`ofl env` and other packages' CLIs)."""
+    return "\n".join(f"{v.name} (default {v.default!r}): {v.doc}" for v in variables or ALL)
