@@ -11,7 +11,7 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip
 for pkg in "${TORCH_FREE[@]}"; do
-  OFL_BUILD_VERBS=require "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+  OFL_BUILD_VERBS=require ASYNC_HANDOFF_BUILD=require "$venv/bin/python" -m pip install -q --disable-pip-version-check \
     "packages/$pkg[test]" 2>&1 | grep -v "^WARNING: Location" || true
 done
 if "$venv/bin/python" -c "import torch" 2>/dev/null; then

@@ -36,7 +36,7 @@ specs=(ruff)
 for pkg in packages/*/ stack/; do
   [[ -f $pkg/pyproject.toml ]] && specs+=(-e "${pkg%/}[test]")
 done
-OFL_BUILD_VERBS=require .venv/bin/python -m pip install -q --disable-pip-version-check \
+OFL_BUILD_VERBS=require ASYNC_HANDOFF_BUILD=require .venv/bin/python -m pip install -q --disable-pip-version-check \
   "${specs[@]}" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import ofl._verbs_cffi" || { echo "setup: the verbs helper did not build" >&2; exit 1; }
 echo "setup: .venv ready ($(.venv/bin/python --version))"
