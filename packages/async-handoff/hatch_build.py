@@ -1,1 +1,1 @@
-../../tools/build/hatch_cffi_hook.py
+../../tools/hatch_cffi_hook.py
