@@ -1,0 +1,77 @@
+"""compare A.json B.json ...: the paired table (values side by side, spreads shown, no
+percentages added together); and the regression gate against a baseline."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .report import METRICS, fmt
+
+GATED = ("ttft_s", "step_p50_s", "task_s", "stream_tok_s", "aggregate_tok_s")
+
+
+def key(cell: dict) -> tuple:
+    return cell["context"], cell["concurrency"], cell["mode"]
+
+
+def paired_table(results: list[dict], names: list[str], console: Console | None = None) -> None:
+    console = console or Console()
+    cells = {}
+    for i, res in enumerate(results):
+        for c in res["cells"]:
+            cells.setdefault(key(c), [None] * len(results))[i] = c
+    for metric, (label, scale, unit, _) in METRICS.items():
+        t = Table(title=f"{label} {unit}".strip())
+        t.add_column("context")
+        t.add_column("conc")
+        t.add_column("mode")
+        for n in names:
+            t.add_column(n, justify="right")
+        if len(results) == 2:
+            t.add_column("B / A", justify="right")
+        for k in sorted(cells):
+            row = cells[k]
+            vals = [fmt(c.get(metric), scale) if c else "-" for c in row]
+            extra = []
+            if len(results) == 2:
+                a, b = ((c or {}).get(metric) or {} for c in row)
+                extra = [f"{b['mean'] / a['mean']:.3f}" if a.get("mean") and b.get("mean") else "-"]
+            t.add_row(f"{k[0]:,}", str(k[1]), k[2], *vals, *extra)
+        console.print(t)
+    for res, n in zip(results, names):
+        fp = (res.get("fingerprint") or {}).get("all", "")
+        console.print(f"{n}: greedy fingerprint {fp[:16]}")
+    fps = {(r.get("fingerprint") or {}).get("all") for r in results}
+    console.print("greedy outputs: " + ("identical" if len(fps) == 1 else "DIFFERENT"))
+
+
+class GateRefused(ValueError):
+    pass
+
+
+def gate(result: dict, baseline: dict, tolerance: float) -> list[str]:
+    """Regressions beyond `tolerance` (0.05 = 5%) in the gated metrics, per cell."""
+    for what in ("hardware", "settings"):
+        a, b = result["receipt"].get(what), baseline["receipt"].get(what)
+        if what == "settings":
+            a = {k: v for k, v in (a or {}).items() if k not in ("repeats", "label")}
+            b = {k: v for k, v in (b or {}).items() if k not in ("repeats", "label")}
+        if a != b:
+            raise GateRefused(f"the baseline was measured with other {what}: {b!r} vs {a!r}")
+    base = {key(c): c for c in baseline["cells"]}
+    problems = []
+    for c in result["cells"]:
+        b = base.get(key(c))
+        if b is None:
+            continue
+        for metric in GATED:
+            now, then = (c.get(metric) or {}).get("mean"), (b.get(metric) or {}).get("mean")
+            if now is None or then is None:
+                continue
+            lower_better = METRICS[metric][3]
+            worse = now > then * (1 + tolerance) if lower_better else now < then * (1 - tolerance)
+            if worse:
+                problems.append(f"{key(c)} {metric}: {now:.4g} vs baseline {then:.4g} "
+                                f"({'lower' if lower_better else 'higher'} is better)")
+    return problems

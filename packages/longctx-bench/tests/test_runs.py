@@ -1,0 +1,103 @@
+"""Runs against the scripted fake server: timings, token counts, salting, counters,
+failures per request, the gate's exit code and compare's table."""
+
+import json
+
+import pytest
+from fake_server import FakeServer, Script
+from longctx_bench.cli import main
+
+
+@pytest.fixture
+def fake():
+    srv = FakeServer(Script(ttft_s=0.08, gaps_s=(0.03, 0.03, 0.03, 0.03)))
+    yield srv
+    srv.stop()
+
+
+def run_cli(fake, tmp_path, *extra, name="r.json"):
+    code = main(["run", "--base-url", fake.url, "--model", "fake-model", "--contexts", "64,128",
+                 "--max-concurrency", "1,2", "--repeats", "2", "--output-len", "8",
+                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", name,
+                 "--hardware", "test-vm", *extra])
+    path = tmp_path / name
+    return code, (json.loads(path.read_text()) if path.exists() else None)
+
+
+def test_run_measures_every_cell(fake, tmp_path):
+    code, res = run_cli(fake, tmp_path, "--label", "A", "--plot")
+    assert code == 0 and not res["partial"]
+    assert [(c["context"], c["concurrency"]) for c in res["cells"]] == [
+        (64, 1), (64, 2), (128, 1), (128, 2)]
+    for c in res["cells"]:
+        assert c["ttft_s"]["n"] == 2 * c["concurrency"]
+        assert 0.075 < c["ttft_s"]["mean"] < 0.5
+        assert 0.025 < c["step_p50_s"]["mean"] < 0.2
+        assert c["tokens_per_event"]["mean"] == pytest.approx(8 / 5)
+        assert not c["errors"] and not c["checks"]
+        # cold: every request carries a fresh salt, so no cached prefix
+        assert all(x == 0 for x in c["cached_tokens"])
+        assert len(c["prompt_sha256"]) == 2 * c["concurrency"]
+        sd = c["spec_decode"]
+        # each completion adds 4 drafts and 6 accepted; the warm-up request lands before
+        # the first scrape, so the cell counts exactly its own requests
+        assert sd["num_drafts"] == 4 * 2 * c["concurrency"]
+        assert sd["mean_accepted_length"] == pytest.approx(1 + 6 / 4)
+        assert c["kv_capacity_tokens"] == 16_000
+    # prompts are token ids of exactly the context length
+    ctx = [len(r["prompt"]) for r in fake.requests if r["max_tokens"] == 8]
+    assert set(ctx) == {64, 128}
+    assert res["fingerprint"]["all"] and res["receipt"]["hardware"] == "test-vm"
+    assert res["server_models"]["data"][0]["id"] == "fake-model"
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_warm_runs_resend_the_same_prompt(fake, tmp_path):
+    code, res = run_cli(fake, tmp_path, "--warm")
+    assert code == 0
+    for c in res["cells"]:
+        assert len(c["prompt_sha256"]) == 1
+        assert all(x and x > 0 for x in c["cached_tokens"])
+
+
+def test_failures_are_recorded_per_request(fake, tmp_path):
+    # order of completions: fingerprint (3), then per cell a warm-up and the groups
+    fake.behaviors.extend(["ok"] * 3 + ["ok", "malformed", "drop"] + ["ok", "http500"])
+    code, res = run_cli(fake, tmp_path)
+    assert code == 0
+    first = res["cells"][0]["errors"] + res["cells"][1]["errors"]
+    assert any("malformed SSE" in e for e in first)
+    assert any("HTTP 500" in e for e in first)
+    assert any("peer closed connection" in e for e in first)
+    assert len(first) == 3  # the rest of the run went on
+    assert res["cells"][-1]["ttft_s"]["n"] == 4
+
+
+def test_gate_and_compare(fake, tmp_path, capsys):
+    code, base = run_cli(fake, tmp_path, "--label", "base", name="base.json")
+    assert code == 0
+    fake.script.gaps_s = (0.09,) * 4  # slower steps: a regression
+    code, _ = run_cli(fake, tmp_path, "--label", "slow", "--baseline",
+                      str(tmp_path / "base.json"), "--tolerance", "5%", name="slow.json")
+    assert code == 3
+    out = capsys.readouterr()
+    assert "REGRESSION" in out.out + out.err
+    assert main(["compare", str(tmp_path / "base.json"), str(tmp_path / "slow.json")]) == 0
+    table = capsys.readouterr().out
+    assert "step p50" in table and "base" in table and "slow" in table and "B / A" in table
+    assert "greedy outputs: identical" in table
+    # a gate across other hardware is refused
+    other = json.loads((tmp_path / "slow.json").read_text())
+    other["receipt"]["hardware"] = "h200"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["compare", str(tmp_path / "other.json"), "--baseline",
+                 str(tmp_path / "base.json")]) == 1
+
+
+def test_capacity_drill(fake, tmp_path):
+    code = main(["run", "--base-url", fake.url, "--model", "fake-model", "--contexts", "64",
+                 "--repeats", "1", "--output-len", "4", "--capacity-drill", "3", "256",
+                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "d.json"])
+    d = json.loads((tmp_path / "d.json").read_text())["capacity_drill"]
+    assert code == 0 and d["requests"] == 3 and d["all_completed"]
+    assert all(r["completed"] and r["task_s"] > 0 for r in d["per_request"])
