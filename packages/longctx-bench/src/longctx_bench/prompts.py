@@ -28,7 +28,7 @@ def synthetic_text(n_words: int, seed: int) -> str:
     return " ".join(sentences)
 
 
-SALT_TOKENS = 16  # a whole KV block of random tokens: no cached prefix can match
+SALT_TOKENS = 16  # random tokens first: the first block's hash differs, and hashes chain
 
 
 class PromptSource:

@@ -37,24 +37,25 @@ def receipt(settings: dict, hardware: str) -> dict:
             "client_host": platform.node(), "hardware": hardware, "settings": settings}
 
 
-def fmt(stat: dict, scale: float) -> str:
+def fmt(stat: dict, scale: float, with_n: bool = True) -> str:
     if not stat or stat.get("mean") is None:
         return "-"
-    sd = f" ± {stat['sd'] * scale:.2f}" if stat.get("sd") is not None else ""
-    return f"{stat['mean'] * scale:.2f}{sd} (n={stat['n']})"
+    sd = f"±{stat['sd'] * scale:.2f}" if stat.get("sd") is not None else ""
+    return f"{stat['mean'] * scale:.2f}{sd}" + (f" (n={stat['n']})" if with_n else "")
 
 
 def print_table(result: dict, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table(title=f"longctx-bench {result.get('label') or ''}".strip())
-    for col in ("context", "conc", "mode", *[f"{m[0]} {m[2]}".strip() for m in METRICS.values()],
-                "accepted len", "errors"):
+    t = Table(title=f"longctx-bench {result.get('label') or ''} (mean±sd over n requests; "
+                    "aggregate over groups)".strip())
+    for col in ("context", "conc", "mode", "n", *[f"{m[0]} {m[2]}".strip() for m in METRICS.values()],
+                "acc. len", "errors"):
         t.add_column(col, justify="right")
     for c in result["cells"]:
         sd = c.get("spec_decode") or {}
         mal = sd.get("mean_accepted_length")
-        t.add_row(f"{c['context']:,}", str(c["concurrency"]), c["mode"],
-                  *[fmt(c.get(k), m[1]) for k, m in METRICS.items()],
+        t.add_row(f"{c['context']:,}", str(c["concurrency"]), c["mode"], str(c["ttft_s"]["n"]),
+                  *[fmt(c.get(k), m[1], with_n=False) for k, m in METRICS.items()],
                   f"{mal:.2f}" if mal else "-", str(len(c["errors"])))
     console.print(t)
     if result.get("capacity_drill"):

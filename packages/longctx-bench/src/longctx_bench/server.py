@@ -56,6 +56,11 @@ async def scrape(client: httpx.AsyncClient, base: str) -> tuple[dict, dict]:
 
 
 def kv_capacity_tokens(info: dict) -> int | None:
+    """KV pool in tokens: the `kv_cache_size_tokens` label (vLLM 0.32+) or blocks x size."""
+    try:
+        return int(info["kv_cache_size_tokens"])
+    except (KeyError, ValueError, TypeError):
+        pass
     try:
         return int(info["num_gpu_blocks"]) * int(info["block_size"])
     except (KeyError, ValueError, TypeError):
