@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from async_handoff import Handoff, HandoffConfig
 
+from async_handoff import Handoff, HandoffConfig
 from ofl import Server
 
 HERE = str(Path(__file__).parent)

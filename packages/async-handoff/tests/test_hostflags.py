@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from async_handoff._hostflags import ffi, lib
 from async_handoff.hostflags import HostFlags
 

@@ -1,6 +1,7 @@
 """The measurement definitions computed on exact, hand-made timestamps."""
 
 import pytest
+
 from longctx_bench import metrics
 from longctx_bench.sse import RequestRecord, event_tokens
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 from fake_server import FakeServer, Script
+
 from longctx_bench.cli import main
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from longctx_bench.cli import main
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")

@@ -1,5 +1,6 @@
 import pytest
 from engram_support import SMALL, EngramServeProcess
+
 from remote_engram.synth import write_shards
 
 

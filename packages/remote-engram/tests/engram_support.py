@@ -1,17 +1,16 @@
 """Shared by the remote-engram tests: a small table geometry and a real server process."""
 
-import os
-import signal
 import subprocess
 import sys
 
+from ofl.testing import ChildProcess
 from remote_engram.geometry import EngramGeometry
 
 # A small table with the real structure: layers 1 and 14, orders 2-4, 8 heads, primes > 1000.
 SMALL = EngramGeometry(layers=(1, 14), vocab=500, prime_start=1000)
 
 
-class EngramServeProcess:
+class EngramServeProcess(ChildProcess):
     """A real `remote-engram serve` process on 127.0.0.1."""
 
     def __init__(self, shard_dir: str, backend: str, port: int = 0):
@@ -29,13 +28,3 @@ class EngramServeProcess:
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()

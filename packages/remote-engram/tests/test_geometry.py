@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+
 from remote_engram.cli import main
 from remote_engram.geometry import V41, EngramGeometry, is_prime
 

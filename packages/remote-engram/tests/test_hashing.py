@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from remote_engram.geometry import EngramGeometry
 from remote_engram.hashing import row_ids
 

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 from engram_support import SMALL, EngramServeProcess
+
+from ofl import Connection, RemoteError, wire
 from remote_engram.cli import main as cli
 from remote_engram.client import EngramClient, EngramUnavailable
 from remote_engram.hashing import row_ids
 from remote_engram.shard import ShardReader, shard_name
-
-from ofl import Connection, RemoteError, wire
 
 TOKEN_MAP = np.random.default_rng(11).integers(0, SMALL.vocab, 2000)
 

@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 from engram_support import SMALL
+
 from remote_engram.cli import main as cli
 from remote_engram.dequant import E4M3, dequantize
 from remote_engram.pack import check, pack

@@ -4,8 +4,9 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is a test dependency; "
                                  "tools/setup.sh installs it")
-from remote_engram.token_map import compressed_token_map  # noqa: E402
 from tokenizers import Tokenizer, decoders, models  # noqa: E402
+
+from remote_engram.token_map import compressed_token_map  # noqa: E402
 
 
 def word_level(words):

@@ -17,7 +17,6 @@ plain IPC, and the overlap it buys; one run, interleaved blocks, medians.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -26,6 +25,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from ofl.cli import emit_result
 
 from . import __version__
 from .handoff import Handoff, HandoffConfig
@@ -253,13 +254,11 @@ def main(argv=None) -> int:
               "handoff_nap_over_pipe": ipc["handoff_nap_p50_us"] / ipc["pipe_p50_us"],
               "goals": {"spin_over_pipe": 1 / 20, "nap_over_pipe": 1 / 2},
               "overlap": bench_overlap(args.work_ms, args.round_ms, args.steps)}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-        return 0
+    emit_result(result, args.out, args.json, print_table)
+    return 0
+
+
+def print_table(result: dict) -> None:
     print(f"{'empty round, 2 processes':26} {'p50 us':>8} {'p99 us':>8}")
     for name in ("spin", "nap", "nap_futex", "handoff_spin", "handoff_nap", "pipe", "zmq"):
         if f"{name}_p50_us" in result:
@@ -272,7 +271,6 @@ def main(argv=None) -> int:
     print(f"step = {o['work_ms']} ms work + {o['round_ms']} ms round: sync p50 "
           f"{o['sync_step_p50_ms']:.2f} ms, async p50 {o['async_step_p50_ms']:.2f} ms "
           f"({o['async_over_sync']:.2f}x), {o['async_rounds_missed']} rounds missed")
-    return 0
 
 
 if __name__ == "__main__":

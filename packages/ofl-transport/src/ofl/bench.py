@@ -13,7 +13,6 @@ Both servers run as separate processes, like the real offload host.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import socket
 import struct
@@ -25,7 +24,7 @@ import numpy as np
 
 from . import __version__
 from .channel import set_socket_options
-from .cli import parse_size, start_loopback_server
+from .cli import emit_result, parse_size, start_loopback_server
 from .client import Connection
 from .probe import PROBE_REGION, fill
 from .region import Region
@@ -184,14 +183,7 @@ def main(argv=None) -> int:
     result["tcp_over_raw_socket"] = result["tcp"]["ratio"]
     result["shm_over_memcpy"] = result["shm"]["ratio"]
     result["goals"] = {"tcp_over_raw_socket": 0.9, "shm_over_memcpy": 0.9}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        print_table(result)
+    emit_result(result, args.out, args.json, print_table)
     return 0
 
 

@@ -33,6 +33,29 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+def wait_for_shutdown() -> None:
+    """Block until SIGTERM or Ctrl-C (the servers' main thread)."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+
+
+def emit_result(result: dict, out: str | None, as_json: bool, print_table) -> None:
+    """The benches' ending: JSON to --out, then JSON or the table on stdout."""
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    if as_json:
+        print(text)
+    else:
+        print_table(result)
+
+
 def cmd_serve(args) -> int:
     region = Region.allocate(probe.PROBE_REGION, args.size)
     t = time.perf_counter()
@@ -46,13 +69,7 @@ def cmd_serve(args) -> int:
     addrs = ", ".join("%s:%d" % s.address for s in servers)
     print(f"ofl serve: {args.backend} on {addrs}, region {probe.PROBE_REGION!r} "
           f"{args.size / MiB:.0f} MiB (filled in {time.perf_counter() - t:.1f} s)", flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-    try:
-        while not stop:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+    wait_for_shutdown()
     for s in servers:
         s.stop()
     region.close()

@@ -81,7 +81,28 @@ class TwoHosts:
             ["cat", f"/sys/class/net/{self.engine_dev[i]}/statistics/rx_bytes"], check=True).stdout)
 
 
-class ServeProcess:
+class ChildProcess:
+    """A server process a test started: stop() (even when SIGSTOPped) and kill()."""
+
+    proc: subprocess.Popen
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class ServeProcess(ChildProcess):
     """A real `ofl serve` process (pattern region + echo handler) on 127.0.0.1."""
 
     def __init__(self, backend: str, size: int = 8 << 20):
@@ -111,18 +132,3 @@ class ServeProcess:
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not restart on its port")
             time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()

@@ -14,7 +14,6 @@ Tables are synthetic, one shard per layer (rank 0 of 1 owns all 24 columns).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import platform
@@ -25,6 +24,7 @@ import time
 
 import numpy as np
 
+from ofl.cli import emit_result
 from ofl.gather import gather_into
 
 from . import __version__
@@ -156,14 +156,7 @@ def main(argv=None) -> int:
                    "tokens_per_s_per_40gbit_link_both_layers":
                        40e9 / 8 / (BYTES_PER_TOKEN_LAYER // 2 * 2)},
     }
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        print_table(result)
+    emit_result(result, args.out, args.json, print_table)
     return 0
 
 

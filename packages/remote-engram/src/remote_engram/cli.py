@@ -13,11 +13,12 @@ import argparse
 import glob
 import json
 import os
-import signal
 import sys
 import time
 
 from tqdm import tqdm
+
+from ofl.cli import wait_for_shutdown
 
 from .geometry import V41_VOCAB, EngramGeometry
 
@@ -122,13 +123,7 @@ def cmd_serve(args) -> int:
           f"{h['resident_bytes'] / 2**30:.2f} GiB resident, mlock {set(h['mlock'].values())}, "
           f"loaded in {time.perf_counter() - t:.1f} s; {args.backend} on {', '.join(h['links'])}",
           flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-    try:
-        while not stop:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+    wait_for_shutdown()
     server.stop()
     return 0
 
