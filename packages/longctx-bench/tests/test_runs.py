@@ -45,6 +45,9 @@ def test_run_measures_every_cell(fake, tmp_path):
         assert sd["num_drafts"] == 4 * 2 * c["concurrency"]
         assert sd["mean_accepted_length"] == pytest.approx(1 + 6 / 4)
         assert c["kv_capacity_tokens"] == 16_000
+        p = c["percentiles"]
+        assert set(p) == {"ttft_s", "step_p50_s"} and set(p["ttft_s"]) == {"p50", "p99"}
+        assert p["ttft_s"]["p50"] <= p["ttft_s"]["p99"]
     # prompts are token ids of exactly the context length
     ctx = [len(r["prompt"]) for r in fake.requests if r["max_tokens"] == 8]
     assert set(ctx) == {64, 128}

@@ -26,6 +26,9 @@ from .compare import GateRefused, gate, paired_table
 from .report import plot, print_table, receipt, save
 from .runner import RunConfig, run
 
+PERCENTILE_METRICS = {"ttft": "ttft_s", "step": "step_p50_s", "stream": "stream_tok_s",
+                      "task": "task_s", "tpe": "tokens_per_event"}
+
 
 def parse_tokens(text: str) -> int:
     t = text.strip().upper()
@@ -52,7 +55,9 @@ def cmd_run(args) -> int:
         cold=not args.warm, seed=args.seed, request_timeout_s=args.request_timeout,
         prompt_file=args.prompt_file, tokenizer=args.tokenizer,
         capacity_drill=(int(args.capacity_drill[0]), parse_tokens(args.capacity_drill[1]))
-        if args.capacity_drill else None, label=args.label)
+        if args.capacity_drill else None, label=args.label,
+        percentile_metrics=tuple(PERCENTILE_METRICS[m] for m in parse_list(args.percentile_metrics, str)),
+        metric_percentiles=tuple(parse_list(args.metric_percentiles, float)))
     settings = {k: v for k, v in vars(cfg).items() if k not in ("label",)}
     total = len(cfg.contexts) * len(cfg.concurrency) * cfg.repeats
     with Progress(console=console, transient=True) as progress:
@@ -147,6 +152,10 @@ def main(argv=None) -> int:
     r.add_argument("--tokenizer", help="tokenizer.json, when the server has no /tokenize")
     r.add_argument("--capacity-drill", nargs=2, metavar=("N", "CONTEXT"),
                    help="N concurrent requests at CONTEXT tokens: all complete or not")
+    r.add_argument("--percentile-metrics", default="ttft,step",
+                   help=f"metrics to report percentiles of, over a cell's requests: "
+                        f"{','.join(PERCENTILE_METRICS)} (ttft,step)")
+    r.add_argument("--metric-percentiles", default="50,99", help="which percentiles (50,99)")
     r.add_argument("--request-timeout", type=float, default=1800.0)
     r.add_argument("--label", default="")
     r.add_argument("--hardware", default="", help="what the server runs on (the gate compares it)")

@@ -3,6 +3,8 @@ percentages added together); and the regression gate against a baseline."""
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Console
 from rich.table import Table
 
@@ -53,7 +55,8 @@ class GateRefused(ValueError):
 def gate(result: dict, baseline: dict, tolerance: float) -> list[str]:
     """Regressions beyond `tolerance` (0.05 = 5%) in the gated metrics, per cell."""
     for what in ("hardware", "settings"):
-        a, b = result["receipt"].get(what), baseline["receipt"].get(what)
+        # as JSON sees them: a fresh result holds tuples where a loaded one holds lists
+        a, b = (json.loads(json.dumps(r["receipt"].get(what))) for r in (result, baseline))
         if what == "settings":
             a = {k: v for k, v in (a or {}).items() if k not in ("repeats", "label")}
             b = {k: v for k, v in (b or {}).items() if k not in ("repeats", "label")}

@@ -58,6 +58,13 @@ def print_table(result: dict, console: Console | None = None) -> None:
                   *[fmt(c.get(k), m[1], with_n=False) for k, m in METRICS.items()],
                   f"{mal:.2f}" if mal else "-", str(len(c["errors"])))
     console.print(t)
+    for c in result["cells"]:
+        pcts = "; ".join(f"{m} " + " ".join(f"{p}={v * (1e3 if m.endswith('_s') else 1):.1f}"
+                                             for p, v in vals.items())
+                         for m, vals in (c.get("percentiles") or {}).items() if vals)
+        if pcts:
+            console.print(f"{c['context']:,} x {c['concurrency']}: {pcts}"
+                          " (ms for times)")
     if result.get("capacity_drill"):
         d = result["capacity_drill"]
         console.print(f"capacity drill: {d['requests']} x {d['context']:,} tokens -> "

@@ -36,6 +36,8 @@ class RunConfig:
     prompt_file: str | None = None
     tokenizer: str | None = None
     capacity_drill: tuple[int, int] | None = None  # (requests, context)
+    percentile_metrics: tuple[str, ...] = ("ttft_s", "step_p50_s")
+    metric_percentiles: tuple[float, ...] = (50.0, 99.0)
     fingerprint_tokens: int = 32
     label: str = ""
 
@@ -95,6 +97,8 @@ async def run_cell(client, cfg: RunConfig, source: PromptSource, context: int, c
             "prompt_sha256": sorted(prompt_digests), "warmup_error": warmup.error}
     for key in ("ttft_s", "step_p50_s", "tokens_per_event", "stream_tok_s", "task_s"):
         cell[key] = metrics.summarize([m[key] for m in ok])
+    cell["percentiles"] = {key: metrics.percentiles([m[key] for m in ok], cfg.metric_percentiles)
+                           for key in cfg.percentile_metrics}
     gm = [metrics.group_metrics(g) for g in groups]
     cell["aggregate_tok_s"] = metrics.summarize([g["aggregate_tok_s"] for g in gm])
     cell["combined_decode_tok_s"] = metrics.summarize([g["combined_decode_tok_s"] for g in gm])
