@@ -269,3 +269,38 @@ def test_selftest_cli(capsys):
     out = capsys.readouterr().out
     assert "300 rounds: 300 ok, 0 without a reply; watchdog fires 0" in out
     assert main(["env"]) == 0 and "VLLM_DSPARK_REMOTE_ASYNC" in capsys.readouterr().out
+
+
+def test_dropped_tickets_do_not_wedge_the_slots():
+    worker = Worker(delay_s=0.03)
+    h = start(worker, round_deadline_ms=50, slots=4)
+    try:
+        given = 0
+        for _ in range(40):  # submit every "step", poll once too early, drop the ticket
+            t = h.submit(b"step")
+            given += t is not None
+            h.poll(t)
+            time.sleep(0.01)
+        assert given >= 30, f"only {given} of 40 rounds could be submitted"
+        assert h.counters()["rounds_timed_out"] > 0
+        worker.delay_s = 0
+        assert round_trip(h, b"later") == b"retal"
+    finally:
+        h.close()
+        worker.stop()
+
+
+def test_garbage_in_the_header_never_crashes_the_engine():
+    worker = Worker()
+    h = start(worker)
+    rng = np.random.default_rng(1)
+    try:
+        view = np.frombuffer(h.flags.region.view, np.uint8)
+        for i in range(300):
+            view[rng.integers(0, 64, 4)] = rng.integers(0, 256, 4, dtype=np.uint8)  # nslots, ...
+            payload = struct.pack("<Q", i)
+            reply = h.wait(h.submit(payload))
+            assert reply is None or reply == payload[::-1]
+    finally:
+        h.close()
+        worker.stop()

@@ -389,3 +389,27 @@ def test_peer_metadata_and_verification_on_every_connect():
         assert len(seen) == 2 and conn.stats["peers_rejected"] == 1
     finally:
         other.stop()
+
+
+def test_retried_read_resolves_regions_on_the_new_connection():
+    a = Region.from_buffer("a", np.full(4096, 0xAA, np.uint8))
+    b = Region.from_buffer("b", np.full(1024, 0xBB, np.uint8))
+    srv = Server("tcp")
+    srv.register(a)
+    srv.register(b)
+    srv.start()
+    host, port = srv.address
+    conn = Connection((host, port), backend="tcp")
+    dest = np.zeros(16, np.uint8)
+    conn.read("a", 0, 16, dest)
+    srv.stop()
+    again = Server("tcp", host, port)  # restarted with the regions in the other order
+    again.register(b)
+    again.register(a)
+    again.start()
+    try:
+        conn.read("a", 4000, 16, dest)  # retried on the fresh connection
+        assert (dest == 0xAA).all() and conn.stats["retries"] == 1
+    finally:
+        again.stop()
+        conn.close()

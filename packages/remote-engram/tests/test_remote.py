@@ -135,6 +135,7 @@ def test_restart_with_other_tables_is_refused_mid_session(shard_dirs):
 
 def test_no_local_shard_and_no_server_is_an_error(shard_dirs):
     c = EngramClient(geometry=SMALL, rank=0, remote="127.0.0.1:1", backend="tcp", deadline_s=0.5)
+    assert c.fetch(1, np.empty((0, 12), np.int64)).shape == (0, 12, 264)  # nothing to fetch
     with pytest.raises(EngramUnavailable):
         c.fetch(1, random_ids(1, 0, (2, 12)))
     c.close()

@@ -77,7 +77,7 @@ def _c_echo(path: str, generation: int, mode: int, spin_ns: int) -> None:
 
     flags = HostFlags.open(path)
     flags.set_proxy(os.getpid(), 1)
-    lib.hf_echo_serve(flags.base, generation, mode, spin_ns, 2_000_000_000)
+    lib.hf_echo_serve(flags.r, generation, mode, spin_ns, 2_000_000_000)
 
 
 def flags_rounds(mode: str, spin_ns: int, n: int) -> list[float]:
@@ -94,7 +94,7 @@ def flags_rounds(mode: str, spin_ns: int, n: int) -> list[float]:
         while flags.info().proxy_pid != child.pid:
             time.sleep(0.005)
         rtt = ffi.new("int64_t[]", n + 200)
-        rc = lib.hf_ping(flags.base, PAYLOAD, len(PAYLOAD), WAIT_MODES[mode], spin_ns, n + 200,
+        rc = lib.hf_ping(flags.r, PAYLOAD, len(PAYLOAD), WAIT_MODES[mode], spin_ns, n + 200,
                          rtt)
         if rc:
             raise RuntimeError(f"hf_ping failed: {rc}")

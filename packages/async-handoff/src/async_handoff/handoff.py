@@ -84,6 +84,10 @@ class Metrics:
         return counter._value.get()
 
 
+def _key(t: Ticket) -> tuple:
+    return id(t.flags), t.slot, t.seq
+
+
 class Handoff:
     def __init__(self, config: HandoffConfig, adapter: str, adapter_config: dict | None = None):
         self.config = config
@@ -99,6 +103,9 @@ class Handoff:
         self.proxy_status: dict = {}
         self._respawns: deque[float] = deque()
         self._retired: list[HostFlags] = []
+        # Rounds handed out and not yet resolved: a caller may drop a ticket (no reply by
+        # its next step), so submit() reclaims those past the round deadline.
+        self._outstanding: dict[tuple, Ticket] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -221,6 +228,7 @@ class Handoff:
     # -- rounds (never block past max_wait) ---------------------------------------------------
     def submit(self, request: bytes) -> Ticket | None:
         """Hand a round to the proxy; None when it cannot take one (no drafts this step)."""
+        self._sweep()
         if not self.enabled:
             self.metrics.disabled_skips.inc()
             return None
@@ -230,9 +238,25 @@ class Handoff:
             raise ValueError(f"round of {len(request)} bytes exceeds the slot size "
                              f"{flags.slot_bytes}")
         if isinstance(result, Ticket):
+            self._outstanding[_key(result)] = result
             return result
-        self.metrics.no_slot.inc()
+        (self.metrics.no_slot if result == lib.HF_EFULL else self.metrics.stale_dropped).inc()
         return None
+
+    def _sweep(self) -> None:
+        """Abandon every outstanding round past its deadline (the caller may have dropped
+        its ticket): the slot is freed, the round counted as timed out."""
+        limit = time.monotonic() - self.config.round_deadline_ms / 1000
+        for t in list(self._outstanding.values()):
+            if t.submitted < limit:
+                self.abandon(t)
+
+    def abandon(self, ticket: Ticket | None) -> None:
+        """Give up on a round: its slot is freed now, and a late reply is dropped."""
+        if ticket is None or self._outstanding.pop(_key(ticket), None) is None:
+            return
+        if ticket.flags.reclaim(ticket):
+            self.metrics.rounds_timed_out.inc()
 
     def poll(self, ticket: Ticket | None) -> bytes | None:
         """The reply if it is there and belongs to this round; None otherwise (and a round
@@ -240,6 +264,11 @@ class Handoff:
         if ticket is None:
             return None
         rc, reply, status = ticket.flags.poll(ticket)
+        if rc == lib.HF_PENDING:
+            if (time.monotonic() - ticket.submitted) * 1000 > self.config.round_deadline_ms:
+                self.abandon(ticket)
+            return None
+        self._outstanding.pop(_key(ticket), None)
         if rc == lib.HF_OK:
             if status == lib.HF_ROUND_OK:
                 self.metrics.rounds_ok.inc()
@@ -247,11 +276,6 @@ class Handoff:
                 return reply
             {lib.HF_ROUND_TIMEOUT: self.metrics.rounds_timed_out,
              lib.HF_ROUND_BAD: self.metrics.rounds_bad}.get(status, self.metrics.rounds_failed).inc()
-            return None
-        if rc == lib.HF_PENDING:
-            if (time.monotonic() - ticket.submitted) * 1000 > self.config.round_deadline_ms:
-                if ticket.flags.reclaim(ticket):
-                    self.metrics.rounds_timed_out.inc()
             return None
         (self.metrics.rounds_bad if rc == lib.HF_EBAD else self.metrics.stale_dropped).inc()
         return None

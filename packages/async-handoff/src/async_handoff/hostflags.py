@@ -38,10 +38,11 @@ class HostFlags:
     def __init__(self, region: Region, path: str):
         self.region, self.path = region, path
         self.base = ffi.cast("void *", region.address)
-        if lib.hf_validate(self.base, region.length) != lib.HF_OK:
+        # The geometry is validated once and kept here, never re-read from shared memory.
+        self.r = ffi.new("struct hf_region *")
+        if lib.hf_attach(self.base, region.length, self.r) != lib.HF_OK:
             raise HostFlagsError(f"{path}: not a host-flags region (or another version)")
-        info = self.info()
-        self.nslots, self.slot_bytes = info.nslots, info.slot_bytes
+        self.nslots, self.slot_bytes = self.r.nslots, self.r.slot_bytes
         self._out = ffi.new("uint8_t[]", self.slot_bytes)
         self._slot, self._seq = ffi.new("uint32_t *"), ffi.new("uint64_t *")
         self._len, self._status = ffi.new("uint32_t *"), ffi.new("uint32_t *")
@@ -69,7 +70,7 @@ class HostFlags:
 
     def info(self):
         out = ffi.new("struct hf_info *")
-        lib.hf_get_info(self.base, out)
+        lib.hf_get_info(self.r, out)
         return out
 
     # -- status text written by the proxy after its self-test ------------------------------
@@ -86,49 +87,49 @@ class HostFlags:
             return {"error": "unreadable status"}
 
     def set_proxy(self, pid: int, state: int) -> None:
-        lib.hf_set_proxy(self.base, pid, state)
+        lib.hf_set_proxy(self.r, pid, state)
 
     # -- engine side -----------------------------------------------------------------------
     def submit(self, payload: bytes) -> Ticket | int:
-        """A Ticket, or the helper's error code (HF_EFULL, HF_ETOOBIG)."""
-        rc = lib.hf_submit(self.base, payload, len(payload), self._slot, self._seq)
+        """A Ticket, or the helper's error code (HF_EFULL, HF_ETOOBIG, HF_ESTALE)."""
+        rc = lib.hf_submit(self.r, payload, len(payload), self._slot, self._seq)
         if rc != lib.HF_OK:
             return rc
         return Ticket(self._slot[0], self._seq[0], time.monotonic(), self)
 
     def poll(self, t: Ticket) -> tuple[int, bytes | None, int]:
         """(rc, reply, round status); rc HF_OK means the reply was taken and the slot freed."""
-        rc = lib.hf_poll(self.base, t.slot, t.seq, self._out, self.slot_bytes, self._len,
+        rc = lib.hf_poll(self.r, t.slot, t.seq, self._out, self.slot_bytes, self._len,
                          self._status)
         if rc != lib.HF_OK:
             return rc, None, -1
         return rc, bytes(ffi.buffer(self._out, self._len[0])), self._status[0]
 
     def wait_reply(self, t: Ticket, mode: int, spin_ns: int, deadline: float) -> int:
-        return lib.hf_wait_reply(self.base, t.slot, t.seq, mode, spin_ns, int(deadline * 1e9))
+        return lib.hf_wait_reply(self.r, t.slot, t.seq, mode, spin_ns, int(deadline * 1e9))
 
     def reclaim(self, t: Ticket) -> bool:
-        return lib.hf_reclaim(self.base, t.slot, t.seq) == lib.HF_OK
+        return lib.hf_reclaim(self.r, t.slot, t.seq) == lib.HF_OK
 
     def new_generation(self) -> tuple[int, int]:
         reclaimed = ffi.new("uint32_t *")
-        gen = lib.hf_new_generation(self.base, reclaimed)
+        gen = lib.hf_new_generation(self.r, reclaimed)
         return gen, reclaimed[0]
 
     # -- proxy side ------------------------------------------------------------------------
     def take(self, generation: int, mode: int, spin_ns: int, deadline: float):
         """(rc, slot, seq, request bytes)."""
-        rc = lib.hf_take(self.base, generation, mode, spin_ns, int(deadline * 1e9), self._slot,
+        rc = lib.hf_take(self.r, generation, mode, spin_ns, int(deadline * 1e9), self._slot,
                          self._seq, self._out, self.slot_bytes, self._len)
         if rc == lib.HF_OK:
             return rc, self._slot[0], self._seq[0], bytes(ffi.buffer(self._out, self._len[0]))
         return rc, self._slot[0], self._seq[0], None
 
     def complete(self, slot: int, seq: int, reply: bytes, status: int) -> int:
-        return lib.hf_complete(self.base, slot, seq, reply, len(reply), status)
+        return lib.hf_complete(self.r, slot, seq, reply, len(reply), status)
 
     def heartbeat(self) -> None:
-        lib.hf_heartbeat(self.base)
+        lib.hf_heartbeat(self.r)
 
     def close(self, unlink: bool = False) -> None:
         self.region.close()

@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void *base;
+static struct hf_region region;
+static const struct hf_region *r = &region;
 static volatile int done;
 static int mode;
 
@@ -17,11 +18,11 @@ static void *proxy(void *arg) {
     uint64_t seq;
     uint8_t buf[64];
     while (!done) {
-        int rc = hf_take(base, gen, mode, 20000, hf_now_ns() + 50000000, &slot, &seq, buf,
+        int rc = hf_take(r, gen, mode, 20000, hf_now_ns() + 50000000, &slot, &seq, buf,
                          sizeof buf, &len);
         if (rc == HF_OK) {
             buf[0] ^= 0xFF; /* the "answer": the request with its first byte flipped */
-            hf_complete(base, slot, seq, buf, len, HF_ROUND_OK);
+            hf_complete(r, slot, seq, buf, len, HF_ROUND_OK);
         }
     }
     return NULL;
@@ -31,9 +32,10 @@ static int run(int n, int wait_mode) {
     mode = wait_mode;
     done = 0;
     size_t size = hf_region_size(4, 64);
-    base = aligned_alloc(4096, (size + 4095) & ~(size_t)4095);
+    void *base = aligned_alloc(4096, (size + 4095) & ~(size_t)4095);
     hf_format(base, size, 4, 64);
-    uint32_t reclaimed, gen = hf_new_generation(base, &reclaimed);
+    hf_attach(base, size, &region);
+    uint32_t reclaimed, gen = hf_new_generation(r, &reclaimed);
     pthread_t t;
     pthread_create(&t, NULL, proxy, &gen);
     int ok = 0, abandoned = 0, wrong = 0;
@@ -42,15 +44,15 @@ static int run(int n, int wait_mode) {
         uint32_t slot, len, status;
         uint64_t seq;
         snprintf((char *)req, sizeof req, "round%09d", i);
-        while (hf_submit(base, req, sizeof req, &slot, &seq) != HF_OK)
+        while (hf_submit(r, req, sizeof req, &slot, &seq) != HF_OK)
             ;
         if (i % 97 == 0) { /* give up on this one at once */
-            hf_reclaim(base, slot, seq);
+            hf_reclaim(r, slot, seq);
             abandoned++;
             continue;
         }
-        hf_wait_reply(base, slot, seq, mode, 20000, hf_now_ns() + 2000000000LL);
-        int rc = hf_poll(base, slot, seq, out, sizeof out, &len, &status);
+        hf_wait_reply(r, slot, seq, mode, 20000, hf_now_ns() + 2000000000LL);
+        int rc = hf_poll(r, slot, seq, out, sizeof out, &len, &status);
         if (rc == HF_OK) {
             req[0] ^= 0xFF;
             if (len != sizeof req || memcmp(out, req, len))

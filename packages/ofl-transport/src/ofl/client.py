@@ -211,7 +211,6 @@ class Connection:
         `lengths` is one row length for all ranges (Engram rows) or one per range. All
         ranges are checked against the region before any request leaves this process.
         """
-        desc = self.region(region)
         offsets = np.ascontiguousarray(offsets, dtype=np.uint64).reshape(-1)
         if not isinstance(lengths, int | np.integer):
             lengths = np.ascontiguousarray(lengths, dtype=np.uint32).reshape(-1)
@@ -219,16 +218,17 @@ class Connection:
                 raise ValueError(f"{len(offsets)} offsets but {len(lengths)} lengths")
         else:
             lengths = int(lengths)
-        why = wire.check_ranges(offsets, lengths, desc.length)
-        if why:
-            self.stats.add("out_of_range")
-            raise OutOfRange(f"region {region!r}: {why}")
-        total = wire.ReadRequest(desc.index, offsets, lengths).total_bytes
+        self._check(self.region(region), offsets, lengths)
+        total = wire.ReadRequest(0, offsets, lengths).total_bytes
         dest = _dest_array(into, into_offset, total)
         if not len(offsets):
             return
 
         def run(deadline: float) -> None:
+            # Resolved here, on the live connection: after a reconnect the server may list
+            # its regions in another order (or no longer hold this one).
+            desc = self.region(region)
+            self._check(desc, offsets, lengths)
             if isinstance(into, Region):
                 self._backend.register_local(into)
             self._backend.read(self, desc, offsets, lengths, dest, deadline)
@@ -237,6 +237,12 @@ class Connection:
                    idempotent=True)
         self.stats.add("reads")
         self.stats.add("read_bytes", total)
+
+    def _check(self, desc: RegionDescriptor, offsets, lengths) -> None:
+        why = wire.check_ranges(offsets, lengths, desc.length)
+        if why:
+            self.stats.add("out_of_range")
+            raise OutOfRange(f"region {desc.name!r}: {why}")
 
     def request(self, payload: bytes, *, deadline_s: float | None = None) -> bytes:
         """Send a message and wait for its reply."""

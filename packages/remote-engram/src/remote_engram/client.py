@@ -118,6 +118,8 @@ class EngramClient:
         if flat.size and (flat.min() < lo or flat.max() >= hi):
             raise ValueError(f"layer {layer} rank {self.rank}: row ids must lie in [{lo}, {hi})")
         uniq, inverse = np.unique(flat, return_inverse=True)
+        if not uniq.size:
+            return np.empty(ids.shape + (ROW_BYTES,), np.uint8)
         with self._lock:
             rows = self._remote_rows(layer, uniq)
             if rows is None:
@@ -129,7 +131,7 @@ class EngramClient:
         return out.reshape(ids.shape + (ROW_BYTES,))
 
     def _remote_rows(self, layer: int, uniq: np.ndarray) -> np.ndarray | None:
-        if self.conn is None or not uniq.size:
+        if self.conn is None:
             return None
         if time.monotonic() < self._backoff_until:
             self.stats.add("backoff_skips")

@@ -69,17 +69,16 @@ size_t hf_region_size(uint32_t nslots, uint32_t slot_bytes) {
 
 static struct header *hdr(const void *base) { return (struct header *)base; }
 
-static struct slot *slot_at(const void *base, uint32_t i) {
-    return (struct slot *)((uint8_t *)base + HF_HEADER_BYTES) + i;
+static struct slot *slot_at(const struct hf_region *r, uint32_t i) {
+    return (struct slot *)(r->base + HF_HEADER_BYTES) + i;
 }
 
-static uint8_t *req_area(const void *base, uint32_t i) {
-    const struct header *h = hdr(base);
-    return (uint8_t *)base + HF_HEADER_BYTES + ctl_bytes(h->nslots) + (size_t)i * 2 * h->slot_bytes;
+static uint8_t *req_area(const struct hf_region *r, uint32_t i) {
+    return r->base + HF_HEADER_BYTES + ctl_bytes(r->nslots) + (size_t)i * 2 * r->slot_bytes;
 }
 
-static uint8_t *reply_area(const void *base, uint32_t i) {
-    return req_area(base, i) + hdr(base)->slot_bytes;
+static uint8_t *reply_area(const struct hf_region *r, uint32_t i) {
+    return req_area(r, i) + r->slot_bytes;
 }
 
 /* A seal over a round's fields and payload, so bytes scribbled into a slot (by a bug or a
@@ -179,18 +178,23 @@ int hf_format(void *base, size_t size, uint32_t nslots, uint32_t slot_bytes) {
     return HF_OK;
 }
 
-int hf_validate(const void *base, size_t size) {
+int hf_attach(void *base, size_t size, struct hf_region *out) {
     const struct header *h = hdr(base);
-    if (size < HF_HEADER_BYTES || h->magic != HF_MAGIC || h->version != HF_VERSION ||
-        !h->nslots || !h->slot_bytes || size < hf_region_size(h->nslots, h->slot_bytes))
+    if (size < HF_HEADER_BYTES || h->magic != HF_MAGIC || h->version != HF_VERSION)
         return HF_EBAD;
+    uint32_t nslots = h->nslots, slot_bytes = h->slot_bytes; /* read once */
+    if (!nslots || !slot_bytes || nslots > (1u << 20) || size < hf_region_size(nslots, slot_bytes))
+        return HF_EBAD;
+    out->base = base;
+    out->nslots = nslots;
+    out->slot_bytes = slot_bytes;
     return HF_OK;
 }
 
-void hf_get_info(const void *base, struct hf_info *out) {
-    struct header *h = hdr(base);
-    out->nslots = h->nslots;
-    out->slot_bytes = h->slot_bytes;
+void hf_get_info(const struct hf_region *r, struct hf_info *out) {
+    struct header *h = hdr(r->base);
+    out->nslots = r->nslots;
+    out->slot_bytes = r->slot_bytes;
     out->generation = atomic_load(&h->generation);
     out->proxy_pid = atomic_load(&h->proxy_pid);
     out->proxy_state = atomic_load(&h->proxy_state);
@@ -199,22 +203,23 @@ void hf_get_info(const void *base, struct hf_info *out) {
     out->heartbeat_age_ns = beat < 0 ? -1 : hf_now_ns() - beat;
 }
 
-void hf_set_proxy(void *base, uint32_t pid, uint32_t state) {
-    atomic_store(&hdr(base)->proxy_pid, pid);
-    atomic_store(&hdr(base)->proxy_state, state);
+void hf_set_proxy(const struct hf_region *r, uint32_t pid, uint32_t state) {
+    atomic_store(&hdr(r->base)->proxy_pid, pid);
+    atomic_store(&hdr(r->base)->proxy_state, state);
 }
 
-void hf_heartbeat(void *base) {
-    atomic_store_explicit(&hdr(base)->heartbeat_ns, hf_now_ns(), memory_order_release);
+void hf_heartbeat(const struct hf_region *r) {
+    atomic_store_explicit(&hdr(r->base)->heartbeat_ns, hf_now_ns(), memory_order_release);
 }
 
 /* -- engine side ----------------------------------------------------------------------- */
-int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot_out, uint64_t *seq_out) {
-    struct header *h = hdr(base);
-    if (len > h->slot_bytes)
+int hf_submit(const struct hf_region *r, const uint8_t *req, uint32_t len, uint32_t *slot_out,
+              uint64_t *seq_out) {
+    struct header *h = hdr(r->base);
+    if (len > r->slot_bytes)
         return HF_ETOOBIG;
-    for (uint32_t i = 0; i < h->nslots; i++) {
-        struct slot *s = slot_at(base, i);
+    for (uint32_t i = 0; i < r->nslots; i++) {
+        struct slot *s = slot_at(r, i);
         uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
         if (STATE_OF(w) != HF_FREE)
             continue;
@@ -223,12 +228,17 @@ int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot_out, 
                                                      memory_order_acq_rel, memory_order_acquire))
             continue;
         uint32_t gen = atomic_load(&h->generation);
-        memcpy(req_area(base, i), req, len);
+        memcpy(req_area(r, i), req, len);
         s->req_len = len;
         s->submit_ns = hf_now_ns();
         s->req_seal = seal(seq, gen, req, len);
         atomic_store_explicit(&s->generation, gen, memory_order_relaxed);
-        atomic_store_explicit(&s->word, WORD(seq, HF_REQUEST), memory_order_release);
+        /* A compare-exchange, not a store: a new generation may have reclaimed the slot
+         * while it was filled; then the round is gone and must not come back. */
+        uint64_t filling = WORD(seq, HF_FILLING);
+        if (!atomic_compare_exchange_strong_explicit(&s->word, &filling, WORD(seq, HF_REQUEST),
+                                                     memory_order_acq_rel, memory_order_acquire))
+            return HF_ESTALE;
         bump_and_wake(&h->doorbell, &h->doorbell_waiters);
         *slot_out = i;
         *seq_out = seq;
@@ -242,33 +252,37 @@ static int free_slot(struct slot *s, uint64_t w) {
                                                    memory_order_acq_rel, memory_order_acquire);
 }
 
-int hf_poll(void *base, uint32_t i, uint64_t seq, uint8_t *out, uint32_t cap, uint32_t *len,
-            uint32_t *status) {
-    struct header *h = hdr(base);
-    if (i >= h->nslots)
+int hf_poll(const struct hf_region *r, uint32_t i, uint64_t seq, uint8_t *out, uint32_t cap,
+            uint32_t *len, uint32_t *status) {
+    if (i >= r->nslots)
         return HF_EBAD;
-    struct slot *s = slot_at(base, i);
+    struct slot *s = slot_at(r, i);
     uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
     if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
         return HF_ESTALE;
     if (STATE_OF(w) != HF_REPLY)
         return STATE_OF(w) <= HF_TAKEN ? HF_PENDING : (free_slot(s, w), HF_EBAD);
-    uint32_t n = s->reply_len;
-    if (s->reply_seq != seq || n > h->slot_bytes || n > cap || s->status > HF_ROUND_BAD ||
-        s->reply_seal != seal(seq, s->status, reply_area(base, i), n)) {
+    uint32_t n = s->reply_len, st = s->status;
+    uint64_t want = s->reply_seal;
+    if (s->reply_seq != seq || n > r->slot_bytes || n > cap || st > HF_ROUND_BAD) {
         free_slot(s, w);
         return HF_EBAD;
     }
-    memcpy(out, reply_area(base, i), n);
+    memcpy(out, reply_area(r, i), n);
+    if (want != seal(seq, st, out, n)) { /* checked on the copy: what is handed out */
+        free_slot(s, w);
+        return HF_EBAD;
+    }
     *len = n;
-    *status = s->status;
+    *status = st;
     return free_slot(s, w) ? HF_OK : HF_ESTALE;
 }
 
-int hf_wait_reply(void *base, uint32_t i, uint64_t seq, int mode, int64_t spin_ns, int64_t deadline_ns) {
-    if (i >= hdr(base)->nslots)
+int hf_wait_reply(const struct hf_region *r, uint32_t i, uint64_t seq, int mode,
+                  int64_t spin_ns, int64_t deadline_ns) {
+    if (i >= r->nslots)
         return HF_EBAD;
-    struct slot *s = slot_at(base, i);
+    struct slot *s = slot_at(r, i);
     for (;;) {
         uint32_t event = atomic_load_explicit(&s->reply_event, memory_order_acquire);
         uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
@@ -280,10 +294,10 @@ int hf_wait_reply(void *base, uint32_t i, uint64_t seq, int mode, int64_t spin_n
     }
 }
 
-int hf_reclaim(void *base, uint32_t i, uint64_t seq) {
-    if (i >= hdr(base)->nslots)
+int hf_reclaim(const struct hf_region *r, uint32_t i, uint64_t seq) {
+    if (i >= r->nslots)
         return HF_EBAD;
-    struct slot *s = slot_at(base, i);
+    struct slot *s = slot_at(r, i);
     for (;;) {
         uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
         if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
@@ -293,12 +307,12 @@ int hf_reclaim(void *base, uint32_t i, uint64_t seq) {
     }
 }
 
-uint32_t hf_new_generation(void *base, uint32_t *reclaimed) {
-    struct header *h = hdr(base);
+uint32_t hf_new_generation(const struct hf_region *r, uint32_t *reclaimed) {
+    struct header *h = hdr(r->base);
     uint32_t gen = atomic_fetch_add(&h->generation, 1) + 1;
     uint32_t n = 0;
-    for (uint32_t i = 0; i < h->nslots; i++) {
-        struct slot *s = slot_at(base, i);
+    for (uint32_t i = 0; i < r->nslots; i++) {
+        struct slot *s = slot_at(r, i);
         for (;;) {
             uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
             if (STATE_OF(w) == HF_FREE)
@@ -315,24 +329,17 @@ uint32_t hf_new_generation(void *base, uint32_t *reclaimed) {
     return gen;
 }
 
-int64_t hf_round_age_ns(const void *base, uint32_t i, uint64_t seq) {
-    struct slot *s = slot_at(base, i);
-    uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
-    if (SEQ_OF(w) != seq || STATE_OF(w) == HF_FREE)
-        return -1;
-    return hf_now_ns() - s->submit_ns;
-}
-
 /* -- proxy side ------------------------------------------------------------------------ */
-int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t deadline_ns,
-            uint32_t *slot_out, uint64_t *seq_out, uint8_t *out, uint32_t cap, uint32_t *len) {
-    struct header *h = hdr(base);
+int hf_take(const struct hf_region *r, uint32_t generation, int mode, int64_t spin_ns,
+            int64_t deadline_ns, uint32_t *slot_out, uint64_t *seq_out, uint8_t *out, uint32_t cap,
+            uint32_t *len) {
+    struct header *h = hdr(r->base);
     for (;;) {
         uint32_t bell = atomic_load_explicit(&h->doorbell, memory_order_acquire);
         if (atomic_load(&h->generation) != generation)
             return HF_EGEN;
-        for (uint32_t i = 0; i < h->nslots; i++) {
-            struct slot *s = slot_at(base, i);
+        for (uint32_t i = 0; i < r->nslots; i++) {
+            struct slot *s = slot_at(r, i);
             uint64_t w = atomic_load_explicit(&s->word, memory_order_acquire);
             if (STATE_OF(w) != HF_REQUEST ||
                 atomic_load_explicit(&s->generation, memory_order_relaxed) != generation)
@@ -343,10 +350,14 @@ int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t 
             *slot_out = i;
             *seq_out = SEQ_OF(w);
             uint32_t n = s->req_len;
-            if (n > h->slot_bytes || n > cap ||
-                s->req_seal != seal(SEQ_OF(w), generation, req_area(base, i), n))
+            uint64_t want = s->req_seal;
+            if (n > r->slot_bytes || n > cap)
                 return HF_EBAD; /* the caller completes the round with HF_ROUND_BAD */
-            memcpy(out, req_area(base, i), n);
+            memcpy(out, req_area(r, i), n);
+            /* Checked on the copy: if the engine abandoned and refilled the slot meanwhile,
+             * the torn bytes fail the seal of this round's seq. */
+            if (want != seal(SEQ_OF(w), generation, out, n))
+                return HF_EBAD;
             *len = n;
             return HF_OK;
         }
@@ -356,18 +367,17 @@ int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t 
     }
 }
 
-int hf_complete(void *base, uint32_t i, uint64_t seq, const uint8_t *reply, uint32_t len,
-                uint32_t status) {
-    struct header *h = hdr(base);
-    if (i >= h->nslots)
+int hf_complete(const struct hf_region *r, uint32_t i, uint64_t seq, const uint8_t *reply,
+                uint32_t len, uint32_t status) {
+    if (i >= r->nslots)
         return HF_EBAD;
-    if (len > h->slot_bytes)
+    if (len > r->slot_bytes)
         return HF_ETOOBIG;
-    struct slot *s = slot_at(base, i);
+    struct slot *s = slot_at(r, i);
     uint64_t w = WORD(seq, HF_TAKEN);
     if (atomic_load_explicit(&s->word, memory_order_acquire) != w)
         return HF_ESTALE;
-    memcpy(reply_area(base, i), reply, len);
+    memcpy(reply_area(r, i), reply, len);
     s->reply_len = len;
     s->reply_seq = seq;
     s->status = status;
@@ -381,36 +391,37 @@ int hf_complete(void *base, uint32_t i, uint64_t seq, const uint8_t *reply, uint
 
 /* -- benchmark peers ------------------------------------------------------------------- */
 /* Answer every round with its request until no round came for idle_ns. Returns rounds served. */
-int hf_echo_serve(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t idle_ns) {
+int hf_echo_serve(const struct hf_region *r, uint32_t generation, int mode, int64_t spin_ns,
+                  int64_t idle_ns) {
     uint8_t buf[4096];
     uint32_t slot, len;
     uint64_t seq;
     int served = 0;
     for (;;) {
-        int rc = hf_take(base, generation, mode, spin_ns, hf_now_ns() + idle_ns, &slot, &seq, buf,
+        int rc = hf_take(r, generation, mode, spin_ns, hf_now_ns() + idle_ns, &slot, &seq, buf,
                          sizeof buf, &len);
         if (rc == HF_ETIMEDOUT || rc == HF_EGEN)
             return served;
-        if (rc == HF_OK && hf_complete(base, slot, seq, buf, len, HF_ROUND_OK) == HF_OK)
+        if (rc == HF_OK && hf_complete(r, slot, seq, buf, len, HF_ROUND_OK) == HF_OK)
             served++;
     }
 }
 
 /* `count` rounds of submit -> wait -> poll; rtt_ns[i] = each round trip. 0 or an error. */
-int hf_ping(void *base, const uint8_t *req, uint32_t len, int mode, int64_t spin_ns,
-            uint32_t count, int64_t *rtt_ns) {
+int hf_ping(const struct hf_region *r, const uint8_t *req, uint32_t len, int mode,
+            int64_t spin_ns, uint32_t count, int64_t *rtt_ns) {
     uint8_t out[4096];
     uint32_t slot, n, status;
     uint64_t seq;
     for (uint32_t i = 0; i < count; i++) {
         int64_t t = hf_now_ns();
-        int rc = hf_submit(base, req, len, &slot, &seq);
+        int rc = hf_submit(r, req, len, &slot, &seq);
         if (rc)
             return rc;
-        rc = hf_wait_reply(base, slot, seq, mode, spin_ns, t + 1000000000LL);
+        rc = hf_wait_reply(r, slot, seq, mode, spin_ns, t + 1000000000LL);
         if (rc)
             return rc;
-        rc = hf_poll(base, slot, seq, out, sizeof out, &n, &status);
+        rc = hf_poll(r, slot, seq, out, sizeof out, &n, &status);
         if (rc)
             return rc;
         rtt_ns[i] = hf_now_ns() - t;

@@ -46,33 +46,42 @@ struct hf_info {
     int64_t heartbeat_age_ns; /* -1: never beat */
 };
 
+/* A process's private view of a region: geometry validated once at attach, never re-read
+ * from shared memory (where a stray writer could change it). */
+struct hf_region {
+    uint8_t *base;
+    uint32_t nslots, slot_bytes;
+};
+
 size_t hf_region_size(uint32_t nslots, uint32_t slot_bytes);
 int hf_format(void *base, size_t size, uint32_t nslots, uint32_t slot_bytes);
-int hf_validate(const void *base, size_t size);
-void hf_get_info(const void *base, struct hf_info *out);
-void hf_set_proxy(void *base, uint32_t pid, uint32_t state);
+int hf_attach(void *base, size_t size, struct hf_region *out);
+void hf_get_info(const struct hf_region *r, struct hf_info *out);
+void hf_set_proxy(const struct hf_region *r, uint32_t pid, uint32_t state);
 
 /* engine side */
-int hf_submit(void *base, const uint8_t *req, uint32_t len, uint32_t *slot, uint64_t *seq);
-int hf_poll(void *base, uint32_t slot, uint64_t seq, uint8_t *out, uint32_t cap,
+int hf_submit(const struct hf_region *r, const uint8_t *req, uint32_t len, uint32_t *slot,
+              uint64_t *seq);
+int hf_poll(const struct hf_region *r, uint32_t slot, uint64_t seq, uint8_t *out, uint32_t cap,
             uint32_t *len, uint32_t *status);
-int hf_wait_reply(void *base, uint32_t slot, uint64_t seq, int mode, int64_t spin_ns,
-                  int64_t deadline_ns);
-int hf_reclaim(void *base, uint32_t slot, uint64_t seq);
-uint32_t hf_new_generation(void *base, uint32_t *reclaimed);
-int64_t hf_round_age_ns(const void *base, uint32_t slot, uint64_t seq);
+int hf_wait_reply(const struct hf_region *r, uint32_t slot, uint64_t seq, int mode,
+                  int64_t spin_ns, int64_t deadline_ns);
+int hf_reclaim(const struct hf_region *r, uint32_t slot, uint64_t seq);
+uint32_t hf_new_generation(const struct hf_region *r, uint32_t *reclaimed);
 
 /* proxy side */
-int hf_take(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t deadline_ns,
-            uint32_t *slot, uint64_t *seq, uint8_t *out, uint32_t cap, uint32_t *len);
-int hf_complete(void *base, uint32_t slot, uint64_t seq, const uint8_t *reply, uint32_t len,
-                uint32_t status);
-void hf_heartbeat(void *base);
+int hf_take(const struct hf_region *r, uint32_t generation, int mode, int64_t spin_ns,
+            int64_t deadline_ns, uint32_t *slot, uint64_t *seq, uint8_t *out, uint32_t cap,
+            uint32_t *len);
+int hf_complete(const struct hf_region *r, uint32_t slot, uint64_t seq, const uint8_t *reply,
+                uint32_t len, uint32_t status);
+void hf_heartbeat(const struct hf_region *r);
 
 /* benchmark peers, all in C: the cost of the flags themselves */
-int hf_echo_serve(void *base, uint32_t generation, int mode, int64_t spin_ns, int64_t idle_ns);
-int hf_ping(void *base, const uint8_t *req, uint32_t len, int mode, int64_t spin_ns,
-            uint32_t count, int64_t *rtt_ns);
+int hf_echo_serve(const struct hf_region *r, uint32_t generation, int mode, int64_t spin_ns,
+                  int64_t idle_ns);
+int hf_ping(const struct hf_region *r, const uint8_t *req, uint32_t len, int mode,
+            int64_t spin_ns, uint32_t count, int64_t *rtt_ns);
 
 /* primitives (exported for tests) */
 int64_t hf_now_ns(void);
