@@ -105,3 +105,7 @@ def test_dequantize_matches_torch_float8():
     scale = torch.from_numpy(rows[:, 256:].copy()).view(torch.float8_e8m0fnu).float()
     want = (want.reshape(50, 8, 32) * scale[..., None]).reshape(50, 256)
     assert np.array_equal(dequantize(rows), want.numpy())
+    from remote_engram.dequant import dequantize_bf16
+
+    got = dequantize_bf16(rows)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))

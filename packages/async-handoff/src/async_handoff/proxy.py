@@ -41,10 +41,11 @@ def self_test(flags, generation: int) -> dict:
 
 
 def run(args) -> int:
-    from .hostflags import PROXY_FAILED, PROXY_READY, WAIT_MODES, HostFlags
+    from .hostflags import PROXY_FAILED, PROXY_READY, PROXY_STARTING, WAIT_MODES, HostFlags
 
     flags = HostFlags.open(args.region)
     pid, parent = os.getpid(), os.getppid()
+    flags.set_proxy(pid, PROXY_STARTING)
     status = {"pid": pid, "generation": args.generation, "adapter": args.adapter,
               "mode": args.mode, "mlock": flags.lock()}
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -44,8 +44,6 @@ class LinkResult:
     small_p99_us: float
     message_p50_us: float
     message_p99_us: float
-    verified: bool = True
-    samples: dict = field(default_factory=dict)
 
 
 def _percentiles(samples_s: list[float]) -> tuple[float, float]:

@@ -102,6 +102,7 @@ class EngramServer:
                 "resident_bytes": self.resident_bytes,
                 "mlock": {s.name: s.mlock for s in self.shards},
                 "hugepages": {s.name: s.hugepages for s in self.shards},
+                "load_seconds": {s.name: round(s.load_seconds, 3) for s in self.shards},
                 "links": ["%s:%d" % s.address for s in self.servers]}
 
     def metrics(self) -> str:
