@@ -4,7 +4,7 @@
 # own tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_FREE=(ofl-transport remote-engram async-handoff longctx-bench)  # in dependency order: ours are not on an index
+TORCH_FREE=(ofl-transport remote-engram async-handoff longctx-bench acceptance-ceiling)  # in dependency order: ours are not on an index
 
 venv=.venv-torchfree
 rm -rf "$venv"
@@ -27,7 +27,7 @@ import sys
 import ofl  # noqa: F401
 import remote_engram, remote_engram.server, remote_engram.client, remote_engram.cli  # noqa: F401,E401
 import async_handoff, async_handoff.proxy, async_handoff.handoff  # noqa: F401,E401
-import longctx_bench.cli  # noqa: F401
+import longctx_bench.cli, acceptance_ceiling.cli  # noqa: F401,E401
 assert "torch" not in sys.modules, "a torch-free package imported torch"
 print("check-torch-free: ok, no torch imported")
 PY
