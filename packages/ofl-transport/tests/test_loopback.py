@@ -24,6 +24,7 @@ from ofl import (
     wire,
 )
 from ofl.probe import PROBE_REGION, pattern
+from ofl.testing import stop_process
 
 ROW = 264
 
@@ -249,21 +250,6 @@ def test_shm_read_notices_dead_server():
     srv.kill()
     with pytest.raises(ConnectionLost):
         conn.read(PROBE_REGION, 0, ROW, dest)  # retried once on a fresh connection: refused
-
-
-def stop_process(pid: int) -> None:
-    """SIGSTOP and wait until the kernel reports every thread stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        if all(s == "T" for s in states):
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"process {pid} did not stop")
 
 
 def test_stalled_server_deadline_then_recovery(served):

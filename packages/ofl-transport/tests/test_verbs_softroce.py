@@ -11,6 +11,7 @@ import pytest
 
 from ofl import Connection, ConnectionLost, DeadlineExceeded, OutOfRange, Region, Server
 from ofl.probe import PROBE_REGION, pattern
+from ofl.testing import stop_process
 
 DEVICE = os.environ.get("OFL_TEST_RDMA_DEVICE")
 pytestmark = [
@@ -95,7 +96,7 @@ def test_in_process_server_and_handler_errors():
 def test_stall_fires_deadline_and_kill_is_an_error(verbs_server):
     conn = Connection(verbs_server.address, backend="verbs")
     assert conn.request(b"a") == b"a"
-    os.kill(verbs_server.proc.pid, signal.SIGSTOP)
+    stop_process(verbs_server.proc.pid)  # returns once every thread is stopped
     try:
         with pytest.raises(DeadlineExceeded):
             conn.request(b"b", deadline_s=0.5)

@@ -2,7 +2,6 @@
 fallback drill (kill, stall, other tables, restart) still returns the exact rows."""
 
 import os
-import signal
 import socket
 import time
 
@@ -11,6 +10,7 @@ import pytest
 from engram_support import SMALL, EngramServeProcess
 
 from ofl import Connection, RemoteError, wire
+from ofl.testing import stop_process
 from remote_engram.cli import main as cli
 from remote_engram.client import EngramClient, EngramUnavailable
 from remote_engram.hashing import row_ids
@@ -90,7 +90,7 @@ def test_stalled_server_hits_the_deadline_and_falls_back(shard_dirs):
     ids = random_ids(14, 1, (8, 12))
     want = local_rows(shard_dirs[0], 14, 1, ids)
     assert np.array_equal(c.fetch(14, ids), want)
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    stop_process(srv.proc.pid)  # returns once every thread is stopped
     try:
         t = time.monotonic()
         assert np.array_equal(c.fetch(14, random_ids(14, 1, (8, 12), seed=1)),

@@ -132,3 +132,18 @@ class ServeProcess(ChildProcess):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not restart on its port")
             time.sleep(0.1)
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP and wait until the kernel reports every thread stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s == "T" for s in states):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"process {pid} did not stop")
