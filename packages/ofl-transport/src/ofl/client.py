@@ -306,7 +306,8 @@ class Links:
     """One connection per link: rank r of the engine uses link r (one per Spark)."""
 
     def __init__(self, addresses: Sequence[str], **kwargs):
-        self.connections = [Connection(a, link=kwargs.pop("link", None) or f"link{i}", **kwargs)
+        """Link i is named "link{i}"; kwargs go to every Connection."""
+        self.connections = [Connection(a, link=f"link{i}", **kwargs)
                             for i, a in enumerate(addresses)]
 
     def for_rank(self, rank: int) -> Connection:

@@ -15,19 +15,21 @@ from .geometry import EngramGeometry
 PAD_TOKEN_ID = 2
 
 
+def shift(a: np.ndarray, d: int, fill) -> np.ndarray:
+    """a moved d positions later along the sequence axis; the first d positions get fill."""
+    out = np.full_like(a, fill)
+    if d < a.shape[1]:
+        out[:, d:] = a[:, :a.shape[1] - d]
+    return out
+
+
 def shifted_ids(compressed: np.ndarray, valid: np.ndarray, pad: int, max_order: int) -> list:
     """[s_0, .., s_{N-1}], each [B, T]: compressed ids d positions back, pad once dead."""
-    batch, length = compressed.shape
     alive = valid.copy()
     out = []
     for d in range(max_order):
-        if d:
-            back = np.zeros_like(valid)
-            back[:, d:] = valid[:, :-d] if d < length else back[:, d:]
-            alive &= back
-        ids = np.full_like(compressed, pad)
-        ids[:, d:] = compressed[:, :length - d] if d < length else ids[:, d:]
-        out.append(np.where(alive, ids, pad))
+        alive &= shift(valid, d, False)  # dead once any position 0..d back is dead or absent
+        out.append(np.where(alive, shift(compressed, d, pad), pad))
     return out
 
 
