@@ -30,7 +30,11 @@ class NullAdapter:
 
 class OflMessageAdapter:
     """Sends the request as one ofl message and returns the reply.
-    config: {"address": "HOST:PORT", "backend": "tcp", "identity": "..."}"""
+    config: {"address": "HOST:PORT", "backend": "tcp", "identity": "..."}
+    A subclass may set verify_peer (called with the server's handshake metadata; raising
+    refuses that server) to check identities on every (re)connect."""
+
+    verify_peer = None
 
     def __init__(self, config: dict):
         self.config = config
@@ -41,7 +45,7 @@ class OflMessageAdapter:
 
         self.conn = Connection(self.config["address"], backend=self.config.get("backend"),
                                identity=self.config.get("identity", "async-handoff-proxy"),
-                               link=self.config.get("link"))
+                               link=self.config.get("link"), verify_peer=self.verify_peer)
         return f"{self.conn.peer_identity} at {self.config['address']} ({self.conn.backend_name})"
 
     def round(self, request: bytes, deadline_s: float) -> bytes:

@@ -153,6 +153,10 @@ class Connection:
         if not self._channel.sock.recv(1, socket.MSG_PEEK):
             raise ConnectionLost("peer closed the connection")
 
+    def ensure_connected(self, deadline_s: float | None = None) -> None:
+        """Connect now if not connected (handshake, verify_peer), within the deadline."""
+        self._call("connect", deadline_s or self.connect_timeout_s, lambda deadline: None)
+
     @property
     def connected(self) -> bool:
         return self._channel is not None

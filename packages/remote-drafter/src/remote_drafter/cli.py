@@ -1,0 +1,221 @@
+"""remote-drafter: create a drafter, serve it, check it.
+
+  remote-drafter init      --target DIR --out DIR [--target-layers 2,15,29 | --token-only]
+  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0]
+  remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
+  remote-drafter status    --worker HOST:PORT
+  remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
+  remote-drafter env
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ofl.cli import emit_result, wait_for_shutdown
+from ofl.env import describe
+
+from . import env
+
+DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
+                "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
+
+
+def cmd_init(args) -> int:
+    from .drafters.dspark import DSparkConfig, DSparkDrafter
+    from .target import TargetConfig
+    with open(f"{args.target}/config.json") as f:
+        t = TargetConfig.from_hf(json.load(f))
+    layers = [] if args.token_only else [int(x) for x in args.target_layers.split(",")]
+    if any(not 0 <= x < t.num_hidden_layers for x in layers):
+        raise SystemExit(f"--target-layers must lie in [0, {t.num_hidden_layers})")
+    config = DSparkConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=args.layers,
+        num_heads=args.heads or t.num_attention_heads, num_kv_heads=args.kv_heads or t.num_key_value_heads,
+        intermediate_size=args.ffn or t.intermediate_size, block_size=args.block,
+        markov_rank=args.markov_rank, window=args.window, target_layers=layers,
+        target_hidden_size=t.hidden_size if layers else 0,
+        mask_token_id=t.vocab_size - 1 if args.mask_token is None else args.mask_token,
+        rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps)
+    DSparkDrafter.create(args.out, args.target, config, seed=args.seed)
+    print(f"remote-drafter init: {args.out} ({'token-only' if not layers else f'target layers {layers}'}, "
+          f"{args.layers} layers, W={args.block}, Markov rank {args.markov_rank}, window {args.window}); "
+          "randomly initialised: train it before expecting acceptance")
+    return 0
+
+
+def _service_config(args):
+    from .service import ServiceConfig
+    return ServiceConfig(max_requests=args.max_requests, idle_timeout_s=args.idle_timeout_s,
+                         spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
+                         spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)))
+
+
+def cmd_worker(args) -> int:
+    import torch
+
+    from ofl.server import parse_address
+
+    from .drafters import load_drafter
+    from .worker import Worker
+    drafter = load_drafter(args.drafter, args.target, args.device)
+    if args.dtype != "float32" and hasattr(drafter, "model"):
+        drafter.model.to(getattr(torch, args.dtype))
+    host, port = parse_address(args.listen, 7480)
+    worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
+    d = worker.service.describe()
+    print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
+          f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
+          f"spec cache {'on' if d['spec_cache'] else 'off'}) on {args.device}, "
+          f"{args.backend} on {worker.address}", flush=True)
+    try:
+        wait_for_shutdown()
+    finally:
+        worker.stop()
+    return 0
+
+
+def cmd_identity(args) -> int:
+    from .drafters import load_drafter
+    manifest = load_drafter(args.drafter, args.target).manifest().to_json()
+    text = json.dumps(manifest, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from ofl import Connection
+
+    from . import protocol as P
+    from .identity import Manifest
+    with Connection(args.worker, backend=args.backend, identity="remote-drafter-status") as conn:
+        described = conn.peer_metadata.get("remote_drafter", {})
+        fingerprint = Manifest.from_json(described["manifest"]).fingerprint
+        stats = P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
+    print(json.dumps(stats, indent=1))
+    return 0
+
+
+def cmd_shadow(args) -> int:
+    import torch
+
+    from .client import DrafterClient
+    from .drafters import load_drafter
+    from .identity import expectation
+    from .reference import speculative_decode
+    from .service import DraftService
+    from .shadow import ShadowClient, synthetic_prompts
+    from .target import TargetLM
+    from .transport import LocalTransport, RemoteTransport
+    torch.manual_seed(0)
+    target = TargetLM.load(args.target)
+    local_drafter = load_drafter(args.drafter, args.target)
+    expect = expectation(args.target, None)
+    remote = DrafterClient(RemoteTransport(args.worker, args.backend, expect),
+                           f"{args.requests}:{args.k}", deadline_s=args.deadline_ms / 1000)
+    local = DrafterClient(LocalTransport(DraftService(local_drafter)), f"{args.requests}:{args.k}")
+    if remote.transport.info(remote.deadline_s).manifest != local_drafter.manifest():
+        print("remote-drafter shadow: the worker serves another drafter than --drafter "
+              "(manifests differ)", file=sys.stderr)
+        return 2
+    shadow = ShadowClient(remote, local)
+    prompts = synthetic_prompts(args.requests, target.config.vocab_size, seed=args.seed)
+    result = speculative_decode(target, shadow, prompts, args.tokens, args.temperature,
+                                local_drafter.hidden_layers, seed=args.seed)
+    p = shadow.parity
+    report = {"rounds_compared": p.compared, "identical": p.identical, "fraction": p.fraction,
+              "remote_missing": p.remote_missing, "first_difference": p.first_difference,
+              "mean_accepted_length": result.mean_accepted_length,
+              "temperature": args.temperature, "client": remote.counters()}
+    ok = p.compared > 0 and (p.identical == p.compared or args.temperature > 0) and not p.remote_missing
+
+    def table(r):
+        print(f"shadow parity: {r['identical']}/{r['rounds_compared']} rounds identical "
+              f"({100 * r['fraction']:.1f}%), remote missing {r['remote_missing']}, "
+              f"mean accepted length {r['mean_accepted_length']:.2f} -> {'PASS' if ok else 'FAIL'}")
+    emit_result(report, args.out, args.json, table)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="remote-drafter", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("init", help="write a randomly initialised DSpark drafter for a target")
+    p.add_argument("--target", required=True, help="the target checkpoint folder (Llama-style)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target-layers", default="2,15,29",
+                   help="target layers (0-based) whose hidden states condition the drafter")
+    p.add_argument("--token-only", action="store_true",
+                   help="condition on committed tokens only (engines without hidden states)")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--block", type=int, default=5, help="W: drafts per parallel pass")
+    p.add_argument("--markov-rank", type=int, default=32)
+    p.add_argument("--window", type=int, default=128, help="context positions attended")
+    p.add_argument("--heads", type=int, default=0, help="0: the target's")
+    p.add_argument("--kv-heads", type=int, default=0, help="0: the target's")
+    p.add_argument("--ffn", type=int, default=0, help="0: the target's intermediate size")
+    p.add_argument("--mask-token", type=int, default=None, help="default: the last vocabulary id")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_init)
+
+    p = sub.add_parser("worker", help="serve a drafter to engines over ofl")
+    p.add_argument("--listen", default="0.0.0.0:7480", help="HOST:PORT (port 0: any free)")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", default=None, help="the target folder (embedding, head, identity)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
+    p.add_argument("--max-requests", type=int, default=256,
+                   help="requests held at once; more opens are refused with a clear reply")
+    p.add_argument("--idle-timeout-s", type=float, default=600,
+                   help="release a request not seen for this long")
+    p.add_argument("--spec-cache", action="store_true",
+                   help="pre-draft likely next rounds while the target verifies (token-only drafters)")
+    p.add_argument("--spec-cache-outcomes", type=int, default=3, help="outcomes pre-drafted per round")
+    p.add_argument("--spec-cache-mb", type=float, default=64, help="memory bound of the cache")
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("identity", help="print the identity manifest of a drafter")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", default=None, help="also write it here (REMOTE_DRAFTER_MANIFEST)")
+    p.set_defaults(fn=cmd_identity)
+
+    p = sub.add_parser("status", help="a worker's counters, limits and identities (JSON)")
+    p.add_argument("--worker", required=True)
+    p.add_argument("--backend", default="tcp")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("shadow", help="compare a worker's drafts with a local copy's, round by round")
+    p.add_argument("--worker", required=True)
+    p.add_argument("--backend", default="tcp")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", required=True)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--k", type=int, default=5, help="drafts per round")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--deadline-ms", type=float, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(fn=cmd_shadow)
+
+    p = sub.add_parser("env", help="every environment variable, its default and meaning")
+    p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)
+
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

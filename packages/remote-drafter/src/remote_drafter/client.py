@@ -1,0 +1,313 @@
+"""The engine side: track requests, build one round per step, fail closed.
+
+    client = DrafterClient(RemoteTransport("10.0.0.2:7480", expect=expectation(target, None)))
+    client.add_request(7, prompt_and_first_token, hidden_rows)   # after prefill
+    drafts = client.propose()          # {7: Drafts(tokens=[...])}; {} when the worker is gone
+    client.commit(7, accepted_plus_next, their_hidden_rows)      # after verification
+
+Torch-free: hidden rows may be numpy arrays or tensors (converted with .numpy() on the
+host). The client keeps each request's bounded history, so when the worker lost its state
+(restart, idle timeout) or a round failed half-way, the request is re-opened from it and
+drafts continue exactly as before. No reply, a late reply or any error means no drafts
+this step, counted; the output never changes, only the speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import env
+from . import protocol as P
+from .history import History
+from .identity import Manifest
+from .metrics import Metrics
+
+log = logging.getLogger("remote_drafter.client")
+
+COUNTERS = {
+    "rounds": "Rounds sent (sync calls and async submissions)",
+    "rounds_ok": "Rounds answered",
+    "rounds_failed": "Rounds that failed whole (deadline, link, refusal, bad reply): no drafts",
+    "steps_without_drafts": "Steps that got no drafts because of a failure",
+    "entries_failed": "Request entries without drafts because of an error status",
+    "reopens": "Requests re-opened from the client's history (worker lost state)",
+    "capacity_refusals": "Opens the worker refused because it was full",
+    "drafts": "Draft tokens received",
+    "cache_hits": "Entries the worker answered from its speculation cache",
+    "async_abandoned": "Async rounds superseded before they were collected",
+    "request_bytes": "Bytes of round requests sent",
+    "committed_tokens": "Committed tokens sent to the worker",
+}
+
+
+@dataclass
+class Drafts:
+    tokens: np.ndarray            # int32 [n <= k]
+    probs: np.ndarray | None      # float32 [n, vocab] when asked for
+    cache_hit: bool = False
+
+
+class DepthTable:
+    """Batch-aware depth: '1:5,8:4,16:3' -> 5 drafts up to 1 running request, 4 up to 8,
+    3 up to 16, none beyond (verification costs more than drafts save at large batch)."""
+
+    def __init__(self, spec: str):
+        try:
+            pairs = sorted((int(a), int(b)) for a, b in (p.split(":") for p in spec.split(",") if p))
+        except ValueError:
+            raise ValueError(f"depth table {spec!r}: expected 'running:k' pairs like '1:5,8:4'") from None
+        if not pairs or any(b < 0 for _, b in pairs):
+            raise ValueError(f"depth table {spec!r} is empty or has a negative depth")
+        self.pairs = pairs
+
+    def depth(self, running: int) -> int:
+        for bound, k in self.pairs:
+            if running <= bound:
+                return k
+        return 0
+
+
+def _ids(entries: list[P.Entry]) -> list[int]:
+    return [e.request_id for e in entries]
+
+
+def as_rows(hidden) -> np.ndarray | None:
+    """numpy or a tensor (any dtype, any device) -> float32 [n, feature] on the host."""
+    if hidden is None:
+        return None
+    if hasattr(hidden, "detach"):  # a torch tensor, without importing torch
+        hidden = hidden.detach().float().cpu().numpy()
+    rows = np.asarray(hidden, np.float32)
+    return rows.reshape(len(rows), -1) if rows.ndim != 2 else rows
+
+
+class WorkerInfo:
+    def __init__(self, described: dict):
+        d = described["drafter"]
+        self.feature, self.max_depth, self.vocab = int(d["feature"]), int(d["max_depth"]), int(d["vocab_size"])
+        self.window, self.history_tokens = int(d["window"]), int(d["history_tokens"])
+        self.manifest = Manifest.from_json(described["manifest"])
+        self.fingerprint = self.manifest.fingerprint
+        self.described = described
+
+
+@dataclass
+class _Request:
+    history: History
+    temperature: float
+    seed: int
+    pending_tokens: list
+    pending_rows: list
+    needs_open: bool = True
+
+
+class DrafterClient:
+    def __init__(self, transport, depth: DepthTable | str | None = None, *,
+                 deadline_s: float | None = None, want_probs: bool = False,
+                 row_dtype: str = "float32", history_tokens: int = 4096, window: int = 128,
+                 max_pending_releases: int = 4096):
+        self.transport = transport
+        self.depth_table = DepthTable(depth or env.REMOTE_DRAFTER_DEPTH.get()) \
+            if not isinstance(depth, DepthTable) else depth
+        self.deadline_s = deadline_s or env.REMOTE_DRAFTER_DEADLINE_MS.get_float() / 1000
+        self.want_probs, self.row_dtype = want_probs, row_dtype
+        self.history_tokens, self.window = history_tokens, window
+        self.requests: dict[int, _Request] = {}
+        self.releases: list[int] = []
+        self.max_pending_releases = max_pending_releases
+        self.metrics = Metrics("remote_drafter_client", COUNTERS, {"round": "Round latency"})
+        self._inflight = None  # async: (ticket, entries)
+
+    # -- the engine's view of its requests --------------------------------------------------
+    def add_request(self, rid: int, tokens, hidden=None, temperature: float = 0.0, seed: int = 0) -> None:
+        """A request after prefill: its tokens (prompt + first sampled token) and the target's
+        hidden rows of all but the newest token (or None for a token-only drafter)."""
+        rows = as_rows(hidden)
+        feature = 0 if rows is None else rows.shape[1]
+        history = History(self.history_tokens, self.window, feature)
+        history.reset(np.asarray(tokens, np.int32), rows)
+        self.requests[rid] = _Request(history, float(temperature), int(seed), [], [])
+
+    def commit(self, rid: int, tokens, hidden=None) -> None:
+        """Tokens committed by a verification (accepted drafts + the next token) and the
+        hidden rows that pass produced for them (the previous newest token's and the
+        accepted drafts': one per token)."""
+        r = self.requests[rid]
+        tokens, rows = np.asarray(tokens, np.int32).reshape(-1), as_rows(hidden)
+        r.history.extend(tokens, rows)
+        if r.needs_open:
+            return  # the next round re-opens from the history anyway
+        r.pending_tokens.append(tokens)
+        if rows is not None:
+            r.pending_rows.append(rows)
+        if sum(len(t) for t in r.pending_tokens) > self.history_tokens:
+            r.needs_open, r.pending_tokens, r.pending_rows = True, [], []
+
+    def release(self, rid: int) -> None:
+        if self.requests.pop(rid, None) is not None:
+            self.releases.append(rid)
+            del self.releases[:-self.max_pending_releases]  # the worker's idle timeout covers the rest
+
+    # -- building and reading rounds ---------------------------------------------------------
+    def _entries(self, k: int, info: WorkerInfo) -> list[P.Entry]:
+        entries = [P.Entry(rid, P.OP_RELEASE) for rid in self.releases]
+        self.releases = []
+        k = min(k, info.max_depth)
+        for rid, r in self.requests.items():
+            if r.needs_open:
+                tokens, rows, length = r.history.open_payload()
+                if info.feature and rows is not None:
+                    rows = rows[-min(len(tokens) - 1, info.window):] if len(tokens) > 1 else rows[:0]
+                entries.append(P.Entry(rid, P.OP_OPEN, tokens, rows if info.feature else None, k,
+                                       r.temperature, r.seed, self.want_probs, length=length))
+            elif r.pending_tokens:
+                rows = np.concatenate(r.pending_rows) if info.feature and r.pending_rows else None
+                entries.append(P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
+                                       want_probs=self.want_probs))
+            r.needs_open, r.pending_tokens, r.pending_rows = False, [], []
+        return entries
+
+    def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> bytes:
+        payload = P.encode_request(entries, info.fingerprint, self.row_dtype)
+        self.metrics.inc("rounds")
+        self.metrics.inc("request_bytes", len(payload))
+        self.metrics.inc("committed_tokens", sum(len(e.tokens) for e in entries))
+        return payload
+
+    def _fail(self, rids, why: str) -> dict:
+        """The worker's state for these requests is unknown now: re-open them next round."""
+        self.metrics.inc("rounds_failed")
+        self.metrics.inc("steps_without_drafts")
+        for rid in rids:
+            if rid in self.requests:
+                self.requests[rid].needs_open = True
+        log.warning("draft round failed, no drafts this step: %s", why)
+        return {}
+
+    def _absorb(self, entries: list[P.Entry], replies: list[P.Reply], info: WorkerInfo) -> tuple[dict, list[int]]:
+        """Drafts per request; also the requests the worker did not know (to re-open)."""
+        if [r.request_id for r in replies] != [e.request_id for e in entries]:
+            raise P.ProtocolError("reply entries do not match the request's")
+        out, unknown = {}, []
+        for e, r in zip(entries, replies):
+            if e.op == P.OP_RELEASE:
+                continue
+            tracked = self.requests.get(e.request_id)
+            if r.status == P.STATUS_OK:
+                if len(r.tokens) > e.k or (len(r.tokens) and (r.tokens.min() < 0 or r.tokens.max() >= info.vocab)):
+                    raise P.ProtocolError(f"reply for request {e.request_id} carries invalid drafts")
+                if e.k and len(r.tokens):
+                    out[e.request_id] = Drafts(r.tokens, r.probs, r.cache == P.CACHE_HIT)
+                    self.metrics.inc("drafts", len(r.tokens))
+                    self.metrics.inc("cache_hits", r.cache == P.CACHE_HIT)
+                continue
+            self.metrics.inc("entries_failed")
+            if tracked is not None:
+                tracked.needs_open = True
+            if r.status == P.STATUS_UNKNOWN:
+                unknown.append(e.request_id)
+            elif r.status == P.STATUS_CAPACITY:
+                self.metrics.inc("capacity_refusals")
+            else:
+                log.warning("request %d: worker answered %s: %s", e.request_id,
+                            P.STATUS_NAMES[r.status], r.message)
+        return out, unknown
+
+    def depth(self, k: int | None) -> int:
+        return self.depth_table.depth(len(self.requests)) if k is None else k
+
+    # -- synchronous rounds ------------------------------------------------------------------
+    def propose(self, k: int | None = None) -> dict[int, Drafts]:
+        """One round for every tracked request, within the deadline: {rid: Drafts}."""
+        k, started = self.depth(k), time.perf_counter()
+        try:
+            info = self.transport.info(self.deadline_s)
+        except Exception as exc:  # noqa: BLE001 - no worker: target-only this step
+            return self._fail(list(self.requests), f"no worker: {exc}")
+        entries = self._entries(k, info)
+        if not entries:
+            return {}
+        out, unknown = self._round(entries, info, started)
+        if unknown and time.perf_counter() - started < self.deadline_s / 2:
+            # The worker lost these (restart, idle timeout): re-open them at once from the
+            # history, within the same deadline, so the step still gets its drafts.
+            self.metrics.inc("reopens", len(unknown))
+            more, _ = self._round(self._entries_for(set(unknown), k, info), info, started)
+            out.update(more)
+        return out
+
+    def _round(self, entries, info, started) -> tuple[dict, list[int]]:
+        try:
+            payload = self._encode(entries, info)
+            left = max(self.deadline_s - (time.perf_counter() - started), 1e-3)
+            out, unknown = self._absorb(entries, P.parse_reply(self.transport.call(payload, left)), info)
+        except Exception as exc:  # noqa: BLE001 - deadline, link, refusal, bad reply: fail closed
+            return self._fail(_ids(entries), f"{type(exc).__name__}: {exc}"), []
+        self.metrics.inc("rounds_ok")
+        self.metrics.observe("round", time.perf_counter() - started)
+        return out, unknown
+
+    def _entries_for(self, keep: set[int], k: int, info: WorkerInfo) -> list[P.Entry]:
+        saved = {rid: r for rid, r in self.requests.items() if rid not in keep}
+        self.requests = {rid: r for rid, r in self.requests.items() if rid in keep}
+        try:
+            return self._entries(k, info)
+        finally:
+            self.requests.update(saved)
+
+    # -- asynchronous rounds (through async_handoff's proxy) ---------------------------------
+    def submit(self, k: int | None = None) -> bool:
+        """Start this step's round; collect() picks the drafts up later. False: no round."""
+        if self._inflight is not None:
+            self.metrics.inc("async_abandoned")
+            self._fail(_ids(self._inflight[1]), "superseded before it was collected")
+            self.transport.abandon(self._inflight[0])
+            self._inflight = None
+        try:
+            info = self.transport.info(self.deadline_s)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(list(self.requests), f"no worker: {exc}")
+            return False
+        entries = self._entries(self.depth(k), info)
+        if not entries:
+            return False
+        ticket = self.transport.submit(self._encode(entries, info))
+        if ticket is None:
+            self._fail(_ids(entries), "the async handoff took no round (disabled or full)")
+            return False
+        self._inflight = (ticket, entries, info, time.perf_counter())
+        return True
+
+    def collect(self) -> dict[int, Drafts]:
+        """The drafts of the submitted round, waiting at most the handoff's max wait."""
+        if self._inflight is None:
+            return {}
+        ticket, entries, info, started = self._inflight
+        self._inflight = None
+        reply = self.transport.wait(ticket)
+        if reply is None:
+            return self._fail(_ids(entries), "no reply from the proxy in time")
+        try:
+            out, _ = self._absorb(entries, P.parse_reply(reply), info)  # unknown: re-open next round
+        except Exception as exc:  # noqa: BLE001
+            return self._fail(_ids(entries), f"{type(exc).__name__}: {exc}")
+        self.metrics.inc("rounds_ok")
+        self.metrics.observe("round", time.perf_counter() - started)
+        return out
+
+    # -- operations --------------------------------------------------------------------------
+    def counters(self) -> dict:
+        out = self.metrics.snapshot()
+        tokens = out.get("committed_tokens", 0)
+        out["request_bytes_per_token"] = out["request_bytes"] / tokens if tokens else 0.0
+        return out
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus()
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,83 @@
+"""Drafter back ends behind one interface (one small class per method, as vLLM's
+proposers): `dspark` (the chain drafter: layers + Markov head), `lm` (a small causal LM
+drafting token by token, e.g. the target's own copy), `ngram` (prompt lookup, no weights).
+A later back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..history import History
+from ..identity import Manifest
+
+
+@dataclass
+class DraftRequest:
+    history: History
+    depth: int              # drafts wanted (<= the drafter's max_depth)
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class Draft:
+    tokens: np.ndarray       # int32 [depth]
+    probs: np.ndarray | None  # float32 [depth, vocab]: what each token was drawn from
+    own_probs: np.ndarray    # float32 [depth]: the drafter's probability of its token
+    alt_tokens: np.ndarray   # int32 [depth]: its likeliest other token at each position
+    alt_probs: np.ndarray    # float32 [depth]
+
+
+class Drafter:
+    """A back end. Subclasses set these and implement draft()."""
+
+    kind = "base"
+    vocab_size: int
+    feature: int = 0         # width of one hidden row it consumes; 0 = token-only
+    max_depth: int = 8
+    window: int = 128        # hidden rows it looks at (and keeps per request)
+    history_tokens: int = 4096
+    hidden_layers: tuple = ()  # target layers whose hidden rows it consumes, in order
+
+    def manifest(self) -> Manifest:
+        raise NotImplementedError
+
+    def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
+        raise NotImplementedError
+
+    def new_history(self) -> History:
+        return History(self.history_tokens, self.window, self.feature)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
+                "max_depth": self.max_depth, "window": self.window,
+                "history_tokens": self.history_tokens}
+
+
+def load_drafter(spec: str, target: str | None = None, device: str = "cpu", **options) -> Drafter:
+    """'ngram', 'lm' (the target itself as drafter), a DSpark checkpoint folder, or
+    'module:Class' (a class taking (target, device, **options))."""
+    if spec == "ngram":
+        from .ngram import NgramDrafter
+        if target and "vocab_size" not in options:  # probabilities span the target's vocabulary
+            with open(os.path.join(target, "config.json")) as f:
+                options["vocab_size"] = int(json.load(f)["vocab_size"])
+        return NgramDrafter(**options)
+    if spec == "lm":
+        from .lm import LMDrafter
+        if not target:
+            raise ValueError("the 'lm' drafter runs the target checkpoint: pass --target")
+        return LMDrafter.from_folder(target, device=device, **options)
+    if os.path.isdir(spec):
+        from .dspark import DSparkDrafter
+        return DSparkDrafter.load(spec, target, device=device)
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)(target, device, **options)
+    raise ValueError(f"unknown drafter {spec!r}: 'ngram', 'lm', a checkpoint folder or "
+                     "'module:Class'")

@@ -1,0 +1,57 @@
+"""Turning one position's logits into a token for a batch of requests (shared by the
+drafters that compute logits): argmax at T = 0, a seeded draw otherwise, plus what the
+speculation cache ranks outcomes by (own probability, likeliest alternative)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..sampling import draw, is_greedy
+
+
+class Picker:
+    """Collects one chain of positions for B requests; finish() returns host arrays."""
+
+    def __init__(self, requests, want_probs: bool):
+        self.requests, self.want_probs = requests, want_probs
+        self.greedy = [is_greedy(r.temperature) for r in requests]
+        self.temps = [1.0 if g else r.temperature for g, r in zip(self.greedy, requests)]
+        self.tokens, self.top2_p, self.top2_i, self.own, self.full = [], [], [], [], []
+
+    def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """logits [B, V] (float32) for the tokens at `positions`; returns tokens [B] (device)."""
+        temps = torch.tensor(self.temps, device=logits.device, dtype=torch.float32)[:, None]
+        p = torch.softmax(logits.float() / temps, dim=-1)
+        top_p, top_i = p.topk(2, dim=-1)
+        tokens = top_i[:, 0].clone()
+        if not all(self.greedy):
+            host = p.cpu().numpy()
+            for b, r in enumerate(self.requests):
+                if not self.greedy[b]:
+                    tokens[b] = draw(host[b], r.seed, positions[b])
+        self.tokens.append(tokens)
+        self.top2_p.append(top_p)
+        self.top2_i.append(top_i)
+        self.own.append(p.gather(1, tokens[:, None])[:, 0])
+        if self.want_probs:
+            self.full.append(p)
+        return tokens
+
+    def finish(self):
+        """(tokens [B, D], probs [B, D, V] | None, own [B, D], alt_tokens [B, D], alt_probs [B, D])."""
+        tokens = torch.stack(self.tokens, 1).cpu().numpy().astype(np.int32)
+        top_p = torch.stack(self.top2_p, 1).cpu().numpy()
+        top_i = torch.stack(self.top2_i, 1).cpu().numpy().astype(np.int32)
+        own = torch.stack(self.own, 1).cpu().numpy()
+        first_is_mine = top_i[..., 0] == tokens
+        alt_tokens = np.where(first_is_mine, top_i[..., 1], top_i[..., 0]).astype(np.int32)
+        alt_probs = np.where(first_is_mine, top_p[..., 1], top_p[..., 0]).astype(np.float32)
+        probs = None
+        if self.want_probs:
+            probs = torch.stack(self.full, 1).cpu().numpy().astype(np.float32)
+            for b, g in enumerate(self.greedy):
+                if g:  # at T = 0 a draft is a point mass: that is what the verifier must use
+                    probs[b] = 0.0
+                    probs[b, np.arange(tokens.shape[1]), tokens[b]] = 1.0
+        return tokens, probs, own.astype(np.float32), alt_tokens, alt_probs

@@ -1,0 +1,46 @@
+"""Every environment variable remote_drafter reads, with its default and what it does.
+
+Read when a client or the worker starts; changing one in a running engine does nothing
+until it restarts. Rollback of remote drafting: unset REMOTE_DRAFTER_ADDRESS (and
+REMOTE_DRAFTER_CAPACITY_MODE), restore the baseline KV budget, restart -> local drafter.
+"""
+
+from __future__ import annotations
+
+from ofl.env import EnvVar
+
+REMOTE_DRAFTER_ADDRESS = EnvVar(
+    "REMOTE_DRAFTER_ADDRESS", "",
+    "Drafter worker HOST:PORT; empty = the drafter runs locally in the engine's process.")
+REMOTE_DRAFTER_BACKEND = EnvVar(
+    "REMOTE_DRAFTER_BACKEND", "tcp", "ofl backend of the drafter link: tcp, shm or verbs.")
+REMOTE_DRAFTER_DEADLINE_MS = EnvVar(
+    "REMOTE_DRAFTER_DEADLINE_MS", "50",
+    "Deadline of one synchronous draft round; past it this step has no drafts (counted).")
+REMOTE_DRAFTER_DEPTH = EnvVar(
+    "REMOTE_DRAFTER_DEPTH", "1:5,8:4,16:3,32:2,64:0",
+    "Batch-aware depth: 'running:k' pairs; a step with R running requests drafts k tokens "
+    "from the first pair whose bound is >= R (past the last pair: 0 = no drafts).")
+REMOTE_DRAFTER_CAPACITY_MODE = EnvVar(
+    "REMOTE_DRAFTER_CAPACITY_MODE", "0",
+    "1 = the drafter's memory went to KV cache: the engine never creates a local drafter; "
+    "with the worker gone it decodes target-only until the worker is back.")
+REMOTE_DRAFTER_MANIFEST = EnvVar(
+    "REMOTE_DRAFTER_MANIFEST", "",
+    "Path of the identity manifest (JSON from `remote-drafter identity`) the worker must "
+    "match; empty = match the target and tokenizer digests only.")
+REMOTE_DRAFTER_TARGET = EnvVar(
+    "REMOTE_DRAFTER_TARGET", "",
+    "The target checkpoint folder (its weights' and tokenizer's digests are the identity the "
+    "worker must have been built for; the local drafter takes embedding and head from it).")
+REMOTE_DRAFTER_DRAFTER = EnvVar(
+    "REMOTE_DRAFTER_DRAFTER", "",
+    "Local mode: the drafter (a checkpoint folder, 'ngram', or 'module:Class').")
+
+ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
+       REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
+       REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER]
+
+
+def capacity_mode() -> bool:
+    return REMOTE_DRAFTER_CAPACITY_MODE.get() not in ("", "0")

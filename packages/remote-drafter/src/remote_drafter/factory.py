@@ -1,0 +1,40 @@
+"""The client an engine gets from its environment (env.py): remote (synchronous, or
+asynchronous through the proxy when VLLM_DSPARK_REMOTE_ASYNC is set) when
+REMOTE_DRAFTER_ADDRESS is set, else local. Capacity mode forbids the local drafter: its
+memory went to KV cache, so with no worker the engine decodes target-only."""
+
+from __future__ import annotations
+
+from async_handoff.env import async_enabled
+
+from . import env
+from .client import DrafterClient
+from .identity import expectation
+
+
+class CapacityModeError(RuntimeError):
+    pass
+
+
+def make_client(target: str | None = None, **client_options) -> DrafterClient:
+    target = target or env.REMOTE_DRAFTER_TARGET.get() or None
+    address = env.REMOTE_DRAFTER_ADDRESS.get()
+    if address:
+        from .transport import AsyncTransport, RemoteTransport
+        expect = expectation(target, env.REMOTE_DRAFTER_MANIFEST.get() or None)
+        backend = env.REMOTE_DRAFTER_BACKEND.get()
+        transport = (AsyncTransport if async_enabled() else RemoteTransport)(address, backend, expect)
+        return DrafterClient(transport, **client_options)
+    if env.capacity_mode():
+        raise CapacityModeError(
+            "REMOTE_DRAFTER_CAPACITY_MODE is set but REMOTE_DRAFTER_ADDRESS is empty: capacity "
+            "mode never creates a local drafter (its memory is KV cache now). Set the worker "
+            "address, or unset capacity mode and restore the baseline KV budget first.")
+    spec = env.REMOTE_DRAFTER_DRAFTER.get()
+    if not spec:
+        raise ValueError("no drafter: set REMOTE_DRAFTER_ADDRESS (remote) or "
+                         "REMOTE_DRAFTER_DRAFTER (local)")
+    from .drafters import load_drafter
+    from .service import DraftService
+    from .transport import LocalTransport
+    return DrafterClient(LocalTransport(DraftService(load_drafter(spec, target))), **client_options)

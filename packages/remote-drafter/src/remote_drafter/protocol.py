@@ -1,0 +1,273 @@
+"""The drafter wire protocol (version 1), carried as ofl messages. Torch-free.
+
+A request is one message holding one entry per running request of the engine, so a step
+costs one round trip and the worker batches all of them on its device:
+
+    RequestHeader (32 B): magic "DRQ1", version u16, kind u16, fingerprint 16 B,
+                          n_entries u32, reserved u32
+    per entry: Entry (48 B), tokens int32[n_tokens], rows[n_rows x feature] (row_dtype)
+
+An entry continues a request (the tokens committed since the last round and the target's
+hidden states of the rows that became known: one per token), opens one (its bounded
+history: its newest tokens, the hidden rows of all but the newest, and `length`, the count
+of tokens committed in all, which fixes positions), or releases one. `k` asks
+for up to k drafts (0: just record the tokens). The fingerprint is the digest of the
+identity manifest both sides agreed on in the handshake; the worker refuses any other.
+
+    ReplyHeader (16 B): magic "DRP1", version u16, kind u16, n_entries u32, vocab u32
+    per entry: ReplyEntry (24 B), tokens int32[n_drafts], probs float32[n_drafts x vocab]
+               when has_probs, message utf-8[msg_len]
+
+A malformed message (framing, sizes, magic, version, fingerprint) is refused whole with an
+ofl error reply; a bad entry (ids out of range, wrong row count, ...) gets status INVALID
+and its message while the other entries are served.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+VERSION = 1
+REQUEST_MAGIC = b"DRQ1"
+REPLY_MAGIC = b"DRP1"
+KIND_ROUND, KIND_STATS = 1, 2
+OP_CONTINUE, OP_OPEN, OP_RELEASE = 0, 1, 2
+FLAG_WANT_PROBS = 1
+STATUS_OK, STATUS_UNKNOWN, STATUS_CAPACITY, STATUS_INVALID, STATUS_RELEASED = range(5)
+STATUS_NAMES = ["ok", "unknown_request", "capacity", "invalid", "released"]
+CACHE_NONE, CACHE_HIT, CACHE_MISS = 0, 1, 2
+ROW_NONE, ROW_F32, ROW_F16, ROW_BF16 = 0, 1, 2, 3
+ROW_DTYPES = {"float32": ROW_F32, "float16": ROW_F16, "bfloat16": ROW_BF16}
+ROW_BYTES = {ROW_NONE: 0, ROW_F32: 4, ROW_F16: 2, ROW_BF16: 2}
+
+REQUEST_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
+                           ("fingerprint", "S16"), ("n_entries", "<u4"), ("reserved", "<u4")])
+ENTRY = np.dtype([("request_id", "<u8"), ("seed", "<u8"), ("length", "<u8"), ("temperature", "<f4"),
+                  ("n_tokens", "<u4"), ("n_rows", "<u4"), ("feature", "<u4"), ("k", "<u2"),
+                  ("op", "u1"), ("flags", "u1"), ("row_dtype", "u1"), ("pad", "u1", (3,))])
+REPLY_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
+                         ("n_entries", "<u4"), ("vocab", "<u4")])
+REPLY_ENTRY = np.dtype([("request_id", "<u8"), ("latency_us", "<u4"), ("n_drafts", "<u2"),
+                        ("status", "u1"), ("cache", "u1"), ("has_probs", "u1"), ("pad", "u1"),
+                        ("msg_len", "<u2"), ("pad2", "u1", (4,))])
+assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, REPLY_HEADER.itemsize,
+        REPLY_ENTRY.itemsize) == (32, 48, 16, 24)
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be parsed or is not for this worker; refused whole."""
+
+
+@dataclass
+class Entry:
+    request_id: int
+    op: int = OP_CONTINUE
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rows: np.ndarray | None = None   # float32 [n_rows, feature] once decoded
+    k: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    want_probs: bool = False
+    feature: int = 0                 # as sent (rows may be None when n_rows == 0)
+    length: int = 0                  # OP_OPEN: tokens committed in all (positions)
+
+
+@dataclass
+class Reply:
+    request_id: int
+    status: int = STATUS_OK
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    probs: np.ndarray | None = None  # float32 [n_drafts, vocab]
+    cache: int = CACHE_NONE
+    latency_us: int = 0
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == STATUS_OK
+
+
+# -- bf16 on the host, without torch (round to nearest even, as torch does) -----------------
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_to_f32(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+def _rows_bytes(rows: np.ndarray, code: int) -> bytes:
+    if code == ROW_F32:
+        return np.ascontiguousarray(rows, np.float32).tobytes()
+    if code == ROW_F16:
+        return np.ascontiguousarray(rows, np.float16).tobytes()
+    return f32_to_bf16(rows).tobytes()
+
+
+def _rows_decode(buf, offset: int, n_rows: int, feature: int, code: int) -> np.ndarray:
+    count = n_rows * feature
+    if code == ROW_F32:
+        out = np.frombuffer(buf, np.float32, count, offset).copy()
+    elif code == ROW_F16:
+        out = np.frombuffer(buf, np.float16, count, offset).astype(np.float32)
+    else:
+        out = bf16_to_f32(np.frombuffer(buf, np.uint16, count, offset))
+    return out.reshape(n_rows, feature)
+
+
+# -- requests ------------------------------------------------------------------------------
+def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
+                   kind: int = KIND_ROUND) -> bytes:
+    head = np.zeros((), REQUEST_HEADER)
+    head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
+    head["fingerprint"], head["n_entries"] = fingerprint, len(entries)
+    parts = [head.tobytes()]
+    code = ROW_DTYPES[row_dtype]
+    for e in entries:
+        tokens = np.ascontiguousarray(e.tokens, np.int32).reshape(-1)
+        rows = e.rows if e.rows is not None and len(e.rows) else None
+        h = np.zeros((), ENTRY)
+        h["request_id"], h["seed"], h["temperature"] = e.request_id, e.seed, e.temperature
+        h["length"] = e.length
+        h["n_tokens"], h["k"], h["op"] = len(tokens), e.k, e.op
+        h["flags"] = FLAG_WANT_PROBS if e.want_probs else 0
+        if rows is not None:
+            h["n_rows"], h["feature"], h["row_dtype"] = rows.shape[0], rows.shape[1], code
+        parts += [h.tobytes(), tokens.tobytes()]
+        if rows is not None:
+            parts.append(_rows_bytes(rows, code))
+    return b"".join(parts)
+
+
+def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096,
+                  max_bytes_per_entry: int = 64 << 20) -> tuple[int, list[Entry]]:
+    """(kind, entries) of a request; ProtocolError when the message as a whole is unusable."""
+    if len(buf) < REQUEST_HEADER.itemsize:
+        raise ProtocolError(f"request of {len(buf)} bytes is shorter than its header")
+    head = np.frombuffer(buf, REQUEST_HEADER, 1)[0]
+    if bytes(head["magic"]) != REQUEST_MAGIC:
+        raise ProtocolError(f"bad magic {bytes(head['magic'])!r} (not a drafter request)")
+    if int(head["version"]) != VERSION:
+        raise ProtocolError(f"protocol version mismatch: request {int(head['version'])}, "
+                            f"worker {VERSION}")
+    kind = int(head["kind"])
+    if kind not in (KIND_ROUND, KIND_STATS):
+        raise ProtocolError(f"unknown request kind {kind}")
+    got = head["fingerprint"].tobytes().ljust(16, b"\0")
+    if fingerprint is not None and got != fingerprint:
+        raise ProtocolError(f"identity mismatch: request fingerprint {got.hex()}, worker "
+                            f"{fingerprint.hex()} (a client built for another target, "
+                            "tokenizer or drafter)")
+    n = int(head["n_entries"])
+    if n > max_entries:
+        raise ProtocolError(f"{n} entries exceed the limit of {max_entries}")
+    entries, off, seen = [], REQUEST_HEADER.itemsize, set()
+    for i in range(n):
+        if off + ENTRY.itemsize > len(buf):
+            raise ProtocolError(f"entry {i} is truncated")
+        h = np.frombuffer(buf, ENTRY, 1, off)[0]
+        off += ENTRY.itemsize
+        n_tokens, n_rows, feature = int(h["n_tokens"]), int(h["n_rows"]), int(h["feature"])
+        code = int(h["row_dtype"])
+        if code not in ROW_BYTES or (n_rows and code == ROW_NONE):
+            raise ProtocolError(f"entry {i}: unknown row dtype code {code}")
+        size = 4 * n_tokens + n_rows * feature * ROW_BYTES[code]
+        if size > max_bytes_per_entry:
+            raise ProtocolError(f"entry {i}: {size} bytes exceed the per-entry limit")
+        if off + size > len(buf):
+            raise ProtocolError(f"entry {i}: {size} bytes of tokens and rows announced, "
+                                f"{len(buf) - off} left")
+        rid = int(h["request_id"])
+        if rid in seen:
+            raise ProtocolError(f"request id {rid} appears twice in one round")
+        seen.add(rid)
+        tokens = np.frombuffer(buf, np.int32, n_tokens, off).copy()
+        off += 4 * n_tokens
+        rows = _rows_decode(buf, off, n_rows, feature, code) if n_rows else None
+        off += n_rows * feature * ROW_BYTES[code]
+        entries.append(Entry(rid, int(h["op"]), tokens, rows, int(h["k"]),
+                             float(h["temperature"]), int(h["seed"]),
+                             bool(int(h["flags"]) & FLAG_WANT_PROBS), feature, int(h["length"])))
+    if off != len(buf):
+        raise ProtocolError(f"{len(buf) - off} trailing bytes after {n} entries")
+    return kind, entries
+
+
+# -- replies -------------------------------------------------------------------------------
+def encode_reply(replies: list[Reply], vocab: int) -> bytes:
+    head = np.zeros((), REPLY_HEADER)
+    head["magic"], head["version"], head["kind"] = REPLY_MAGIC, VERSION, KIND_ROUND
+    head["n_entries"], head["vocab"] = len(replies), vocab
+    parts = [head.tobytes()]
+    for r in replies:
+        tokens = np.ascontiguousarray(r.tokens, np.int32).reshape(-1)
+        message = r.message.encode()[:65535]
+        h = np.zeros((), REPLY_ENTRY)
+        h["request_id"], h["latency_us"], h["n_drafts"] = r.request_id, min(r.latency_us, 2**32 - 1), len(tokens)
+        h["status"], h["cache"], h["msg_len"] = r.status, r.cache, len(message)
+        h["has_probs"] = r.probs is not None
+        parts += [h.tobytes(), tokens.tobytes()]
+        if r.probs is not None:
+            parts.append(np.ascontiguousarray(r.probs[:len(tokens)], np.float32).tobytes())
+        parts.append(message)
+    return b"".join(parts)
+
+
+def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
+    """The client validates replies as strictly as the worker validates requests."""
+    if len(buf) < REPLY_HEADER.itemsize:
+        raise ProtocolError(f"reply of {len(buf)} bytes is shorter than its header")
+    head = np.frombuffer(buf, REPLY_HEADER, 1)[0]
+    if bytes(head["magic"]) != REPLY_MAGIC or int(head["version"]) != VERSION:
+        raise ProtocolError("not a drafter reply of protocol version %d" % VERSION)
+    vocab, off, out = int(head["vocab"]), REPLY_HEADER.itemsize, []
+    if vocab > max_vocab:
+        raise ProtocolError(f"reply vocabulary {vocab} is implausible")
+    for i in range(int(head["n_entries"])):
+        if off + REPLY_ENTRY.itemsize > len(buf):
+            raise ProtocolError(f"reply entry {i} is truncated")
+        h = np.frombuffer(buf, REPLY_ENTRY, 1, off)[0]
+        off += REPLY_ENTRY.itemsize
+        n, has_probs, msg_len = int(h["n_drafts"]), bool(h["has_probs"]), int(h["msg_len"])
+        size = 4 * n + (4 * n * vocab if has_probs else 0) + msg_len
+        if off + size > len(buf):
+            raise ProtocolError(f"reply entry {i} announces {size} bytes, {len(buf) - off} left")
+        tokens = np.frombuffer(buf, np.int32, n, off).copy()
+        off += 4 * n
+        probs = None
+        if has_probs:
+            probs = np.frombuffer(buf, np.float32, n * vocab, off).reshape(n, vocab).copy()
+            off += 4 * n * vocab
+        message = bytes(buf[off:off + msg_len]).decode(errors="replace")
+        off += msg_len
+        status = int(h["status"])
+        if status >= len(STATUS_NAMES):
+            raise ProtocolError(f"reply entry {i}: unknown status {status}")
+        out.append(Reply(int(h["request_id"]), status, tokens, probs, int(h["cache"]),
+                         int(h["latency_us"]), message))
+    if off != len(buf):
+        raise ProtocolError(f"{len(buf) - off} trailing bytes in a reply")
+    return out
+
+
+def encode_stats_reply(stats: dict) -> bytes:
+    head = np.zeros((), REPLY_HEADER)
+    head["magic"], head["version"], head["kind"] = REPLY_MAGIC, VERSION, KIND_STATS
+    return head.tobytes() + json.dumps(stats).encode()
+
+
+def parse_stats_reply(buf: bytes) -> dict:
+    head = np.frombuffer(buf, REPLY_HEADER, 1)[0] if len(buf) >= REPLY_HEADER.itemsize else None
+    if head is None or bytes(head["magic"]) != REPLY_MAGIC or int(head["kind"]) != KIND_STATS:
+        raise ProtocolError("not a drafter stats reply")
+    return json.loads(bytes(buf[REPLY_HEADER.itemsize:]))
+
+
+def round_bytes_per_token(feature: int, row_dtype: str) -> int:
+    """Request bytes one committed token costs on the wire (its id and its hidden row)."""
+    return 4 + feature * ROW_BYTES[ROW_DTYPES[row_dtype]]

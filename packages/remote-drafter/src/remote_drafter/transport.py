@@ -1,0 +1,121 @@
+"""How a client reaches a drafter: in its own process (local mode), over an ofl link
+(synchronous rounds), or through async_handoff's torch-free proxy (asynchronous rounds).
+Every transport answers info() (the worker's manifest and limits), call() or
+submit()/wait(). Torch-free."""
+
+from __future__ import annotations
+
+import time
+
+from async_handoff import Handoff, HandoffConfig
+from ofl import Connection
+
+from .client import WorkerInfo
+from .identity import Manifest
+
+ADAPTER = "remote_drafter.adapter:DrafterProxyAdapter"
+
+
+def check_worker(expect: Manifest):
+    """A verify_peer hook: refuse a worker built for another target, tokenizer or drafter."""
+    from . import protocol
+
+    def verify(metadata: dict) -> None:
+        described = metadata.get("remote_drafter")
+        if not isinstance(described, dict):
+            raise ValueError("the peer is not a remote-drafter worker")
+        if described.get("protocol") != protocol.VERSION:
+            raise ValueError(f"worker speaks drafter protocol {described.get('protocol')}, "
+                             f"this client {protocol.VERSION}")
+        wrong = expect.mismatches(Manifest.from_json(described["manifest"]))
+        if wrong:
+            raise ValueError("identity mismatch: " + "; ".join(wrong))
+    return verify
+
+
+class LocalTransport:
+    """The drafter in the engine's own process: the stock configuration and the rollback."""
+
+    def __init__(self, service):
+        self.service = service
+        self._info = WorkerInfo(service.describe())
+
+    def info(self, deadline_s: float) -> WorkerInfo:
+        return self._info
+
+    def call(self, payload: bytes, deadline_s: float) -> bytes:
+        return self.service.handle(payload)
+
+    def close(self) -> None:
+        self.service.close()
+
+
+class RemoteTransport:
+    """Synchronous rounds over one ofl link; reconnects (and re-checks identities) lazily,
+    at most once per `retry_s` after a failure so a dead worker costs no step its deadline."""
+
+    def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
+                 retry_s: float = 1.0, link: str | None = None):
+        self.conn = Connection(address, backend=backend, identity="remote-drafter-client",
+                               link=link, connect=False, verify_peer=check_worker(expect or Manifest()))
+        self.retry_s, self._down_until = retry_s, 0.0
+        self._info: tuple[dict, WorkerInfo] | None = None
+
+    def info(self, deadline_s: float) -> WorkerInfo:
+        if not self.conn.connected:
+            if time.monotonic() < self._down_until:
+                raise ConnectionError(f"worker at {self.conn.where()} is down; retrying later")
+            try:
+                self.conn.ensure_connected(deadline_s)
+            except Exception:
+                self._down_until = time.monotonic() + self.retry_s
+                raise
+        metadata = self.conn.peer_metadata
+        if self._info is None or self._info[0] is not metadata:  # new handshake: new limits
+            self._info = (metadata, WorkerInfo(metadata["remote_drafter"]))
+        return self._info[1]
+
+    def call(self, payload: bytes, deadline_s: float) -> bytes:
+        try:
+            return self.conn.request(payload, deadline_s=deadline_s)
+        except Exception:
+            if not self.conn.connected:
+                self._down_until = time.monotonic() + self.retry_s
+            raise
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class AsyncTransport(RemoteTransport):
+    """Rounds through the proxy process (async_handoff): submit now, wait later. The
+    engine's own connection only fetches the worker's limits and identities."""
+
+    def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
+                 config: HandoffConfig | None = None, link: str | None = None):
+        super().__init__(address, backend, expect, link=link)
+        self.handoff = Handoff(config or HandoffConfig.from_env(), ADAPTER,
+                               {"address": address, "backend": backend, "link": link,
+                                "identity": "remote-drafter-proxy",
+                                "expect": (expect or Manifest()).to_json()}).start()
+
+    def info(self, deadline_s: float) -> WorkerInfo:
+        """Fetched once; the proxy re-checks identities on each of its reconnects and the
+        worker checks every round's fingerprint, so a replaced worker cannot slip in."""
+        if self._info is None:
+            super().info(deadline_s)
+            self.conn.close()  # the proxy holds the link that carries rounds
+        return self._info[1]
+
+    def submit(self, payload: bytes):
+        return self.handoff.submit(payload)
+
+    def wait(self, ticket) -> bytes | None:
+        return self.handoff.wait(ticket)
+
+    def abandon(self, ticket) -> None:
+        self.handoff.abandon(ticket)
+
+    def close(self) -> None:
+        self.handoff.close()
+        super().close()

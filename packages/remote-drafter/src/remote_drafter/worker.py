@@ -1,0 +1,52 @@
+"""The drafter worker: a DraftService behind an ofl server. The handshake metadata carries
+the identity manifest and the drafter's limits; rounds are ofl messages; a background
+thread releases idle requests."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ofl import Server
+
+from .drafters import Drafter
+from .service import DraftService, ServiceConfig
+
+log = logging.getLogger("remote_drafter.worker")
+
+
+class Worker:
+    def __init__(self, drafter: Drafter, backend: str = "tcp", host: str = "127.0.0.1",
+                 port: int = 0, config: ServiceConfig | None = None,
+                 identity: str = "remote-drafter-worker"):
+        self.service = DraftService(drafter, config)
+        self.server = Server(backend, host, port, identity=identity, handler=self.service.handle,
+                             metadata={"remote_drafter": self.service.describe()})
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="idle-sweeper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.address
+        return f"{host}:{port}"
+
+    def start(self) -> Worker:
+        self.server.start()
+        self._sweeper.start()
+        return self
+
+    def _sweep(self) -> None:
+        interval = max(min(self.service.config.idle_timeout_s / 4, 30.0), 0.05)
+        while not self._stop.wait(interval):
+            self.service.expire_idle()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        self.service.close()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,86 @@
+"""Shared by the remote-drafter tests: tiny targets and drafters on disk, a real worker
+process, and a drafter that is wrong on purpose."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from ofl.testing import ChildProcess
+from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
+from remote_drafter.drafters.lm import LMDrafter
+from remote_drafter.target import TargetConfig, random_target
+
+TINY = TargetConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128)
+HIDDEN_LAYERS = (0, 2, 3)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_models(base: str) -> dict:
+    """target/ (random tiny Llama), dspark/ (hidden-state drafter), dspark-tokens/ (token-only)."""
+    paths = {name: os.path.join(base, name) for name in ("target", "dspark", "dspark-tokens")}
+    random_target(TINY, seed=0).save(paths["target"])
+    common = dict(vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size, num_heads=4,
+                  num_kv_heads=2, window=16, mask_token_id=TINY.vocab_size - 1)
+    DSparkDrafter.create(paths["dspark"], paths["target"],
+                         DSparkConfig(**common, target_layers=list(HIDDEN_LAYERS),
+                                      target_hidden_size=TINY.hidden_size), init_std=0.3)
+    DSparkDrafter.create(paths["dspark-tokens"], paths["target"], DSparkConfig(**common), seed=1,
+                         init_std=0.3)
+    return paths
+
+
+class WrongEveryThird(LMDrafter):
+    """The target's copy, but every draft at a position divisible by 3 is off by one:
+    exercises rejection and rollback at known places (deterministic, so exact)."""
+
+    kind = "lm-wrong-every-third"
+
+    def __init__(self, target, device="cpu", **options):
+        base = LMDrafter.from_folder(target, device=device, **options)
+        super().__init__(base.model, base.manifest(), device, base.max_depth, base.history_tokens)
+
+    def draft(self, requests, want_probs):
+        out = super().draft(requests, want_probs)
+        for r, d in zip(requests, out):
+            for i in range(len(d.tokens)):
+                if (r.history.length + i) % 3 == 0:
+                    d.tokens[i] = (d.tokens[i] + 1) % self.vocab_size
+                    if d.probs is not None:
+                        d.probs[i] = np.eye(self.vocab_size, dtype=np.float32)[d.tokens[i]]
+        return out
+
+
+class WorkerProcess(ChildProcess):
+    """A real `remote-drafter worker` process on 127.0.0.1."""
+
+    def __init__(self, drafter: str, target: str, backend: str = "tcp", port: int = 0, *extra):
+        self.args = [drafter, target, backend, *extra]
+        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "remote_drafter.cli", "worker", "--drafter", drafter,
+             "--target", target, "--backend", backend, "--listen", f"127.0.0.1:{port}", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if "remote-drafter worker:" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"worker did not start: {line!r}")
+        self.address = line.rsplit(" on ", 1)[1].strip()
+
+    def restart(self) -> None:
+        """Kill -9 and start again on the same port (state lost)."""
+        self.kill()
+        drafter, target, backend, *extra = self.args
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                fresh = WorkerProcess(drafter, target, backend, int(self.address.rsplit(":", 1)[1]), *extra)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.proc, self.address = fresh.proc, fresh.address

@@ -1,0 +1,92 @@
+"""Unit tier: the wire format round-trips, and every malformed message is refused."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remote_drafter import protocol as P
+
+FP = bytes(range(16))
+
+
+def entries():
+    rows = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    return [P.Entry(7, P.OP_OPEN, np.array([1, 2, 3, 4], np.int32), rows, 5, 0.7, 99, True, length=40),
+            P.Entry(8, P.OP_CONTINUE, np.array([5], np.int32), rows[:1], 3),
+            P.Entry(9, P.OP_RELEASE)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_request_round_trip(dtype):
+    sent = entries()
+    kind, got = P.parse_request(P.encode_request(sent, FP, dtype), FP)
+    assert kind == P.KIND_ROUND and [e.request_id for e in got] == [7, 8, 9]
+    a, b = sent[0], got[0]
+    assert (b.op, b.k, b.seed, b.want_probs, b.length, b.feature) == (P.OP_OPEN, 5, 99, True, 40, 8)
+    assert b.temperature == pytest.approx(0.7) and np.array_equal(a.tokens, b.tokens)
+    tol = {"float32": 0, "float16": 1e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(b.rows, a.rows, rtol=tol, atol=tol)
+    assert got[2].rows is None and got[2].op == P.OP_RELEASE
+
+
+def test_bf16_matches_torch():
+    x = np.random.default_rng(1).standard_normal(10_000).astype(np.float32) * 100
+    mine = P.f32_to_bf16(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(mine, theirs)
+    assert np.array_equal(P.bf16_to_f32(mine), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+
+
+def test_reply_round_trip():
+    probs = np.full((2, 5), 0.2, np.float32)
+    sent = [P.Reply(7, P.STATUS_OK, np.array([1, 2], np.int32), probs, P.CACHE_HIT, 123),
+            P.Reply(8, P.STATUS_CAPACITY, message="worker full")]
+    got = P.parse_reply(P.encode_reply(sent, 5))
+    assert got[0].ok and got[0].cache == P.CACHE_HIT and np.array_equal(got[0].probs, probs)
+    assert got[1].status == P.STATUS_CAPACITY and got[1].message == "worker full"
+
+
+@pytest.mark.parametrize("mutate, why", [
+    (lambda b: b[:10], "shorter than its header"),
+    (lambda b: b"XXXX" + b[4:], "bad magic"),
+    (lambda b: b[:4] + (9).to_bytes(2, "little") + b[6:], "version mismatch"),
+    (lambda b: b[:8] + bytes(16) + b[24:], "identity mismatch"),
+    (lambda b: b[:-3], "truncated"),
+    (lambda b: b[:-58], "announced"),
+    (lambda b: b + b"\0", "trailing"),
+])
+def test_malformed_requests_are_refused(mutate, why):
+    with pytest.raises(P.ProtocolError, match=why):
+        P.parse_request(mutate(P.encode_request(entries(), FP)), FP)
+
+
+def test_duplicate_request_ids_are_refused():
+    e = entries()[1]
+    with pytest.raises(P.ProtocolError, match="twice"):
+        P.parse_request(P.encode_request([e, e], FP), FP)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.integers(0, 400))
+def test_fuzzed_requests_parse_or_raise_protocol_error(noise, cut):
+    """Random bytes, or a valid message cut and spliced with random bytes: never anything
+    but a clean parse or ProtocolError (no IndexError, no giant allocation)."""
+    valid = P.encode_request(entries(), FP)
+    for buf in (noise, valid[:cut] + noise, valid[:32] + noise):
+        try:
+            P.parse_request(buf, FP)
+        except P.ProtocolError:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzzed_replies_parse_or_raise_protocol_error(noise):
+    valid = P.encode_reply([P.Reply(1, tokens=np.array([3], np.int32))], 4)
+    for buf in (noise, valid[:16] + noise):
+        try:
+            P.parse_reply(buf)
+        except P.ProtocolError:
+            pass
