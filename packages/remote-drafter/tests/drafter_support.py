@@ -35,7 +35,9 @@ def make_models(base: str) -> dict:
 
 class WrongEveryThird(LMDrafter):
     """The target's copy, but every draft at a position divisible by 3 is off by one:
-    exercises rejection and rollback at known places (deterministic, so exact)."""
+    exercises rejection and rollback at known places (deterministic, so exact). It knows
+    its planted error: the true token is its likeliest alternative there (what the
+    speculation cache plans a correction from)."""
 
     kind = "lm-wrong-every-third"
 
@@ -48,7 +50,8 @@ class WrongEveryThird(LMDrafter):
         for r, d in zip(requests, out):
             for i in range(len(d.tokens)):
                 if (r.history.length + i) % 3 == 0:
-                    d.tokens[i] = (d.tokens[i] + 1) % self.vocab_size
+                    d.alt_tokens[i], d.alt_probs[i] = d.tokens[i], d.own_probs[i]
+                    d.tokens[i], d.own_probs[i] = (d.tokens[i] + 1) % self.vocab_size, 0.0
                     if d.probs is not None:
                         d.probs[i] = np.eye(self.vocab_size, dtype=np.float32)[d.tokens[i]]
         return out

@@ -215,8 +215,17 @@ class DraftService:
         want_probs = any(e.want_probs for e, _ in batch)
         t0 = time.perf_counter()
         try:
-            with self.device_lock:
-                drafts = self.drafter.draft([r for _, r in batch], want_probs)
+            if self.cache is None:
+                with self.device_lock:
+                    drafts = self.drafter.draft([r for _, r in batch], want_probs)
+            else:
+                # Pre-drafts run one request at a time, and a matmul's bits depend on how
+                # many rows it multiplies (CPU and GPU BLAS alike): drafting alone here too
+                # is what makes a hit bit-identical to a fresh round.
+                drafts = []
+                for _, r in batch:
+                    with self.device_lock:
+                        drafts += self.drafter.draft([r], want_probs)
         except Exception as exc:  # noqa: BLE001 - fail these entries closed, keep serving
             log.exception("drafting a batch of %d failed", len(batch))
             self.metrics.inc("draft_errors")
