@@ -69,7 +69,7 @@ def cmd_worker(args) -> int:
     d = worker.service.describe()
     print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
           f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
-          f"spec cache {'on' if d['spec_cache'] else 'off'}) on {args.device}, "
+          f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) on {args.device}, "
           f"{args.backend} on {worker.address}", flush=True)
     try:
         wait_for_shutdown()
@@ -214,7 +214,11 @@ def main(argv=None) -> int:
     p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)
 
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
+        print(f"remote-drafter {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

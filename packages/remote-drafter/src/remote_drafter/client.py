@@ -27,6 +27,7 @@ from .identity import Manifest
 from .metrics import Metrics
 
 log = logging.getLogger("remote_drafter.client")
+LOG_EVERY_S = 10.0
 
 COUNTERS = {
     "rounds": "Rounds sent (sync calls and async submissions)",
@@ -120,12 +121,15 @@ class DrafterClient:
         self.releases: list[int] = []
         self.max_pending_releases = max_pending_releases
         self.metrics = Metrics("remote_drafter_client", COUNTERS, {"round": "Round latency"})
-        self._inflight = None  # async: (ticket, entries)
+        self._inflight = None  # async: (ticket, entries, info, started)
+        self._last_warning = -LOG_EVERY_S
 
     # -- the engine's view of its requests --------------------------------------------------
     def add_request(self, rid: int, tokens, hidden=None, temperature: float = 0.0, seed: int = 0) -> None:
         """A request after prefill: its tokens (prompt + first sampled token) and the target's
         hidden rows of all but the newest token (or None for a token-only drafter)."""
+        if rid in self.releases:  # an id reused before its release went out: the open resets it
+            self.releases.remove(rid)
         rows = as_rows(hidden)
         feature = 0 if rows is None else rows.shape[1]
         history = History(self.history_tokens, self.window, feature)
@@ -185,7 +189,11 @@ class DrafterClient:
         for rid in rids:
             if rid in self.requests:
                 self.requests[rid].needs_open = True
-        log.warning("draft round failed, no drafts this step: %s", why)
+        now = time.monotonic()
+        if now - self._last_warning >= LOG_EVERY_S:  # one line per interval, not per step
+            log.warning("draft round failed, no drafts this step: %s (%d failed rounds so far)",
+                        why, self.metrics.value("rounds_failed"))
+            self._last_warning = now
         return {}
 
     def _absorb(self, entries: list[P.Entry], replies: list[P.Reply], info: WorkerInfo) -> tuple[dict, list[int]]:

@@ -101,6 +101,18 @@ class DraftService:
                 "round_bytes_per_token": {d: P.round_bytes_per_token(self.drafter.feature, d)
                                           for d in P.ROW_DTYPES}}
 
+    def warm_up(self) -> float:
+        """Draft once for a throwaway request (lazy kernel and allocator set-up happen here,
+        not in a client's first round); returns the seconds it took."""
+        d = self.drafter
+        history = d.new_history()
+        rows = np.zeros((min(d.window, 7), d.feature), np.float32) if d.feature else None
+        history.reset(np.zeros(8, np.int32), rows)
+        t0 = time.perf_counter()
+        with self.device_lock:
+            d.draft([DraftRequest(history, d.max_depth)], want_probs=True)
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()

@@ -58,17 +58,18 @@ class RemoteTransport:
                  retry_s: float = 1.0, link: str | None = None):
         self.conn = Connection(address, backend=backend, identity="remote-drafter-client",
                                link=link, connect=False, verify_peer=check_worker(expect or Manifest()))
-        self.retry_s, self._down_until = retry_s, 0.0
+        self.retry_s, self._down_until, self._last_error = retry_s, 0.0, ""
         self._info: tuple[dict, WorkerInfo] | None = None
 
     def info(self, deadline_s: float) -> WorkerInfo:
         if not self.conn.connected:
             if time.monotonic() < self._down_until:
-                raise ConnectionError(f"worker at {self.conn.where()} is down; retrying later")
+                raise ConnectionError(f"worker at {self.conn.where()} unavailable ({self._last_error}); "
+                                      f"retrying every {self.retry_s:g} s")
             try:
                 self.conn.ensure_connected(deadline_s)
-            except Exception:
-                self._down_until = time.monotonic() + self.retry_s
+            except Exception as exc:
+                self._down_until, self._last_error = time.monotonic() + self.retry_s, str(exc)
                 raise
         metadata = self.conn.peer_metadata
         if self._info is None or self._info[0] is not metadata:  # new handshake: new limits

@@ -31,6 +31,7 @@ class Worker:
         return f"{host}:{port}"
 
     def start(self) -> Worker:
+        self.warm_up_s = self.service.warm_up()  # before accepting anyone
         self.server.start()
         self._sweeper.start()
         return self
