@@ -24,7 +24,7 @@ PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7, 6], 3: list(range(10, 30))}
 def cached_client(models, spec, outcomes_per_round=3, cache_bytes=64 << 20, want_probs=False):
     service = DraftService(load_drafter(spec, models["target"]),
                            ServiceConfig(spec_cache=True, spec_cache_outcomes=outcomes_per_round,
-                                         spec_cache_bytes=cache_bytes))
+                                         spec_cache_bytes=cache_bytes, spec_cache_max_batch=8))
     return DrafterClient(LocalTransport(service), "8:4", want_probs=want_probs), service
 
 
@@ -98,6 +98,17 @@ def test_memory_and_compute_stay_bounded(models):
     assert result.steps > 0
 
 
+def test_large_rounds_skip_the_cache_and_draft_batched(models):
+    service = DraftService(load_drafter("lm", models["target"]),
+                           ServiceConfig(spec_cache=True, spec_cache_max_batch=2))
+    client = DrafterClient(LocalTransport(service), "8:4")
+    target = TargetLM.load(models["target"])
+    result = speculative_decode(target, client, PROMPTS, 12, on_round=lambda d: service.cache.drain())
+    stats = service.stats()
+    assert stats["spec_cache_hits"] == stats["spec_cache_misses"] == stats["spec_cache_predrafts"] == 0
+    assert result.tokens == {rid: plain_decode(target, p, 12) for rid, p in PROMPTS.items()}
+
+
 def test_outcomes_are_ranked_by_the_drafters_own_probabilities():
     from remote_drafter.drafters import Draft
     d = Draft(np.array([5, 6, 7, 8], np.int32), None, np.array([0.9, 0.5, 0.8, 0.7], np.float32),
@@ -110,7 +121,7 @@ def test_outcomes_are_ranked_by_the_drafters_own_probabilities():
 
 
 def test_a_remote_worker_with_the_cache_stays_exact_and_hits(models):
-    worker = WorkerProcess("lm", models["target"], "tcp", 0, "--spec-cache")
+    worker = WorkerProcess("lm", models["target"], "tcp", 0, "--spec-cache", "--spec-cache-max-batch", "8")
     try:
         client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(models["target"], None)),
                                "8:4", deadline_s=10)

@@ -51,7 +51,8 @@ def _service_config(args):
     from .service import ServiceConfig
     return ServiceConfig(max_requests=args.max_requests, idle_timeout_s=args.idle_timeout_s,
                          spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
-                         spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)))
+                         spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)),
+                         spec_cache_max_batch=args.spec_cache_max_batch)
 
 
 def cmd_worker(args) -> int:
@@ -182,6 +183,8 @@ def main(argv=None) -> int:
                    help="pre-draft likely next rounds while the target verifies (token-only drafters)")
     p.add_argument("--spec-cache-outcomes", type=int, default=3, help="outcomes pre-drafted per round")
     p.add_argument("--spec-cache-mb", type=float, default=64, help="memory bound of the cache")
+    p.add_argument("--spec-cache-max-batch", type=int, default=2,
+                   help="rounds drafting more requests than this skip the cache (and draft batched)")
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("identity", help="print the identity manifest of a drafter")

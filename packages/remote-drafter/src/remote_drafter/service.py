@@ -9,6 +9,7 @@ own error status while the others are served.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -70,6 +71,7 @@ class ServiceConfig:
     spec_cache: bool = False
     spec_cache_outcomes: int = 3
     spec_cache_bytes: int = 64 << 20
+    spec_cache_max_batch: int = 2  # rounds drafting more requests than this skip the cache
 
 
 class DraftService:
@@ -80,6 +82,7 @@ class DraftService:
         self.sessions: dict[int, Session] = {}
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
+        self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
         self.metrics = Metrics("remote_drafter_worker", COUNTERS, HISTOGRAMS)
         self.cache = None
         if self.config.spec_cache:
@@ -131,19 +134,23 @@ class DraftService:
         started = time.perf_counter()
         replies: dict[int, P.Reply] = {}
         batch: list[tuple[P.Entry, DraftRequest]] = []
+        # The cache serves small rounds only: they draft each request alone, which is what
+        # makes a hit bit-identical to a fresh round; large rounds draft in one batch.
+        drafting = sum(1 for e in entries if e.k and e.op != P.OP_RELEASE)
+        cached = self.cache is not None and drafting <= self.config.spec_cache_max_batch
         with self.state_lock:
             self._expire_idle()
             for e in entries:
-                reply, request = self._apply(e)
+                reply, request = self._apply(e, cached)
                 if reply is not None:
                     replies[e.request_id] = reply
                 elif request is not None:
                     batch.append((e, request))
         if batch:
-            self._draft(batch, replies, started)
+            self._draft(batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
 
-    def _apply(self, e: P.Entry) -> tuple[P.Reply | None, DraftRequest | None]:
+    def _apply(self, e: P.Entry, cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """Validate and apply one entry; (reply now, None) or (None, what to draft)."""
         rid, now = e.request_id, time.monotonic()
         if e.op == P.OP_RELEASE:
@@ -191,11 +198,13 @@ class DraftService:
             if self.cache is not None:
                 self.cache.forget(rid)
             return P.Reply(rid), None
-        depth = min(e.k + 1, self.drafter.max_depth) if self.cache is not None else e.k
+        depth = min(e.k + 1, self.drafter.max_depth) if cached else e.k
         # A snapshot (History replaces its arrays, never writes into them): the batch drafts
         # outside the state lock.
         request = DraftRequest(copy.copy(session.history), depth, session.temperature, session.seed)
-        if self.cache is not None and new_tokens is not None:
+        if not cached and self.cache is not None:
+            self.cache.forget(rid)
+        if cached and new_tokens is not None:
             t0 = time.perf_counter()
             hit = self.cache.lookup(rid, base_length, new_tokens, request, e.want_probs)
             if hit is not None:
@@ -223,11 +232,11 @@ class DraftService:
             return f"{len(e.tokens)} tokens in one round exceed the history bound {d.history_tokens}"
         return None
 
-    def _draft(self, batch, replies: dict, started: float) -> None:
+    def _draft(self, batch, replies: dict, started: float, cached: bool) -> None:
         want_probs = any(e.want_probs for e, _ in batch)
         t0 = time.perf_counter()
         try:
-            if self.cache is None:
+            if not cached:
                 with self.device_lock:
                     drafts = self.drafter.draft([r for _, r in batch], want_probs)
             else:
@@ -235,9 +244,10 @@ class DraftService:
                 # many rows it multiplies (CPU and GPU BLAS alike): drafting alone here too
                 # is what makes a hit bit-identical to a fresh round.
                 drafts = []
-                for _, r in batch:
-                    with self.device_lock:
-                        drafts += self.drafter.draft([r], want_probs)
+                with self.fresh_round():
+                    for _, r in batch:
+                        with self.device_lock:
+                            drafts += self.drafter.draft([r], want_probs)
         except Exception as exc:  # noqa: BLE001 - fail these entries closed, keep serving
             log.exception("drafting a batch of %d failed", len(batch))
             self.metrics.inc("draft_errors")
@@ -248,14 +258,24 @@ class DraftService:
         self.metrics.observe("draft", time.perf_counter() - t0)
         with self.state_lock:
             for (e, request), draft in zip(batch, drafts):
-                replies[e.request_id] = self._reply(e, draft, P.CACHE_MISS if self.cache else
+                replies[e.request_id] = self._reply(e, draft, P.CACHE_MISS if cached else
                                                     P.CACHE_NONE, started)
                 self._count_drafts(draft.tokens[:e.k])
                 self.metrics.observe("entry_fresh", time.perf_counter() - started)
                 session = self.sessions.get(e.request_id)
-                if self.cache is not None and session is not None \
+                if cached and session is not None \
                         and session.history.length == request.history.length:
                     self.cache.plan(e.request_id, session, draft, e.k, request, e.want_probs)
+
+    @contextlib.contextmanager
+    def fresh_round(self):
+        with self.state_lock:
+            self.fresh_waiting += 1
+        try:
+            yield
+        finally:
+            with self.state_lock:
+                self.fresh_waiting -= 1
 
     def _reply(self, e: P.Entry, draft, cache: int, started: float) -> P.Reply:
         probs = draft.probs[:e.k] if e.want_probs and draft.probs is not None else None

@@ -141,6 +141,8 @@ class SpeculationCache:
 
     def _predraft(self, rid: int, entry: CacheEntry, history, found: list[Outcome]) -> None:
         for outcome in found:
+            while self.service.fresh_waiting and not self._stop.is_set():
+                time.sleep(0.0002)  # a round is drafting: it goes first
             with self.service.state_lock:
                 if self.entries.get(rid) is not entry:  # the round came, or was released
                     self.service.metrics.inc("spec_cache_predrafts_skipped")

@@ -63,10 +63,12 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", **op
     """'ngram', 'lm' (the target itself as drafter), a DSpark checkpoint folder, or
     'module:Class' (a class taking (target, device, **options))."""
     if spec == "ngram":
+        from ..identity import target_digest, tokenizer_digest
         from .ngram import NgramDrafter
-        if target and "vocab_size" not in options:  # probabilities span the target's vocabulary
+        if target:  # it serves this target: its vocabulary bounds ids, its digests identify it
             with open(os.path.join(target, "config.json")) as f:
-                options["vocab_size"] = int(json.load(f)["vocab_size"])
+                options.setdefault("vocab_size", int(json.load(f)["vocab_size"]))
+            options["target"] = Manifest(target_digest(target), tokenizer_digest(target))
         return NgramDrafter(**options)
     if spec == "lm":
         from .lm import LMDrafter

@@ -16,13 +16,15 @@ class NgramDrafter(Drafter):
     kind = "ngram"
 
     def __init__(self, vocab_size: int = 1 << 20, min_n: int = 2, max_n: int = 4,
-                 max_depth: int = 8, history_tokens: int = 4096):
+                 max_depth: int = 8, history_tokens: int = 4096, target: Manifest | None = None):
         self.vocab_size, self.min_n, self.max_n = vocab_size, min_n, max_n
         self.max_depth, self.history_tokens, self.window = max_depth, history_tokens, 0
+        self.target = target or Manifest()  # the target and tokenizer it serves, when known
 
     def manifest(self) -> Manifest:
         params = f"ngram:{self.min_n}:{self.max_n}:{self.max_depth}".encode()
-        return Manifest(drafter=hashlib.sha256(params).hexdigest(), kind=self.kind)
+        return Manifest(self.target.target, self.target.tokenizer,
+                        drafter=hashlib.sha256(params).hexdigest(), kind=self.kind)
 
     def lookup(self, tokens: np.ndarray, depth: int) -> np.ndarray:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
