@@ -1,0 +1,33 @@
+#!/bin/bash
+# The GPU tier of remote-drafter, in one call on an H200 machine (see the README):
+#   device run: bash packages/remote-drafter/benchmarks/gpu.sh   (carry: .whl)
+# No registry there: cffi/pycparser come as wheels in .whl/ (python 3.12), our packages
+# from their src/ folders, the C helpers compiled in place. Writes JSON under $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
+for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py \
+               packages/ofl-transport/src/ofl/_gather_build.py; do
+  python3 - "$builder" <<'PY'
+import importlib.util, pathlib, shutil, sys, tempfile
+path = pathlib.Path(sys.argv[1])
+spec = importlib.util.spec_from_file_location(path.stem, path)
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+so = pathlib.Path(mod.builder().compile(tmpdir=tempfile.mkdtemp(), verbose=False))
+shutil.copy2(so, path.parent / so.name)
+print("built", so.name)
+PY
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
+python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
+python3 -m remote_drafter.bench --device cuda --width smollm2 --json --out "$OUT/bench-cuda-f32.json" > /dev/null
+python3 -m remote_drafter.bench --device cuda --width smollm2 --dtype bfloat16 --skip spec_cache \
+  --out "$OUT/bench-cuda-bf16.json" | tee "$OUT/bench-cuda-bf16.txt"
+python3 -c "import json,sys; sys.path.insert(0,'packages/remote-drafter/src'); from remote_drafter.bench import print_table; print_table(json.load(open('$OUT/bench-cuda-f32.json')))"
+echo "== CPU/GPU agreement, device timing, decoding on the GPU"
+python3 packages/remote-drafter/benchmarks/gpu_check.py --out "$OUT/gpu-check.json"

@@ -1,0 +1,47 @@
+"""GPU tier: needs CUDA, so CI skips it; benchmarks/gpu.sh runs it on an H200 machine."""
+
+import numpy as np
+import pytest
+import torch
+from drafter_support import HIDDEN_LAYERS, WorkerProcess
+
+from remote_drafter.client import DrafterClient
+from remote_drafter.drafters import DraftRequest, load_drafter
+from remote_drafter.identity import expectation
+from remote_drafter.reference import plain_decode, speculative_decode
+from remote_drafter.target import TargetLM
+from remote_drafter.transport import RemoteTransport
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="GPU tier: no CUDA here; benchmarks/gpu.sh runs it on an H200")
+
+
+def test_cuda_drafts_equal_cpu_drafts_at_greedy(models):
+    cpu = load_drafter(models["dspark"], models["target"], "cpu")
+    gpu = load_drafter(models["dspark"], models["target"], "cuda")
+    rng = np.random.default_rng(0)
+    differences = []
+    for _ in range(20):
+        h = cpu.new_history()
+        n = int(rng.integers(2, 40))
+        h.reset(rng.integers(0, cpu.vocab_size, n).astype(np.int32),
+                rng.standard_normal((n - 1, cpu.feature)).astype(np.float32))
+        a, b = cpu.draft([DraftRequest(h, 5)], True)[0], gpu.draft([DraftRequest(h, 5)], True)[0]
+        if not np.array_equal(a.tokens, b.tokens):
+            i = int(np.flatnonzero(a.tokens != b.tokens)[0])
+            differences.append(float(a.own_probs[i] - a.alt_probs[i]))
+    assert all(g < 1e-3 for g in differences), f"differences away from near-ties: top-2 gaps {differences}"
+
+
+def test_a_cuda_worker_keeps_decoding_exact(models):
+    worker = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--device", "cuda")
+    try:
+        target = TargetLM.load(models["target"])
+        client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(models["target"], None)),
+                               "8:5", deadline_s=10)
+        prompts = {1: [1, 2, 3, 4, 5], 2: list(range(10, 40))}
+        result = speculative_decode(target, client, prompts, 24, hidden_layers=HIDDEN_LAYERS)
+        assert result.tokens == {r: plain_decode(target, p, 24) for r, p in prompts.items()}
+        assert client.counters()["drafts"] > 0 and client.counters()["rounds_failed"] == 0
+    finally:
+        worker.stop()
