@@ -109,6 +109,22 @@ def test_async_drafts_through_the_proxy_change_nothing(models, target, reference
         worker.stop()
 
 
+def test_an_async_round_larger_than_a_slot_fails_closed(models, target, reference):
+    worker = WorkerProcess(models["dspark"], models["target"])
+    try:
+        small = HandoffConfig(round_deadline_ms=5000, max_wait_ms=5000, startup_timeout_s=60, slot_bytes=2048)
+        client = DrafterClient(AsyncTransport(worker.address, "tcp", expectation(models["target"], None), small),
+                               "8:5", deadline_s=10)
+        try:
+            result = speculative_decode(target, client, PROMPTS, NEW, hidden_layers=HIDDEN_LAYERS, mode="async")
+            assert result.tokens == reference
+            assert client.counters()["rounds_failed"] > 0  # the opens did not fit
+        finally:
+            client.close()
+    finally:
+        worker.stop()
+
+
 def test_one_hot_drafts_are_exact_too(models, target, reference):
     client = DrafterClient(LocalTransport(DraftService(load_drafter(models["dspark"], models["target"]))), "8:5")
     result = speculative_decode(target, client, PROMPTS, NEW, hidden_layers=HIDDEN_LAYERS, use_probs=False)

@@ -143,7 +143,9 @@ def bench_rounds(paths, args, width) -> list[dict]:
     t = WIDTHS[width]
     out = []
     expect = expectation(paths["target"], None)
-    handoff = HandoffConfig(round_deadline_ms=2000, max_wait_ms=2000, startup_timeout_s=60)
+    # slots hold a whole round: opens carry up to `window` hidden rows per request
+    handoff = HandoffConfig(round_deadline_ms=2000, max_wait_ms=2000, startup_timeout_s=60,
+                            slot_bytes=32 << 20)
     for name, spec, feature in (("ngram", "ngram", 0), ("dspark", paths["dspark"], 3 * t.hidden_size)):
         worker = WorkerProc(spec, paths["target"], args.device, args.dtype, "--max-requests", "64")
         local_drafter = load_drafter(spec, paths["target"], args.device)

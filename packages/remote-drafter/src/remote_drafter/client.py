@@ -283,7 +283,12 @@ class DrafterClient:
         entries = self._entries(self.depth(k), info)
         if not entries:
             return False
-        ticket = self.transport.submit(self._encode(entries, info))
+        payload = self._encode(entries, info)
+        try:
+            ticket = self.transport.submit(payload)
+        except ValueError as exc:  # larger than a handoff slot: ASYNC_HANDOFF_SLOT_BYTES too small
+            self._fail(_ids(entries), f"{exc} (raise ASYNC_HANDOFF_SLOT_BYTES above {len(payload)})")
+            return False
         if ticket is None:
             self._fail(_ids(entries), "the async handoff took no round (disabled or full)")
             return False
