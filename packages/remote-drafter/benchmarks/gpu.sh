@@ -22,8 +22,10 @@ print("built", so.name)
 PY
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
-python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
+  echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
+  python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
 python3 -m remote_drafter.bench --device cuda --width smollm2 --json --out "$OUT/bench-cuda-f32.json" > /dev/null
 python3 -m remote_drafter.bench --device cuda --width smollm2 --dtype bfloat16 --skip spec_cache \
