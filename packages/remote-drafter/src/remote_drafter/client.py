@@ -40,6 +40,8 @@ COUNTERS = {
     "drafts": "Draft tokens received",
     "cache_hits": "Entries the worker answered from its speculation cache",
     "async_abandoned": "Async rounds superseded before they were collected",
+    "opens_deferred": "Entries left for a later step because the round was full (message size)",
+    "opens_too_large": "Opens larger than a whole round can carry (raise the message/slot size)",
     "request_bytes": "Bytes of round requests sent",
     "committed_tokens": "Committed tokens sent to the worker",
 }
@@ -158,22 +160,42 @@ class DrafterClient:
 
     # -- building and reading rounds ---------------------------------------------------------
     def _entries(self, k: int, info: WorkerInfo) -> list[P.Entry]:
+        """This step's entries, within the link's message size: continues first (small),
+        then opens (up to `window` hidden rows each) while they fit; the rest wait for a
+        later step (those requests draft nothing until then, counted)."""
         entries = [P.Entry(rid, P.OP_RELEASE) for rid in self.releases]
         self.releases = []
+        budget = self.transport.max_round_bytes - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
         k = min(k, info.max_depth)
-        for rid, r in self.requests.items():
-            if r.needs_open:
-                tokens, rows, length = r.history.open_payload()
-                if info.feature and rows is not None:
-                    rows = rows[-min(len(tokens) - 1, info.window):] if len(tokens) > 1 else rows[:0]
-                entries.append(P.Entry(rid, P.OP_OPEN, tokens, rows if info.feature else None, k,
-                                       r.temperature, r.seed, self.want_probs, length=length))
-            elif r.pending_tokens:
-                rows = np.concatenate(r.pending_rows) if info.feature and r.pending_rows else None
-                entries.append(P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
-                                       want_probs=self.want_probs))
+        continues = [(rid, r) for rid, r in self.requests.items() if not r.needs_open and r.pending_tokens]
+        opens = [(rid, r) for rid, r in self.requests.items() if r.needs_open]
+        for rid, r in continues + opens:
+            e = self._entry(rid, r, k, info)
+            size = P.entry_bytes(e, self.row_dtype)
+            if size > budget:
+                r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
+                self.metrics.inc("opens_deferred")
+                if size > self.transport.max_round_bytes:
+                    self.metrics.inc("opens_too_large")
+                    log.error("request %d needs %d bytes to open, the link carries %d per round: "
+                              "raise OFL_MAX_MESSAGE_BYTES (both sides) / ASYNC_HANDOFF_SLOT_BYTES",
+                              rid, size, self.transport.max_round_bytes)
+                continue
+            budget -= size
+            entries.append(e)
             r.needs_open, r.pending_tokens, r.pending_rows = False, [], []
         return entries
+
+    def _entry(self, rid: int, r: _Request, k: int, info: WorkerInfo) -> P.Entry:
+        if r.needs_open:
+            tokens, rows, length = r.history.open_payload()
+            if info.feature and rows is not None:
+                rows = rows[-min(len(tokens) - 1, info.window):] if len(tokens) > 1 else rows[:0]
+            return P.Entry(rid, P.OP_OPEN, tokens, rows if info.feature else None, k,
+                           r.temperature, r.seed, self.want_probs, length=length)
+        rows = np.concatenate(r.pending_rows) if info.feature and r.pending_rows else None
+        return P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
+                       want_probs=self.want_probs)
 
     def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> bytes:
         payload = P.encode_request(entries, info.fingerprint, self.row_dtype)

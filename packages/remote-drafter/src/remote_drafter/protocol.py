@@ -268,6 +268,12 @@ def parse_stats_reply(buf: bytes) -> dict:
     return json.loads(bytes(buf[REPLY_HEADER.itemsize:]))
 
 
+def entry_bytes(e: Entry, row_dtype: str) -> int:
+    """Bytes `e` takes in a request (its header, tokens and rows)."""
+    rows = 0 if e.rows is None else e.rows.size * ROW_BYTES[ROW_DTYPES[row_dtype]]
+    return ENTRY.itemsize + 4 * len(e.tokens) + rows
+
+
 def round_bytes_per_token(feature: int, row_dtype: str) -> int:
     """Request bytes one committed token costs on the wire (its id and its hidden row)."""
     return 4 + feature * ROW_BYTES[ROW_DTYPES[row_dtype]]

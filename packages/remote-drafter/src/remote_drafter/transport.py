@@ -36,6 +36,8 @@ def check_worker(expect: Manifest):
 class LocalTransport:
     """The drafter in the engine's own process: the stock configuration and the rollback."""
 
+    max_round_bytes = 1 << 62  # no link in between
+
     def __init__(self, service):
         self.service = service
         self._info = WorkerInfo(service.describe())
@@ -76,6 +78,11 @@ class RemoteTransport:
             self._info = (metadata, WorkerInfo(metadata["remote_drafter"]))
         return self._info[1]
 
+    @property
+    def max_round_bytes(self) -> int:
+        """The largest message the link carries (the smaller of both sides' limits)."""
+        return self.conn.max_message_bytes
+
     def call(self, payload: bytes, deadline_s: float) -> bytes:
         try:
             return self.conn.request(payload, deadline_s=deadline_s)
@@ -107,6 +114,10 @@ class AsyncTransport(RemoteTransport):
             super().info(deadline_s)
             self.conn.close()  # the proxy holds the link that carries rounds
         return self._info[1]
+
+    @property
+    def max_round_bytes(self) -> int:
+        return min(self.handoff.config.slot_bytes, self.conn.max_message_bytes)
 
     def submit(self, payload: bytes):
         return self.handoff.submit(payload)
