@@ -32,6 +32,8 @@ def test_rows_from_tensors_of_any_dtype():
 class Recording:
     """A transport that records requests and answers with a canned reply."""
 
+    max_round_bytes = 1 << 30
+
     def __init__(self, inner, reply=None):
         self.inner, self.reply, self.sent = inner, reply, []
 

@@ -127,16 +127,17 @@ def test_an_async_round_larger_than_a_slot_fails_closed(models, target, referenc
 
 
 def test_opens_beyond_the_message_size_wait_for_later_steps(models, target, reference):
-    """Room for one open per round: the other requests open in the following steps."""
+    """Room for the largest open alone: the others open in the following steps, and the
+    large one is not starved by the small continues."""
     transport = LocalTransport(DraftService(load_drafter(models["dspark"], models["target"])))
-    transport.max_round_bytes = 5000  # one open of a short prompt (~3 KB) and a few continues
+    transport.max_round_bytes = 13000  # opens: ~3.9, ~2.4 and ~12.5 KB (16 rows of 768 B)
     client = DrafterClient(transport, "8:5")
     seen = []
     result = speculative_decode(target, client, PROMPTS, NEW, hidden_layers=HIDDEN_LAYERS,
                                 on_round=lambda d: seen.append(sorted(d)))
     assert result.tokens == reference
     assert client.counters()["opens_deferred"] > 0 and client.counters()["opens_too_large"] == 0
-    assert len(seen[0]) == 1 and set(seen[-1]) == set(PROMPTS)  # one at first, all in the end
+    assert len(seen[0]) < len(PROMPTS) and set(seen[-1]) == set(PROMPTS)
 
 
 def test_one_hot_drafts_are_exact_too(models, target, reference):

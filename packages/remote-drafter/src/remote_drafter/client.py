@@ -14,6 +14,7 @@ this step, counted; the output never changes, only the speed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class _Request:
     pending_tokens: list
     pending_rows: list
     needs_open: bool = True
+    deferred: int = 0  # when it was first left out of a full round (0: not waiting)
 
 
 class DrafterClient:
@@ -125,6 +127,7 @@ class DrafterClient:
         self.metrics = Metrics("remote_drafter_client", COUNTERS, {"round": "Round latency"})
         self._inflight = None  # async: (ticket, entries, info, started)
         self._last_warning = -LOG_EVERY_S
+        self._deferrals = itertools.count(1)
 
     # -- the engine's view of its requests --------------------------------------------------
     def add_request(self, rid: int, tokens, hidden=None, temperature: float = 0.0, seed: int = 0) -> None:
@@ -167,13 +170,19 @@ class DrafterClient:
         self.releases = []
         budget = self.transport.max_round_bytes - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
         k = min(k, info.max_depth)
-        continues = [(rid, r) for rid, r in self.requests.items() if not r.needs_open and r.pending_tokens]
-        opens = [(rid, r) for rid, r in self.requests.items() if r.needs_open]
-        for rid, r in continues + opens:
+        # Requests deferred before go first (oldest first), so a large open cannot starve
+        # behind small continues; then continues; then new opens.
+        waiting = sorted((r.deferred, rid) for rid, r in self.requests.items() if r.deferred)
+        order = [rid for _, rid in waiting]
+        order += [rid for rid, r in self.requests.items() if not r.deferred and not r.needs_open and r.pending_tokens]
+        order += [rid for rid, r in self.requests.items() if not r.deferred and r.needs_open]
+        for rid in order:
+            r = self.requests[rid]
             e = self._entry(rid, r, k, info)
             size = P.entry_bytes(e, self.row_dtype)
             if size > budget:
                 r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
+                r.deferred = r.deferred or next(self._deferrals)
                 self.metrics.inc("opens_deferred")
                 if size > self.transport.max_round_bytes:
                     self.metrics.inc("opens_too_large")
@@ -183,7 +192,7 @@ class DrafterClient:
                 continue
             budget -= size
             entries.append(e)
-            r.needs_open, r.pending_tokens, r.pending_rows = False, [], []
+            r.needs_open, r.pending_tokens, r.pending_rows, r.deferred = False, [], [], 0
         return entries
 
     def _entry(self, rid: int, r: _Request, k: int, info: WorkerInfo) -> P.Entry:
