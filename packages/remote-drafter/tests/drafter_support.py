@@ -3,7 +3,6 @@ process, and a drafter that is wrong on purpose."""
 
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -12,6 +11,7 @@ from ofl.testing import ChildProcess
 from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
 from remote_drafter.drafters.lm import LMDrafter
 from remote_drafter.target import TargetConfig, random_target
+from remote_drafter.worker import spawn_worker
 
 TINY = TargetConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=128)
@@ -63,15 +63,9 @@ class WorkerProcess(ChildProcess):
     def __init__(self, drafter: str, target: str, backend: str = "tcp", port: int = 0, *extra):
         self.args = [drafter, target, backend, *extra]
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remote_drafter.cli", "worker", "--drafter", drafter,
-             "--target", target, "--backend", backend, "--listen", f"127.0.0.1:{port}", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if "remote-drafter worker:" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r}")
-        self.address = line.rsplit(" on ", 1)[1].strip()
+        self.proc, self.address = spawn_worker(
+            ["--drafter", drafter, "--target", target, "--backend", backend,
+             "--listen", f"127.0.0.1:{port}", *extra], env=env, stderr=subprocess.DEVNULL)
 
     def restart(self) -> None:
         """Kill -9 and start again on the same port (state lost)."""

@@ -20,16 +20,11 @@ from remote_drafter.client import DrafterClient
 from remote_drafter.factory import CapacityModeError, make_client
 from remote_drafter.identity import Manifest, expectation
 from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.target import TargetLM, random_target
+from remote_drafter.target import random_target
 from remote_drafter.transport import RemoteTransport
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: [4, 4, 2, 8, 1, 7]}
 NEW = 20
-
-
-@pytest.fixture(scope="module")
-def target(models):
-    return TargetLM.load(models["target"])
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,11 @@ from remote_drafter.drafters import load_drafter
 from remote_drafter.identity import expectation
 from remote_drafter.reference import plain_decode, speculative_decode
 from remote_drafter.service import DraftService
-from remote_drafter.target import TargetLM
 from remote_drafter.transport import AsyncTransport, LocalTransport, RemoteTransport
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: list(range(10, 40))}  # 3 is longer than the window
 NEW = 24
 SLOW = HandoffConfig(round_deadline_ms=5000, max_wait_ms=5000, startup_timeout_s=60)
-
-
-@pytest.fixture(scope="module")
-def target(models):
-    return TargetLM.load(models["target"])
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from .reference import speculative_decode
 from .shadow import synthetic_prompts
 from .target import TargetConfig, random_target
 from .transport import AsyncTransport, RemoteTransport
+from .worker import spawn_worker
 
 WIDTHS = {
     "tiny": TargetConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -63,15 +63,9 @@ def make_models(base: str, width: str) -> dict:
 
 class WorkerProc:
     def __init__(self, drafter: str, target: str, device: str, dtype: str, *extra):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remote_drafter.cli", "worker", "--drafter", drafter, "--target",
-             target, "--device", device, "--dtype", dtype, "--listen", "127.0.0.1:0", *extra],
-            stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if " on " not in line:
-            self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r}")
-        self.address = line.rsplit(" on ", 1)[1].strip()
+        self.proc, self.address = spawn_worker(
+            ["--drafter", drafter, "--target", target, "--device", device, "--dtype", dtype,
+             "--listen", "127.0.0.1:0", *extra])
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -188,7 +182,8 @@ def bench_spec_cache(paths, args, width) -> list[dict]:
     expect = expectation(paths["target"], None)
     for name, spec in (("target-copy", "lm"), ("dspark-tokens", paths["dspark-tokens"])):
         for cache in (False, True):
-            extra = ["--spec-cache", "--spec-cache-outcomes", str(args.outcomes)] if cache else []
+            extra = ["--spec-cache", "--spec-cache-outcomes", str(args.outcomes),
+                     "--spec-cache-max-batch", "4"] if cache else []  # b=4 rows use the cache too
             worker = WorkerProc(spec, paths["target"], args.device, "float32", *extra)
             try:
                 for batch in (1, 4):

@@ -5,6 +5,8 @@ thread releases idle requests."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 from ofl import Server
@@ -51,3 +53,16 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def spawn_worker(args: list[str], env: dict | None = None, stderr=None) -> tuple[subprocess.Popen, str]:
+    """Start `remote-drafter worker ARGS` as a process; return it and its address once it
+    serves (the benchmark's and the tests' workers)."""
+    proc = subprocess.Popen([sys.executable, "-m", "remote_drafter.cli", "worker", *args],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    line = proc.stdout.readline()
+    if "remote-drafter worker:" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"worker did not start: {line!r}")
+    return proc, line.rsplit(" on ", 1)[1].strip()
