@@ -41,8 +41,11 @@ class Recording:
         return self.inner.info(deadline_s)
 
     def call(self, payload, deadline_s):
-        self.sent.append(P.parse_request(payload, None)[1])
+        self.sent.append(P.parse_request(payload, None).entries)
         return self.reply(payload) if self.reply else self.inner.call(payload, deadline_s)
+
+    def invalidate(self):
+        pass
 
     def close(self):
         pass
@@ -62,7 +65,7 @@ def test_a_reused_id_is_opened_not_released(models):
 
 
 def test_a_long_silence_reopens_instead_of_queueing(models):
-    rec = Recording(LocalTransport(DraftService(load_drafter("ngram", models["target"]))))
+    rec = Recording(LocalTransport(DraftService(load_drafter("ngram", models["target"], history_tokens=16))))
     client = DrafterClient(rec, "8:0", history_tokens=16)
     client.add_request(1, [1, 2])
     client.propose(k=1)
@@ -95,3 +98,88 @@ def test_engine_and_proxy_modules_import_without_torch():
             "remote_drafter.factory, remote_drafter.protocol, remote_drafter.identity; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_seed_or_temperature_from_the_engine():
+    client = DrafterClient(Recording(None), "8:3")
+    client.add_request(1, [1, 2], seed=-5)  # masked to 64 bits, never an OverflowError later
+    assert client.requests[1].seed == 2**64 - 5
+    with pytest.raises(ValueError, match="temperature"):
+        client.add_request(2, [1, 2], temperature=float("nan"))
+
+
+def test_probabilities_that_would_overflow_the_reply_are_skipped_not_failed(models, target):
+    from remote_drafter.reference import plain_decode, speculative_decode
+    transport = LocalTransport(DraftService(load_drafter("lm", models["target"])))
+    transport.max_round_bytes = 6000  # room for two replies with 5 x 96 probabilities
+    client = DrafterClient(transport, "8:5", want_probs=True)
+    prompts = {1: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}
+    result = speculative_decode(target, client, prompts, 12)
+    assert result.tokens == {r: plain_decode(target, p, 12) for r, p in prompts.items()}
+    c = client.counters()
+    assert c["drafts_skipped_reply_size"] > 0 and c["rounds_failed"] == 0 and c["drafts"] > 0
+
+
+def test_the_client_keeps_what_the_worker_looks_at(models, target):
+    """A client configured with a smaller window than the worker's adopts the worker's,
+    so opens carry the rows the worker needs."""
+    from remote_drafter.reference import plain_decode, speculative_decode
+    client = DrafterClient(LocalTransport(DraftService(load_drafter(models["dspark"], models["target"]))),
+                           "8:5", window=4)
+    prompts = {1: list(range(1, 30))}
+    result = speculative_decode(target, client, prompts, 10, hidden_layers=(0, 2, 3))
+    assert result.tokens[1] == plain_decode(target, prompts[1], 10)
+    assert client.window == 16 and client.counters()["entries_failed"] == 0
+
+
+def test_a_failed_round_keeps_its_releases_and_every_request_reopens(models):
+    def broken(payload):
+        raise ConnectionError("link down")
+    rec = Recording(LocalTransport(DraftService(load_drafter("ngram", models["target"]))), broken)
+    client = DrafterClient(rec, "8:3")
+    client.add_request(1, [1, 2, 3])
+    client.add_request(2, [4, 5, 6])
+    client.release(1)
+    assert client.propose() == {}
+    assert client.releases == [1] and client.requests[2].needs_open
+
+
+def test_submit_never_raises(models):
+    class Exploding(Recording):
+        def submit(self, payload):
+            raise RuntimeError("proxy exploded")
+    client = DrafterClient(Exploding(LocalTransport(DraftService(load_drafter("ngram", models["target"])))), "8:3")
+    client.add_request(1, [1, 2, 3])
+    client.propose()
+    client.commit(1, [4])
+    assert client.submit() is False and client.collect() == {}
+    assert client.counters()["rounds_failed"] == 1 and client.requests[1].needs_open
+
+
+def test_invalid_probabilities_are_refused(models, caplog):
+    def nan_probs(payload):
+        return P.encode_reply([P.Reply(1, tokens=np.array([3], np.int32),
+                                       probs=np.full((1, 96), np.nan, np.float32))], 96)
+    client = DrafterClient(Recording(LocalTransport(DraftService(load_drafter("ngram", models["target"]))),
+                                     nan_probs), "8:3", want_probs=True)
+    client.add_request(1, [1, 2, 3, 1, 2])
+    assert client.propose() == {} and "invalid probabilities" in caplog.text
+
+
+def test_clients_sharing_a_worker_keep_their_own_requests(models):
+    """Two engines both use request id 1: each has its own state on the worker, and a
+    continue whose count disagrees with the worker's is answered 'unknown' (re-open)."""
+    d = load_drafter("ngram", models["target"])
+    svc, fp = DraftService(d), d.manifest().fingerprint
+
+    def send(client_id, *entries):
+        return P.parse_reply(svc.handle(P.encode_request(list(entries), fp, client_id=client_id)))
+
+    send(1, P.Entry(1, P.OP_OPEN, np.array([1, 2, 3], np.int32), None, 0, length=3))
+    send(2, P.Entry(1, P.OP_OPEN, np.array([7, 8], np.int32), None, 0, length=2))
+    assert send(1, P.Entry(1, P.OP_CONTINUE, np.array([4], np.int32), None, 2, length=4))[0].ok
+    assert send(2, P.Entry(1, P.OP_CONTINUE, np.array([9], np.int32), None, 2, length=3))[0].ok
+    assert svc.stats()["open_requests"] == 2
+    drift = send(1, P.Entry(1, P.OP_CONTINUE, np.array([5], np.int32), None, 2, length=9))[0]
+    assert drift.status == P.STATUS_UNKNOWN and "out of step" in drift.message
+    assert svc.stats()["out_of_step"] == 1 and svc.stats()["open_requests"] == 1

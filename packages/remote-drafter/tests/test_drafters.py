@@ -159,11 +159,28 @@ def test_service_refuses_bad_entries_and_keeps_serving(models):
     full = [P.Entry(i, P.OP_OPEN, np.array([1, 2], np.int32), rows[:1], 1, length=2) for i in (10, 11)]
     replies = P.parse_reply(svc.handle(P.encode_request(full, fp)))
     assert [r.status for r in replies] == [P.STATUS_OK, P.STATUS_CAPACITY] and "worker full" in replies[1].message
+    huge = P.Entry(12, P.OP_OPEN, np.array([1, 2], np.int32), rows[:1], 1, length=2**64 - 1)
+    assert P.parse_reply(svc.handle(P.encode_request([huge], fp)))[0].status == P.STATUS_INVALID
     stats = svc.stats()
-    assert stats["invalid_entries"] == 5 and stats["unknown_requests"] == 1 and stats["capacity_refusals"] == 1
+    assert stats["invalid_entries"] == 6 and stats["unknown_requests"] == 1 and stats["capacity_refusals"] == 1
     with pytest.raises(P.ProtocolError, match="identity mismatch"):
         svc.handle(P.encode_request([good], bytes(16)))
     assert svc.stats()["rounds_refused"] == 1
+
+
+def test_a_request_that_breaks_the_drafter_fails_alone(models):
+    class Fragile(NgramDrafter):
+        def draft(self, requests, want_probs):
+            if any(r.history.tokens[-1] == 77 for r in requests):
+                raise RuntimeError("cannot draft after 77")
+            return super().draft(requests, want_probs)
+    d = Fragile(vocab_size=96)
+    svc = DraftService(d)
+    entries = [P.Entry(i, P.OP_OPEN, np.array([5, 6, 5, last], np.int32), None, 2, length=4)
+               for i, last in ((1, 6), (2, 77), (3, 6))]
+    replies = P.parse_reply(svc.handle(P.encode_request(entries, d.manifest().fingerprint)))
+    assert [r.status for r in replies] == [P.STATUS_OK, P.STATUS_INVALID, P.STATUS_OK]
+    assert "cannot draft after 77" in replies[1].message and len(replies[0].tokens) > 0
 
 
 def test_idle_requests_are_released(models):

@@ -21,8 +21,9 @@ def entries():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_request_round_trip(dtype):
     sent = entries()
-    kind, got = P.parse_request(P.encode_request(sent, FP, dtype), FP)
-    assert kind == P.KIND_ROUND and [e.request_id for e in got] == [7, 8, 9]
+    request = P.parse_request(P.encode_request(sent, FP, dtype, client_id=42), FP)
+    got = request.entries
+    assert request.kind == P.KIND_ROUND and request.client_id == 42 and [e.request_id for e in got] == [7, 8, 9]
     a, b = sent[0], got[0]
     assert (b.op, b.k, b.seed, b.want_probs, b.length, b.feature) == (P.OP_OPEN, 5, 99, True, 40, 8)
     assert b.temperature == pytest.approx(0.7) and np.array_equal(a.tokens, b.tokens)

@@ -121,10 +121,15 @@ def cmd_shadow(args) -> int:
     remote = DrafterClient(RemoteTransport(args.worker, args.backend, expect),
                            f"{args.requests}:{args.k}", deadline_s=args.deadline_ms / 1000)
     local = DrafterClient(LocalTransport(DraftService(local_drafter)), f"{args.requests}:{args.k}")
-    if remote.transport.info(remote.deadline_s).manifest != local_drafter.manifest():
+    info = remote.transport.info(remote.deadline_s)
+    if info.manifest != local_drafter.manifest():
         print("remote-drafter shadow: the worker serves another drafter than --drafter "
               "(manifests differ)", file=sys.stderr)
         return 2
+    theirs, mine = info.described["drafter"].get("dtype"), local_drafter.describe()["dtype"]
+    if theirs != mine:
+        print(f"remote-drafter shadow: note: the worker runs {theirs} weights, the local copy "
+              f"{mine}: drafts may differ where the drafter's top two are near ties", file=sys.stderr)
     shadow = ShadowClient(remote, local)
     prompts = synthetic_prompts(args.requests, target.config.vocab_size, seed=args.seed)
     result = speculative_decode(target, shadow, prompts, args.tokens, args.temperature,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from .metrics import Metrics
 
 log = logging.getLogger("remote_drafter.client")
 LOG_EVERY_S = 10.0
+MESSAGE_RESERVE = 512  # room kept per reply entry for a status message
 
 COUNTERS = {
     "rounds": "Rounds sent (sync calls and async submissions)",
@@ -43,6 +46,7 @@ COUNTERS = {
     "async_abandoned": "Async rounds superseded before they were collected",
     "opens_deferred": "Entries left for a later step because the round was full (message size)",
     "opens_too_large": "Opens larger than a whole round can carry (raise the message/slot size)",
+    "drafts_skipped_reply_size": "Entries sent with k = 0 because their drafts (probabilities) would overflow the reply",
     "request_bytes": "Bytes of round requests sent",
     "committed_tokens": "Committed tokens sent to the worker",
 }
@@ -75,10 +79,6 @@ class DepthTable:
         return 0
 
 
-def _ids(entries: list[P.Entry]) -> list[int]:
-    return [e.request_id for e in entries]
-
-
 def as_rows(hidden) -> np.ndarray | None:
     """numpy or a tensor (any dtype, any device) -> float32 [n, feature] on the host."""
     if hidden is None:
@@ -108,38 +108,47 @@ class _Request:
     pending_rows: list
     needs_open: bool = True
     deferred: int = 0  # when it was first left out of a full round (0: not waiting)
+    too_large_logged: bool = False
 
 
 class DrafterClient:
+    """One per engine (per TP rank): its own client id namespaces its requests on a worker
+    that several engines share."""
+
     def __init__(self, transport, depth: DepthTable | str | None = None, *,
                  deadline_s: float | None = None, want_probs: bool = False,
                  row_dtype: str = "float32", history_tokens: int = 4096, window: int = 128,
-                 max_pending_releases: int = 4096):
+                 max_pending_releases: int = 4096, client_id: int | None = None):
         self.transport = transport
         self.depth_table = DepthTable(depth or env.REMOTE_DRAFTER_DEPTH.get()) \
             if not isinstance(depth, DepthTable) else depth
         self.deadline_s = deadline_s or env.REMOTE_DRAFTER_DEADLINE_MS.get_float() / 1000
         self.want_probs, self.row_dtype = want_probs, row_dtype
         self.history_tokens, self.window = history_tokens, window
+        self.client_id = client_id if client_id is not None else secrets.randbits(32)
         self.requests: dict[int, _Request] = {}
         self.releases: list[int] = []
         self.max_pending_releases = max_pending_releases
         self.metrics = Metrics("remote_drafter_client", COUNTERS, {"round": "Round latency"})
         self._inflight = None  # async: (ticket, entries, info, started)
-        self._last_warning = -LOG_EVERY_S
+        self._last_warning, self._suppressed = -LOG_EVERY_S, 0
         self._deferrals = itertools.count(1)
+        self._adopted = False  # histories sized from a worker's description yet
 
     # -- the engine's view of its requests --------------------------------------------------
     def add_request(self, rid: int, tokens, hidden=None, temperature: float = 0.0, seed: int = 0) -> None:
         """A request after prefill: its tokens (prompt + first sampled token) and the target's
         hidden rows of all but the newest token (or None for a token-only drafter)."""
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature {temperature} is not a finite value >= 0")
         if rid in self.releases:  # an id reused before its release went out: the open resets it
             self.releases.remove(rid)
         rows = as_rows(hidden)
-        feature = 0 if rows is None else rows.shape[1]
-        history = History(self.history_tokens, self.window, feature)
-        history.reset(np.asarray(tokens, np.int32), rows)
-        self.requests[rid] = _Request(history, float(temperature), int(seed), [], [])
+        # Until the worker has said how many rows it looks at, keep them all (trimmed then).
+        window = self.window if self._adopted else self.history_tokens
+        history = History(self.history_tokens, window, 0 if rows is None else rows.shape[1])
+        history.reset(np.asarray(tokens, np.int32).reshape(-1), rows)
+        self.requests[rid] = _Request(history, float(temperature), int(seed) & (2**64 - 1), [], [])
 
     def commit(self, rid: int, tokens, hidden=None) -> None:
         """Tokens committed by a verification (accepted drafts + the next token) and the
@@ -162,16 +171,36 @@ class DrafterClient:
             del self.releases[:-self.max_pending_releases]  # the worker's idle timeout covers the rest
 
     # -- building and reading rounds ---------------------------------------------------------
+    def _adopt(self, info: WorkerInfo) -> None:
+        """Keep at least what the worker looks at, so re-opens can always recreate its state."""
+        if self._adopted and info.window <= self.window and info.history_tokens <= self.history_tokens:
+            return
+        if self._adopted:
+            log.warning("a worker that keeps more (%d rows, %d tokens) than the one before: "
+                        "requests opened before may be refused on re-open", info.window, info.history_tokens)
+        self.window = max(self.window, info.window)
+        self.history_tokens = max(self.history_tokens, info.history_tokens)
+        for r in self.requests.values():
+            r.history.window, r.history.max_tokens = self.window, self.history_tokens
+            if r.history.rows is not None:
+                r.history.rows = r.history.rows[-self.window:]
+        self._adopted = True
+
+    def _reply_bytes(self, k: int, info: WorkerInfo) -> int:
+        probs = 4 * k * info.vocab if self.want_probs else 0
+        return P.REPLY_ENTRY.itemsize + 4 * k + probs + MESSAGE_RESERVE
+
     def _entries(self, k: int, info: WorkerInfo) -> list[P.Entry]:
-        """This step's entries, within the link's message size: continues first (small),
-        then opens (up to `window` hidden rows each) while they fit; the rest wait for a
-        later step (those requests draft nothing until then, counted)."""
+        """This step's entries, within the link's message size both ways. Requests left out
+        before go first (oldest first, so a large open cannot starve), then continues, then
+        new opens; an entry whose request does not fit waits for a later step (counted), one
+        whose drafts would not fit the reply just records its tokens (k = 0, counted)."""
         entries = [P.Entry(rid, P.OP_RELEASE) for rid in self.releases]
         self.releases = []
-        budget = self.transport.max_round_bytes - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
+        limit = self.transport.max_round_bytes
+        room = limit - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
+        reply_room = limit - P.REPLY_HEADER.itemsize - self._reply_bytes(0, info) * len(entries)
         k = min(k, info.max_depth)
-        # Requests deferred before go first (oldest first), so a large open cannot starve
-        # behind small continues; then continues; then new opens.
         waiting = sorted((r.deferred, rid) for rid, r in self.requests.items() if r.deferred)
         order = [rid for _, rid in waiting]
         order += [rid for rid, r in self.requests.items() if not r.deferred and not r.needs_open and r.pending_tokens]
@@ -180,17 +209,22 @@ class DrafterClient:
             r = self.requests[rid]
             e = self._entry(rid, r, k, info)
             size = P.entry_bytes(e, self.row_dtype)
-            if size > budget:
+            if size > room:
                 r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
                 r.deferred = r.deferred or next(self._deferrals)
                 self.metrics.inc("opens_deferred")
-                if size > self.transport.max_round_bytes:
+                if size > limit - P.REQUEST_HEADER.itemsize and not r.too_large_logged:
+                    r.too_large_logged = True
                     self.metrics.inc("opens_too_large")
                     log.error("request %d needs %d bytes to open, the link carries %d per round: "
                               "raise OFL_MAX_MESSAGE_BYTES (both sides) / ASYNC_HANDOFF_SLOT_BYTES",
-                              rid, size, self.transport.max_round_bytes)
+                              rid, size, limit)
                 continue
-            budget -= size
+            if e.k and self._reply_bytes(e.k, info) > reply_room:
+                e.k = 0
+                self.metrics.inc("drafts_skipped_reply_size")
+            room -= size
+            reply_room -= self._reply_bytes(e.k, info)
             entries.append(e)
             r.needs_open, r.pending_tokens, r.pending_rows, r.deferred = False, [], [], 0
         return entries
@@ -204,56 +238,82 @@ class DrafterClient:
                            r.temperature, r.seed, self.want_probs, length=length)
         rows = np.concatenate(r.pending_rows) if info.feature and r.pending_rows else None
         return P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
-                       want_probs=self.want_probs)
+                       want_probs=self.want_probs, length=r.history.length)
 
     def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> bytes:
-        payload = P.encode_request(entries, info.fingerprint, self.row_dtype)
+        payload = P.encode_request(entries, info.fingerprint, self.row_dtype, client_id=self.client_id)
         self.metrics.inc("rounds")
         self.metrics.inc("request_bytes", len(payload))
         self.metrics.inc("committed_tokens", sum(len(e.tokens) for e in entries))
         return payload
 
-    def _fail(self, rids, why: str) -> dict:
-        """The worker's state for these requests is unknown now: re-open them next round."""
+    def _warn(self, message: str, *args) -> None:
+        """One line per LOG_EVERY_S, saying how many were held back."""
+        now = time.monotonic()
+        if now - self._last_warning < LOG_EVERY_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} similar lines held back)" if self._suppressed else ""
+        log.warning(message + more, *args)
+        self._last_warning, self._suppressed = now, 0
+
+    def _fail(self, entries: list[P.Entry] | None, why: str) -> dict:
+        """No drafts this step. The worker's state for the round's requests (all requests
+        when unknown) is unknown now: re-open them next round; re-send its releases."""
         self.metrics.inc("rounds_failed")
         self.metrics.inc("steps_without_drafts")
+        rids = list(self.requests) if entries is None else [e.request_id for e in entries]
         for rid in rids:
             if rid in self.requests:
                 self.requests[rid].needs_open = True
-        now = time.monotonic()
-        if now - self._last_warning >= LOG_EVERY_S:  # one line per interval, not per step
-            log.warning("draft round failed, no drafts this step: %s (%d failed rounds so far)",
-                        why, self.metrics.value("rounds_failed"))
-            self._last_warning = now
+        for e in entries or []:
+            if e.op == P.OP_RELEASE and e.request_id not in self.requests:
+                self.releases.append(e.request_id)
+        self.transport.invalidate()
+        self._warn("draft round failed, no drafts this step: %s (%d failed rounds so far)",
+                   why, self.metrics.value("rounds_failed"))
         return {}
+
+    def _check(self, e: P.Entry, r: P.Reply, info: WorkerInfo) -> None:
+        """A reply entry must be one this request could get; else the whole reply is refused."""
+        n = len(r.tokens)
+        if n > e.k or (n and (r.tokens.min() < 0 or r.tokens.max() >= info.vocab)):
+            raise P.ProtocolError(f"reply for request {e.request_id} carries invalid drafts")
+        if not (e.want_probs and n):
+            return
+        p = r.probs
+        if p is None or p.shape != (n, info.vocab) or not np.isfinite(p).all() or (p < 0).any() \
+                or not (p[np.arange(n), r.tokens] > 0).all():
+            raise P.ProtocolError(f"reply for request {e.request_id} carries invalid probabilities")
 
     def _absorb(self, entries: list[P.Entry], replies: list[P.Reply], info: WorkerInfo) -> tuple[dict, list[int]]:
         """Drafts per request; also the requests the worker did not know (to re-open)."""
         if [r.request_id for r in replies] != [e.request_id for e in entries]:
             raise P.ProtocolError("reply entries do not match the request's")
+        for e, r in zip(entries, replies):
+            if r.status == P.STATUS_OK and e.op != P.OP_RELEASE:
+                self._check(e, r, info)
         out, unknown = {}, []
         for e, r in zip(entries, replies):
             if e.op == P.OP_RELEASE:
                 continue
-            tracked = self.requests.get(e.request_id)
             if r.status == P.STATUS_OK:
-                if len(r.tokens) > e.k or (len(r.tokens) and (r.tokens.min() < 0 or r.tokens.max() >= info.vocab)):
-                    raise P.ProtocolError(f"reply for request {e.request_id} carries invalid drafts")
                 if e.k and len(r.tokens):
-                    out[e.request_id] = Drafts(r.tokens, r.probs, r.cache == P.CACHE_HIT)
+                    out[e.request_id] = Drafts(r.tokens, r.probs if e.want_probs else None,
+                                               r.cache == P.CACHE_HIT)
                     self.metrics.inc("drafts", len(r.tokens))
                     self.metrics.inc("cache_hits", r.cache == P.CACHE_HIT)
                 continue
             self.metrics.inc("entries_failed")
-            if tracked is not None:
-                tracked.needs_open = True
+            if e.request_id in self.requests:
+                self.requests[e.request_id].needs_open = True
             if r.status == P.STATUS_UNKNOWN:
                 unknown.append(e.request_id)
             elif r.status == P.STATUS_CAPACITY:
                 self.metrics.inc("capacity_refusals")
             else:
-                log.warning("request %d: worker answered %s: %s", e.request_id,
-                            P.STATUS_NAMES[r.status], r.message)
+                self._warn("request %d: worker answered %s: %s", e.request_id,
+                           P.STATUS_NAMES[r.status], r.message)
         return out, unknown
 
     def depth(self, k: int | None) -> int:
@@ -261,19 +321,26 @@ class DrafterClient:
 
     # -- synchronous rounds ------------------------------------------------------------------
     def propose(self, k: int | None = None) -> dict[int, Drafts]:
-        """One round for every tracked request, within the deadline: {rid: Drafts}."""
-        k, started = self.depth(k), time.perf_counter()
+        """One round for every tracked request, within the deadline: {rid: Drafts}. Never
+        raises: any failure means no drafts this step (counted)."""
+        try:
+            return self._propose(self.depth(k), time.perf_counter())
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the engine decodes on
+            return self._fail(None, f"{type(exc).__name__}: {exc}")
+
+    def _propose(self, k: int, started: float) -> dict[int, Drafts]:
         try:
             info = self.transport.info(self.deadline_s)
         except Exception as exc:  # noqa: BLE001 - no worker: target-only this step
-            return self._fail(list(self.requests), f"no worker: {exc}")
+            return self._fail(None, f"no worker: {exc}")
+        self._adopt(info)
         entries = self._entries(k, info)
         if not entries:
             return {}
         out, unknown = self._round(entries, info, started)
         if unknown and time.perf_counter() - started < self.deadline_s / 2:
-            # The worker lost these (restart, idle timeout): re-open them at once from the
-            # history, within the same deadline, so the step still gets its drafts.
+            # The worker lost these (restart, idle timeout, out of step): re-open them at
+            # once from the history, within the same deadline, so the step keeps its drafts.
             self.metrics.inc("reopens", len(unknown))
             more, _ = self._round(self._entries_for(set(unknown), k, info), info, started)
             out.update(more)
@@ -285,7 +352,7 @@ class DrafterClient:
             left = max(self.deadline_s - (time.perf_counter() - started), 1e-3)
             out, unknown = self._absorb(entries, P.parse_reply(self.transport.call(payload, left)), info)
         except Exception as exc:  # noqa: BLE001 - deadline, link, refusal, bad reply: fail closed
-            return self._fail(_ids(entries), f"{type(exc).__name__}: {exc}"), []
+            return self._fail(entries, f"{type(exc).__name__}: {exc}"), []
         self.metrics.inc("rounds_ok")
         self.metrics.observe("round", time.perf_counter() - started)
         return out, unknown
@@ -300,45 +367,57 @@ class DrafterClient:
 
     # -- asynchronous rounds (through async_handoff's proxy) ---------------------------------
     def submit(self, k: int | None = None) -> bool:
-        """Start this step's round; collect() picks the drafts up later. False: no round."""
-        if self._inflight is not None:
-            self.metrics.inc("async_abandoned")
-            self._fail(_ids(self._inflight[1]), "superseded before it was collected")
-            self.transport.abandon(self._inflight[0])
+        """Start this step's round; collect() picks the drafts up later. False: no round.
+        Never raises."""
+        try:
+            return self._submit(self.depth(k))
+        except Exception as exc:  # noqa: BLE001
             self._inflight = None
+            self._fail(None, f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _submit(self, k: int) -> bool:
+        if self._inflight is not None:
+            ticket, entries = self._inflight[:2]
+            self._inflight = None
+            self.metrics.inc("async_abandoned")
+            self._fail(entries, "superseded before it was collected")
+            self.transport.abandon(ticket)
         try:
             info = self.transport.info(self.deadline_s)
         except Exception as exc:  # noqa: BLE001
-            self._fail(list(self.requests), f"no worker: {exc}")
+            self._fail(None, f"no worker: {exc}")
             return False
-        entries = self._entries(self.depth(k), info)
+        self._adopt(info)
+        entries = self._entries(k, info)
         if not entries:
             return False
         payload = self._encode(entries, info)
         try:
             ticket = self.transport.submit(payload)
         except ValueError as exc:  # larger than a handoff slot: ASYNC_HANDOFF_SLOT_BYTES too small
-            self._fail(_ids(entries), f"{exc} (raise ASYNC_HANDOFF_SLOT_BYTES above {len(payload)})")
+            self._fail(entries, f"{exc} (raise ASYNC_HANDOFF_SLOT_BYTES above {len(payload)})")
             return False
         if ticket is None:
-            self._fail(_ids(entries), "the async handoff took no round (disabled or full)")
+            self._fail(entries, "the async handoff took no round (disabled or full)")
             return False
         self._inflight = (ticket, entries, info, time.perf_counter())
         return True
 
     def collect(self) -> dict[int, Drafts]:
-        """The drafts of the submitted round, waiting at most the handoff's max wait."""
+        """The drafts of the submitted round, waiting at most the handoff's max wait.
+        Never raises."""
         if self._inflight is None:
             return {}
         ticket, entries, info, started = self._inflight
         self._inflight = None
-        reply = self.transport.wait(ticket)
-        if reply is None:
-            return self._fail(_ids(entries), "no reply from the proxy in time")
         try:
+            reply = self.transport.wait(ticket)
+            if reply is None:
+                return self._fail(entries, "no reply from the proxy in time")
             out, _ = self._absorb(entries, P.parse_reply(reply), info)  # unknown: re-open next round
         except Exception as exc:  # noqa: BLE001
-            return self._fail(_ids(entries), f"{type(exc).__name__}: {exc}")
+            return self._fail(entries, f"{type(exc).__name__}: {exc}")
         self.metrics.inc("rounds_ok")
         self.metrics.observe("round", time.perf_counter() - started)
         return out

@@ -4,13 +4,16 @@ A request is one message holding one entry per running request of the engine, so
 costs one round trip and the worker batches all of them on its device:
 
     RequestHeader (32 B): magic "DRQ1", version u16, kind u16, fingerprint 16 B,
-                          n_entries u32, reserved u32
+                          n_entries u32, client_id u32
     per entry: Entry (48 B), tokens int32[n_tokens], rows[n_rows x feature] (row_dtype)
 
 An entry continues a request (the tokens committed since the last round and the target's
 hidden states of the rows that became known: one per token), opens one (its bounded
 history: its newest tokens, the hidden rows of all but the newest, and `length`, the count
-of tokens committed in all, which fixes positions), or releases one. `k` asks
+of tokens committed in all, which fixes positions), or releases one. Continues carry
+`length` too (the count after their tokens): a worker whose count differs is out of step
+with the client and answers "unknown request", so the client re-opens. Requests are named
+(client_id, request_id): engines sharing a worker never see each other's requests. `k` asks
 for up to k drafts (0: just record the tokens). The fingerprint is the digest of the
 identity manifest both sides agreed on in the handshake; the worker refuses any other.
 
@@ -38,13 +41,15 @@ OP_CONTINUE, OP_OPEN, OP_RELEASE = 0, 1, 2
 FLAG_WANT_PROBS = 1
 STATUS_OK, STATUS_UNKNOWN, STATUS_CAPACITY, STATUS_INVALID, STATUS_RELEASED = range(5)
 STATUS_NAMES = ["ok", "unknown_request", "capacity", "invalid", "released"]
+MAX_MESSAGE_BYTES = 480  # a reply entry's status message is cut here (clients budget for it)
+MAX_LENGTH = 1 << 40     # positions beyond this are refused (no real request gets there)
 CACHE_NONE, CACHE_HIT, CACHE_MISS = 0, 1, 2
 ROW_NONE, ROW_F32, ROW_F16, ROW_BF16 = 0, 1, 2, 3
 ROW_DTYPES = {"float32": ROW_F32, "float16": ROW_F16, "bfloat16": ROW_BF16}
 ROW_BYTES = {ROW_NONE: 0, ROW_F32: 4, ROW_F16: 2, ROW_BF16: 2}
 
 REQUEST_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
-                           ("fingerprint", "S16"), ("n_entries", "<u4"), ("reserved", "<u4")])
+                           ("fingerprint", "S16"), ("n_entries", "<u4"), ("client_id", "<u4")])
 ENTRY = np.dtype([("request_id", "<u8"), ("seed", "<u8"), ("length", "<u8"), ("temperature", "<f4"),
                   ("n_tokens", "<u4"), ("n_rows", "<u4"), ("feature", "<u4"), ("k", "<u2"),
                   ("op", "u1"), ("flags", "u1"), ("row_dtype", "u1"), ("pad", "u1", (3,))])
@@ -72,7 +77,14 @@ class Entry:
     seed: int = 0
     want_probs: bool = False
     feature: int = 0                 # as sent (rows may be None when n_rows == 0)
-    length: int = 0                  # OP_OPEN: tokens committed in all (positions)
+    length: int = 0                  # tokens committed in all, these included (positions)
+
+
+@dataclass
+class Request:
+    kind: int
+    client_id: int
+    entries: list[Entry]
 
 
 @dataclass
@@ -122,10 +134,10 @@ def _rows_decode(buf, offset: int, n_rows: int, feature: int, code: int) -> np.n
 
 # -- requests ------------------------------------------------------------------------------
 def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
-                   kind: int = KIND_ROUND) -> bytes:
+                   kind: int = KIND_ROUND, client_id: int = 0) -> bytes:
     head = np.zeros((), REQUEST_HEADER)
     head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
-    head["fingerprint"], head["n_entries"] = fingerprint, len(entries)
+    head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
     parts = [head.tobytes()]
     code = ROW_DTYPES[row_dtype]
     for e in entries:
@@ -145,8 +157,8 @@ def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "f
 
 
 def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096,
-                  max_bytes_per_entry: int = 64 << 20) -> tuple[int, list[Entry]]:
-    """(kind, entries) of a request; ProtocolError when the message as a whole is unusable."""
+                  max_bytes_per_entry: int = 64 << 20) -> Request:
+    """A request; ProtocolError when the message as a whole is unusable."""
     if len(buf) < REQUEST_HEADER.itemsize:
         raise ProtocolError(f"request of {len(buf)} bytes is shorter than its header")
     head = np.frombuffer(buf, REQUEST_HEADER, 1)[0]
@@ -195,7 +207,7 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
                              bool(int(h["flags"]) & FLAG_WANT_PROBS), feature, int(h["length"])))
     if off != len(buf):
         raise ProtocolError(f"{len(buf) - off} trailing bytes after {n} entries")
-    return kind, entries
+    return Request(kind, int(head["client_id"]), entries)
 
 
 # -- replies -------------------------------------------------------------------------------
@@ -206,7 +218,7 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
     parts = [head.tobytes()]
     for r in replies:
         tokens = np.ascontiguousarray(r.tokens, np.int32).reshape(-1)
-        message = r.message.encode()[:65535]
+        message = r.message.encode()[:MAX_MESSAGE_BYTES]
         h = np.zeros((), REPLY_ENTRY)
         h["request_id"], h["latency_us"], h["n_drafts"] = r.request_id, min(r.latency_us, 2**32 - 1), len(tokens)
         h["status"], h["cache"], h["msg_len"] = r.status, r.cache, len(message)

@@ -2,9 +2,10 @@
 cache. The worker serves it over ofl; local mode calls it in the engine's own process, so
 both run the same code on the same bytes.
 
-One handle() call is one round: every entry is validated before any state changes, the
+One handle() call is one round: each entry is validated before it changes any state, the
 entries that want drafts are drafted in one batch on the device, and a bad entry gets its
-own error status while the others are served.
+own error status while the others are served. Requests are named (client id, request id),
+so engines that share a worker never touch each other's state.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ COUNTERS = {
     "releases": "Requests released by the client",
     "idle_releases": "Requests released after the idle timeout",
     "unknown_requests": "Entries for a request this worker does not hold (client re-opens)",
+    "out_of_step": "Continues whose committed count disagreed with the worker's (client re-opens)",
     "capacity_refusals": "Opens refused because the worker is full",
     "invalid_entries": "Entries refused as invalid (ids, sizes, rows)",
     "draft_errors": "Batches whose drafting raised (their entries got no drafts)",
@@ -79,7 +81,7 @@ class DraftService:
         self.drafter, self.config = drafter, config or ServiceConfig()
         self.manifest = drafter.manifest()
         self.fingerprint = self.manifest.fingerprint
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[tuple[int, int], Session] = {}  # (client id, request id)
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
         self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
@@ -123,10 +125,11 @@ class DraftService:
     # -- one round ---------------------------------------------------------------------------
     def handle(self, payload: bytes) -> bytes:
         try:
-            kind, entries = P.parse_request(payload, self.fingerprint)
+            request = P.parse_request(payload, self.fingerprint)
         except P.ProtocolError:
             self.metrics.inc("rounds_refused")
             raise  # the ofl server turns it into an error reply and keeps serving
+        kind, client, entries = request.kind, request.client_id, request.entries
         self.metrics.inc("request_bytes", len(payload))
         if kind == P.KIND_STATS:
             return P.encode_stats_reply(self.stats())
@@ -141,44 +144,44 @@ class DraftService:
         with self.state_lock:
             self._expire_idle()
             for e in entries:
-                reply, request = self._apply(e, cached)
+                reply, draft_request = self._apply(client, e, cached)
                 if reply is not None:
                     replies[e.request_id] = reply
-                elif request is not None:
-                    batch.append((e, request))
+                elif draft_request is not None:
+                    batch.append((e, draft_request))
         if batch:
-            self._draft(batch, replies, started, cached)
+            self._draft(client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
 
-    def _apply(self, e: P.Entry, cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
+    def _apply(self, client: int, e: P.Entry, cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """Validate and apply one entry; (reply now, None) or (None, what to draft)."""
-        rid, now = e.request_id, time.monotonic()
+        rid, key, now = e.request_id, (client, e.request_id), time.monotonic()
         if e.op == P.OP_RELEASE:
-            self._release(rid)
+            self._release(key)
             self.metrics.inc("releases")
             return P.Reply(rid, P.STATUS_RELEASED), None
         why = self._invalid(e)
         if why:
             self.metrics.inc("invalid_entries")
             return P.Reply(rid, P.STATUS_INVALID, message=why), None
-        session = self.sessions.get(rid)
+        session = self.sessions.get(key)
         if e.op == P.OP_OPEN:
+            history = self.drafter.new_history()
+            why = history.check(e.tokens, e.rows, opening=True)
+            if why is None and not len(e.tokens) <= e.length <= P.MAX_LENGTH:
+                why = f"length {e.length} is not between the {len(e.tokens)} tokens sent and {P.MAX_LENGTH}"
+            if why:
+                self.metrics.inc("invalid_entries")
+                return P.Reply(rid, P.STATUS_INVALID, message=why), None
             if session is None and len(self.sessions) >= self.config.max_requests:
                 self.metrics.inc("capacity_refusals")
                 return P.Reply(rid, P.STATUS_CAPACITY, message=(
                     f"worker full: {len(self.sessions)} of {self.config.max_requests} requests "
                     f"open ({self.describe()['bytes_per_request']} bytes each)")), None
-            history = self.drafter.new_history()
-            why = history.check(e.tokens, e.rows, opening=True)
-            if why is None and e.length < len(e.tokens):
-                why = f"length {e.length} is shorter than the {len(e.tokens)} tokens sent"
-            if why:
-                self.metrics.inc("invalid_entries")
-                return P.Reply(rid, P.STATUS_INVALID, message=why), None
             history.reset(e.tokens, e.rows, e.length)
-            session = self.sessions[rid] = Session(history, e.temperature, e.seed, now)
+            session = self.sessions[key] = Session(history, e.temperature, e.seed, now)
             if self.cache is not None:
-                self.cache.forget(rid)
+                self.cache.forget(key)
             self.metrics.inc("opens")
             base_length, new_tokens = None, None
         else:
@@ -186,6 +189,12 @@ class DraftService:
                 self.metrics.inc("unknown_requests")
                 return P.Reply(rid, P.STATUS_UNKNOWN, message="request not open here "
                                "(worker restarted, idle timeout or released): re-open it"), None
+            if e.length != session.history.length + len(e.tokens):
+                self.metrics.inc("out_of_step")
+                self._release(key)
+                return P.Reply(rid, P.STATUS_UNKNOWN, message=(
+                    f"out of step: the worker holds {session.history.length} tokens, the client "
+                    f"{e.length - len(e.tokens)}: re-open it")), None
             why = session.history.check(e.tokens, e.rows, opening=False)
             if why:
                 self.metrics.inc("invalid_entries")
@@ -196,20 +205,20 @@ class DraftService:
         self.metrics.inc("committed_tokens", len(e.tokens))
         if e.k == 0:
             if self.cache is not None:
-                self.cache.forget(rid)
+                self.cache.forget(key)
             return P.Reply(rid), None
         depth = min(e.k + 1, self.drafter.max_depth) if cached else e.k
         # A snapshot (History replaces its arrays, never writes into them): the batch drafts
         # outside the state lock.
         request = DraftRequest(copy.copy(session.history), depth, session.temperature, session.seed)
         if not cached and self.cache is not None:
-            self.cache.forget(rid)
+            self.cache.forget(key)
         if cached and new_tokens is not None:
             t0 = time.perf_counter()
-            hit = self.cache.lookup(rid, base_length, new_tokens, request, e.want_probs)
+            hit = self.cache.lookup(key, base_length, new_tokens, request, e.want_probs)
             if hit is not None:
                 self.metrics.inc("spec_cache_hits")
-                self.cache.plan(rid, session, hit, e.k, request, e.want_probs)
+                self.cache.plan(key, session, hit, e.k, request, e.want_probs)
                 self._count_drafts(hit.tokens[:e.k])
                 self.metrics.observe("entry_hit", time.perf_counter() - t0)
                 return self._reply(e, hit, P.CACHE_HIT, t0), None
@@ -232,40 +241,49 @@ class DraftService:
             return f"{len(e.tokens)} tokens in one round exceed the history bound {d.history_tokens}"
         return None
 
-    def _draft(self, batch, replies: dict, started: float, cached: bool) -> None:
+    def _draft(self, client: int, batch, replies: dict, started: float, cached: bool) -> None:
         want_probs = any(e.want_probs for e, _ in batch)
         t0 = time.perf_counter()
-        try:
-            if not cached:
-                with self.device_lock:
-                    drafts = self.drafter.draft([r for _, r in batch], want_probs)
-            else:
+        with self.fresh_round():
+            if cached:
                 # Pre-drafts run one request at a time, and a matmul's bits depend on how
                 # many rows it multiplies (CPU and GPU BLAS alike): drafting alone here too
                 # is what makes a hit bit-identical to a fresh round.
-                drafts = []
-                with self.fresh_round():
-                    for _, r in batch:
-                        with self.device_lock:
-                            drafts += self.drafter.draft([r], want_probs)
-        except Exception as exc:  # noqa: BLE001 - fail these entries closed, keep serving
-            log.exception("drafting a batch of %d failed", len(batch))
-            self.metrics.inc("draft_errors")
-            for e, _ in batch:
-                replies[e.request_id] = P.Reply(e.request_id, P.STATUS_INVALID,
-                                                message=f"drafting failed: {type(exc).__name__}: {exc}")
-            return
+                drafts = [self._draft_alone(r, want_probs) for _, r in batch]
+            else:
+                try:
+                    with self.device_lock:
+                        drafts = self.drafter.draft([r for _, r in batch], want_probs)
+                except Exception:  # noqa: BLE001 - find the entry that breaks it, serve the rest
+                    log.exception("drafting a batch of %d failed; drafting each alone", len(batch))
+                    self.metrics.inc("draft_errors")
+                    drafts = [self._draft_alone(r, want_probs) for _, r in batch]
         self.metrics.observe("draft", time.perf_counter() - t0)
         with self.state_lock:
             for (e, request), draft in zip(batch, drafts):
+                if isinstance(draft, Exception):
+                    replies[e.request_id] = P.Reply(e.request_id, P.STATUS_INVALID, message=(
+                        f"drafting failed: {type(draft).__name__}: {draft}"))
+                    continue
                 replies[e.request_id] = self._reply(e, draft, P.CACHE_MISS if cached else
                                                     P.CACHE_NONE, started)
                 self._count_drafts(draft.tokens[:e.k])
                 self.metrics.observe("entry_fresh", time.perf_counter() - started)
-                session = self.sessions.get(e.request_id)
+                key = (client, e.request_id)
+                session = self.sessions.get(key)
                 if cached and session is not None \
                         and session.history.length == request.history.length:
-                    self.cache.plan(e.request_id, session, draft, e.k, request, e.want_probs)
+                    self.cache.plan(key, session, draft, e.k, request, e.want_probs)
+
+    def _draft_alone(self, request: DraftRequest, want_probs: bool):
+        """One request's drafts, or the exception drafting it raised."""
+        try:
+            with self.device_lock:
+                return self.drafter.draft([request], want_probs)[0]
+        except Exception as exc:  # noqa: BLE001 - this entry fails, the others are served
+            log.exception("drafting one request failed")
+            self.metrics.inc("draft_errors")
+            return exc
 
     @contextlib.contextmanager
     def fresh_round(self):
@@ -287,15 +305,15 @@ class DraftService:
         self.metrics.inc("drafts", len(tokens))
 
     # -- lifetime of requests --------------------------------------------------------------
-    def _release(self, rid: int) -> None:
-        self.sessions.pop(rid, None)
+    def _release(self, key: tuple[int, int]) -> None:
+        self.sessions.pop(key, None)
         if self.cache is not None:
-            self.cache.forget(rid)
+            self.cache.forget(key)
 
     def _expire_idle(self) -> None:
         cutoff = time.monotonic() - self.config.idle_timeout_s
-        for rid in [r for r, s in self.sessions.items() if s.last_used < cutoff]:
-            self._release(rid)
+        for key in [k for k, s in self.sessions.items() if s.last_used < cutoff]:
+            self._release(key)
             self.metrics.inc("idle_releases")
 
     def expire_idle(self) -> None:
@@ -305,7 +323,6 @@ class DraftService:
     def stats(self) -> dict:
         with self.state_lock:
             open_requests = len(self.sessions)
-        out = {"open_requests": open_requests, **self.metrics.snapshot(), **self.describe()}
-        if self.cache is not None:
-            out["spec_cache_bytes"] = self.cache.nbytes
-        return out
+            cache_bytes = self.cache.nbytes if self.cache is not None else 0
+        return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
+                **self.metrics.snapshot(), **self.describe()}

@@ -4,7 +4,8 @@ After answering a round the worker knows its drafts d_1..d_k and, from its own
 probabilities, which verification outcomes are likely: all k accepted plus its own next
 token as the bonus, then (a accepted, correction c) pairs ranked by
 P = prod_{i<=a} q(d_i) * q_{a+1}(c), with c the likeliest token other than d_{a+1}. While
-the engine verifies, a background thread drafts the next round for the top outcomes. When
+the engine verifies, a background thread drafts the next round for the top outcomes; before
+each outcome it waits while a fresh round is drafting. When
 the round arrives, its committed tokens say which outcome happened: a hit is answered at
 once, a miss is drafted fresh. A hit's drafts are the ones a fresh round would compute
 (same history, same seeded draws): the cache changes when drafts are ready, never which.

@@ -48,6 +48,9 @@ class LocalTransport:
     def call(self, payload: bytes, deadline_s: float) -> bytes:
         return self.service.handle(payload)
 
+    def invalidate(self) -> None:
+        pass
+
     def close(self) -> None:
         self.service.close()
 
@@ -91,6 +94,9 @@ class RemoteTransport:
                 self._down_until = time.monotonic() + self.retry_s
             raise
 
+    def invalidate(self) -> None:
+        """A round failed: nothing to forget (a reconnect re-reads the worker's description)."""
+
     def close(self) -> None:
         self.conn.close()
 
@@ -108,8 +114,8 @@ class AsyncTransport(RemoteTransport):
                                 "expect": (expect or Manifest()).to_json()}).start()
 
     def info(self, deadline_s: float) -> WorkerInfo:
-        """Fetched once; the proxy re-checks identities on each of its reconnects and the
-        worker checks every round's fingerprint, so a replaced worker cannot slip in."""
+        """Fetched once, again after a failed round; the proxy re-checks identities on each
+        of its reconnects and the worker checks every round's fingerprint."""
         if self._info is None:
             super().info(deadline_s)
             self.conn.close()  # the proxy holds the link that carries rounds
@@ -118,6 +124,10 @@ class AsyncTransport(RemoteTransport):
     @property
     def max_round_bytes(self) -> int:
         return min(self.handoff.config.slot_bytes, self.conn.max_message_bytes)
+
+    def invalidate(self) -> None:
+        """A round failed: the worker may have been replaced; re-read its description."""
+        self._info = None
 
     def submit(self, payload: bytes):
         return self.handoff.submit(payload)

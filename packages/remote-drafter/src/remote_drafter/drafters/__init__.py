@@ -54,9 +54,11 @@ class Drafter:
         return History(self.history_tokens, self.window, self.feature)
 
     def describe(self) -> dict:
+        model = getattr(self, "model", None)  # the weights' dtype changes drafts near ties
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "none"
         return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
                 "max_depth": self.max_depth, "window": self.window,
-                "history_tokens": self.history_tokens}
+                "history_tokens": self.history_tokens, "dtype": dtype}
 
 
 def load_drafter(spec: str, target: str | None = None, device: str = "cpu", **options) -> Drafter:

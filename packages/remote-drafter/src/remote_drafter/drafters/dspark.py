@@ -174,8 +174,9 @@ class DSparkDrafter(Drafter):
 
     # -- drafting --------------------------------------------------------------------------
     def _context(self, requests: list[DraftRequest]):
-        """Each request's context, right-aligned in a fixed window so every row of a batch
-        has the same shapes (a request drafts the same alone or batched)."""
+        """Each request's context, right-aligned in a fixed window: every row of a batch has
+        the same shapes and padding never leaks into a request (the bits may still differ
+        with the batch size, as BLAS sums differently for another row count)."""
         b, n = len(requests), self.window
         valid = np.zeros((b, n), bool)
         pos = np.zeros((b, n), np.int64)
