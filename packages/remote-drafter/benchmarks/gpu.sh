@@ -27,7 +27,8 @@ if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
   python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
-python3 -m remote_drafter.bench --device cuda --width smollm2 --json --out "$OUT/bench-cuda-f32.json" > /dev/null
+python3 -m remote_drafter.bench --device cuda --width smollm2 --verify-ms 60 --tokens 96 --json \
+  --out "$OUT/bench-cuda-f32.json" > /dev/null
 python3 -m remote_drafter.bench --device cuda --width smollm2 --dtype bfloat16 --skip spec_cache \
   --out "$OUT/bench-cuda-bf16.json" | tee "$OUT/bench-cuda-bf16.txt"
 python3 -c "import json,sys; sys.path.insert(0,'packages/remote-drafter/src'); from remote_drafter.bench import print_table; print_table(json.load(open('$OUT/bench-cuda-f32.json')))"
