@@ -1,0 +1,118 @@
+"""The drafter inside vLLM (the only module here that imports vLLM).
+
+    --speculative-config '{"method":"custom_class",
+                           "model":"remote_drafter.vllm.RemoteProposer",
+                           "num_speculative_tokens":5}'
+
+RemoteProposer is vLLM's `custom_class` proposer; `remote_drafter.vllm:register` (a
+`vllm.general_plugins` entry point, loaded in every vLLM process, idempotent) wraps
+`GPUModelRunner.propose_draft_token_ids` so the proposer learns the batch's request ids and
+the finished requests (the CPU runner inherits it). The client comes from the environment
+(`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
+(REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
+mode refuses a local drafter. Token-only for now: drafters that need the target's hidden
+states are not fed yet. Any failure means no drafts this step; vLLM verifies what it gets,
+so its output never changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .factory import make_client
+from .transport import AsyncTransport
+
+log = logging.getLogger("remote_drafter.vllm")
+
+
+class RemoteProposer:
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.client = make_client()
+        self.ids: dict[str, int] = {}      # vLLM request id -> the client's integer id
+        self.known: dict[str, int] = {}    # vLLM request id -> tokens the client has
+        self.req_ids: list[str] | None = None  # this step's rows (from the plugin)
+        self._next_id = 1
+        log.info("remote drafter proposer: k=%d, %s", self.k, type(self.client.transport).__name__)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """The drafter needs nothing from the target model object."""
+
+    def set_batch(self, req_ids: list[str], finished) -> None:
+        self.req_ids = req_ids
+        for rid in finished or ():
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        if rid in self.ids:
+            self.client.release(self.ids.pop(rid))
+            self.known.pop(rid, None)
+
+    def _track(self, rid: str, tokens: np.ndarray) -> int:
+        """Add the request or commit what it gained since the last step."""
+        n = len(tokens)
+        if rid not in self.ids or n < self.known[rid]:  # new, or reset (preempted)
+            self._forget(rid)
+            self.ids[rid] = self._next_id
+            self._next_id += 1
+            self.client.add_request(self.ids[rid], tokens)
+        elif n > self.known[rid]:
+            self.client.commit(self.ids[rid], tokens[self.known[rid]:])
+        self.known[rid] = n
+        return self.ids[rid]
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **kwargs) -> list[list[int]]:
+        rows = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        if self.req_ids is None:
+            log.error("the remote_drafter vLLM plugin is not loaded: no request ids, no drafts")
+            return out
+        try:
+            wanted = {}
+            for i in range(rows):
+                n = int(num_tokens_no_spec[i])
+                if not len(sampled_token_ids[i]) or n >= self.max_model_len:
+                    continue  # no proposal for this row this step (as vLLM's n-gram proposer)
+                wanted[i] = self._track(self.req_ids[i], np.asarray(token_ids_cpu[i, :n], np.int32))
+            live = set(self.req_ids[:rows])
+            for rid in [r for r in self.ids if r not in live]:
+                self._forget(rid)
+            k = min(self.k, self.client.depth(None))
+            if not wanted or k == 0:
+                return out
+            if isinstance(self.client.transport, AsyncTransport):
+                # submit + collect here: vLLM's window between propose and take is ~0.2 ms;
+                # the proxy still keeps the network work out of the engine's process
+                self.client.submit(k)
+                drafts = self.client.collect()
+            else:
+                drafts = self.client.propose(k)
+            for i, cid in wanted.items():
+                d = drafts.get(cid)
+                if d is not None:
+                    out[i] = [int(t) for t in d.tokens[:self.k]]
+        except Exception:  # noqa: BLE001 - never break the engine: no drafts this step
+            log.exception("remote drafter proposer failed; no drafts this step")
+        return out
+
+
+def register() -> None:
+    """vllm.general_plugins entry point: idempotent in every vLLM process."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    original = GPUModelRunner.propose_draft_token_ids
+    if getattr(original, "_remote_drafter", False):
+        return
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, RemoteProposer):
+            drafter.set_batch(list(self.input_batch.req_ids), scheduler_output.finished_req_ids)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    propose_draft_token_ids._remote_drafter = True
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
