@@ -143,3 +143,30 @@ def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
         server.stop()
         if proc.poll() is None:
             proc.kill()
+
+
+HOOKS = r'''
+import inspect, vllm
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+assert vllm.__version__.startswith("0.32."), vllm.__version__
+params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
+assert params[:3] == ["self", "scheduler_output", "sampled_token_ids"], params
+assert list(inspect.signature(GPUModelRunner.take_draft_token_ids).parameters) == ["self"]
+assert issubclass(CPUModelRunner, GPUModelRunner)
+src = inspect.getsource(GPUModelRunner.propose_draft_token_ids)
+call = src[src.index('"custom_class"'):]
+for name in ("sampled_token_ids", "self.input_batch.num_tokens_no_spec", "self.input_batch.token_ids_cpu"):
+    assert name in call[:600], name
+assert "isinstance(self._draft_token_ids, list)" in inspect.getsource(GPUModelRunner._get_draft_token_ids_cpu)
+assert "finished_req_ids" in inspect.getsource(GPUModelRunner._update_states)
+print("hooks ok", vllm.__version__)
+'''
+
+
+def test_the_vllm_hooks_we_rely_on_are_still_there():
+    """Fails loudly when a vLLM upgrade moves the experimental hooks the proposer uses."""
+    out = subprocess.run([PYTHON, "-c", HOOKS], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hooks ok" in out.stdout

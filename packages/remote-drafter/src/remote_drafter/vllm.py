@@ -7,7 +7,8 @@
 RemoteProposer is vLLM's `custom_class` proposer; `remote_drafter.vllm:register` (a
 `vllm.general_plugins` entry point, loaded in every vLLM process, idempotent) wraps
 `GPUModelRunner.propose_draft_token_ids` so the proposer learns the batch's request ids and
-the finished requests (the CPU runner inherits it). The client comes from the environment
+the finished requests, and `take_draft_token_ids` so an asynchronous round submitted in
+`propose` is collected only when vLLM takes the drafts (the CPU runner inherits both). The client comes from the environment
 (`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
 (REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
 mode refuses a local drafter. Token-only for now: drafters that need the target's hidden
@@ -36,6 +37,7 @@ class RemoteProposer:
         self.ids: dict[str, int] = {}      # vLLM request id -> the client's integer id
         self.known: dict[str, int] = {}    # vLLM request id -> tokens the client has
         self.req_ids: list[str] | None = None  # this step's rows (from the plugin)
+        self._pending = None  # async: (rows, {row: client id}) of the round in flight
         self._next_id = 1
         log.info("remote drafter proposer: k=%d, %s", self.k, type(self.client.transport).__name__)
 
@@ -86,19 +88,35 @@ class RemoteProposer:
             if not wanted or k == 0:
                 return out
             if isinstance(self.client.transport, AsyncTransport):
-                # submit + collect here: vLLM's window between propose and take is ~0.2 ms;
-                # the proxy still keeps the network work out of the engine's process
-                self.client.submit(k)
-                drafts = self.client.collect()
-            else:
-                drafts = self.client.propose(k)
-            for i, cid in wanted.items():
-                d = drafts.get(cid)
-                if d is not None:
-                    out[i] = [int(t) for t in d.tokens[:self.k]]
+                # Submitted now, collected when vLLM takes the drafts (after the scheduler
+                # update and output handling): the round overlaps that engine work.
+                if self.client.submit(k):
+                    self._pending = (rows, wanted)
+                return out
+            return self._rows(rows, wanted, self.client.propose(k))
         except Exception:  # noqa: BLE001 - never break the engine: no drafts this step
             log.exception("remote drafter proposer failed; no drafts this step")
         return out
+
+    def _rows(self, rows: int, wanted: dict, drafts: dict) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(rows)]
+        for i, cid in wanted.items():
+            d = drafts.get(cid)
+            if d is not None:
+                out[i] = [int(t) for t in d.tokens[:self.k]]
+        return out
+
+    def take_rows(self) -> list[list[int]] | None:
+        """Async mode: the submitted round's drafts, per row (bounded wait); None if none."""
+        if self._pending is None:
+            return None
+        rows, wanted = self._pending
+        self._pending = None
+        try:
+            return self._rows(rows, wanted, self.client.collect())
+        except Exception:  # noqa: BLE001
+            log.exception("collecting remote drafts failed; no drafts this step")
+            return [[] for _ in range(rows)]
 
 
 def register() -> None:
@@ -114,5 +132,15 @@ def register() -> None:
             drafter.set_batch(list(self.input_batch.req_ids), scheduler_output.finished_req_ids)
         return original(self, scheduler_output, *args, **kwargs)
 
+    def take_draft_token_ids(self):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, RemoteProposer):
+            rows = drafter.take_rows()
+            if rows is not None:
+                self._draft_token_ids = rows
+        return original_take(self)
+
+    original_take = GPUModelRunner.take_draft_token_ids
     propose_draft_token_ids._remote_drafter = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
