@@ -6,6 +6,7 @@ LONGCTX_VLLM_PYTHON; elsewhere this is skipped."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +26,8 @@ PROMPTS = ["Repeat after me: red green blue, red green blue, red green blue, red
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
            "The capital of Germany is"]
 TOKENS = 24
+BUDGET = 1 << 30  # the engine's memory budget for its KV pool plus a local drafter
+KV = {}           # what each configuration's vLLM reported: the capacity trade
 SPEC = json.dumps({"method": "custom_class", "model": "remote_drafter.vllm.RemoteProposer",
                    "num_speculative_tokens": 3})
 
@@ -38,14 +41,17 @@ def free_port() -> int:
 class Server:
     """One vLLM OpenAI server process (float32, eager) with the given spec config and env."""
 
-    def __init__(self, log: Path, spec: str | None, env: dict):
+    def __init__(self, log: Path, spec: str | None, env: dict, kv_bytes: int = BUDGET):
         self.port, self.log = free_port(), log
         cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
                "--served-model-name", "smollm2", "--max-model-len", "1024", "--dtype", "float32",
-               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)]
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+               "--kv-cache-memory-bytes", str(kv_bytes)]
         if spec:
             cmd += ["--speculative-config", spec]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **env}
+        # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
+        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+               "HF_HUB_OFFLINE": "1", **env}
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -70,6 +76,12 @@ class Server:
         r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
         r.raise_for_status()
         return r.json()["choices"][0]
+
+    def kv_tokens(self) -> int:
+        """The KV pool as vLLM reports it at start-up ('CPU KV cache size: N tokens')."""
+        match = re.search(r"KV cache size: ([\d,]+) tokens", self.log.read_text())
+        assert match, "vLLM did not report its KV cache size"
+        return int(match.group(1).replace(",", ""))
 
     def spec_counter(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -109,13 +121,36 @@ def worker_env() -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
-def test_local_drafter_in_vllm(baseline, tmp_path):
-    server = Server(tmp_path / "local.log", SPEC, {"REMOTE_DRAFTER_DRAFTER": "ngram",
-                                                  "REMOTE_DRAFTER_TARGET": str(MODEL)})
+@pytest.fixture(scope="module")
+def local_drafter(tmp_path_factory):
+    """A token-only DSpark drafter for SmolLM2 (random weights) and its resident footprint
+    in the engine (its weights plus its own copy of the target's embedding and head)."""
+    from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
+    from remote_drafter.target import TargetConfig
+    t = TargetConfig.from_hf(json.loads((MODEL / "config.json").read_text()))
+    out = str(tmp_path_factory.mktemp("drafter") / "dspark-tokens")
+    DSparkDrafter.create(out, str(MODEL), DSparkConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_heads=t.num_attention_heads,
+        num_kv_heads=t.num_key_value_heads, intermediate_size=t.intermediate_size,
+        mask_token_id=t.vocab_size - 1, rope_theta=t.rope_theta))
+    model = DSparkDrafter.load(out, str(MODEL)).model
+    tensors = {p.data_ptr(): p.numel() * p.element_size()
+               for p in list(model.parameters()) + list(model.buffers())}
+    return out, sum(tensors.values())
+
+
+def test_local_drafter_in_vllm(baseline, local_drafter, tmp_path):
+    """The local (stock) configuration: the drafter's footprint comes out of the budget."""
+    folder, footprint = local_drafter
+    server = Server(tmp_path / "local.log", SPEC, {"REMOTE_DRAFTER_DRAFTER": folder,
+                                                   "REMOTE_DRAFTER_TARGET": str(MODEL)},
+                    kv_bytes=BUDGET - footprint)
     try:
         for prompt, want in zip(PROMPTS, baseline):
             assert_same(server.complete(prompt), want)
-        assert server.spec_counter("num_drafts") > 0 and server.spec_counter("num_accepted_tokens") > 0
+        assert server.spec_counter("num_drafts") > 0
+        KV["local"] = {"footprint_bytes": footprint, "kv_bytes": BUDGET - footprint,
+                       "kv_tokens": server.kv_tokens()}
     finally:
         server.stop()
 
@@ -139,10 +174,21 @@ def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
         for prompt, want in zip(PROMPTS[1:], baseline[1:]):
             assert_same(server.complete(prompt), want)
         assert server.spec_counter("num_drafts") == drafts  # no drafts after the loss
+        KV[f"remote-{mode}"] = {"footprint_bytes": 0, "kv_bytes": BUDGET, "kv_tokens": server.kv_tokens()}
     finally:
         server.stop()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_capacity_trade():
+    """Under one budget, the remote drafter's engine holds more KV tokens, in proportion to
+    the local drafter's footprint (printed for findings/vllm-overlays.md)."""
+    local, remote = KV["local"], KV["remote-sync"]
+    print(json.dumps({"budget_bytes": BUDGET, **KV}))
+    assert remote["kv_tokens"] > local["kv_tokens"]
+    expected = remote["kv_tokens"] * local["kv_bytes"] / remote["kv_bytes"]
+    assert abs(local["kv_tokens"] - expected) <= 0.02 * expected + 64
 
 
 HOOKS = r'''
