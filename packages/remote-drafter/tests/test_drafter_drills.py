@@ -109,6 +109,19 @@ def test_state_lost_behind_the_clients_back_is_reopened_transparently(models, ta
         w.stop()
 
 
+def test_a_slow_link_costs_only_the_deadline(models, target, reference):
+    """An injected round delay above the deadline: every round fails closed, on time."""
+    w = WorkerProcess("lm", models["target"], "tcp", 0, "--inject-delay-ms", "300")
+    try:
+        client = remote_client(models, w.address, deadline_s=0.1)
+        t0 = time.monotonic()
+        client.add_request(1, [1, 2, 3], None)
+        assert client.propose() == {} and time.monotonic() - t0 < 0.25
+        assert client.counters()["rounds_failed"] == 1
+    finally:
+        w.stop()
+
+
 def test_identity_mismatch_is_refused(models, target, reference, worker, tmp_path):
     random_target(target.config, seed=7).save(str(tmp_path / "other"))
     wrong_target = expectation(str(tmp_path / "other"), None)

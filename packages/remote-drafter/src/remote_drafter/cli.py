@@ -52,7 +52,8 @@ def _service_config(args):
     return ServiceConfig(max_requests=args.max_requests, idle_timeout_s=args.idle_timeout_s,
                          spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
                          spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)),
-                         spec_cache_max_batch=args.spec_cache_max_batch)
+                         spec_cache_max_batch=args.spec_cache_max_batch,
+                         inject_delay_s=args.inject_delay_ms / 1000)
 
 
 def cmd_worker(args) -> int:
@@ -190,6 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--spec-cache-mb", type=float, default=64, help="memory bound of the cache")
     p.add_argument("--spec-cache-max-batch", type=int, default=2,
                    help="rounds drafting more requests than this skip the cache (and draft batched)")
+    p.add_argument("--inject-delay-ms", type=float, default=0,
+                   help="testing only: delay every round (a slow link, measurable on one machine)")
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("identity", help="print the identity manifest of a drafter")

@@ -74,6 +74,7 @@ class ServiceConfig:
     spec_cache_outcomes: int = 3
     spec_cache_bytes: int = 64 << 20
     spec_cache_max_batch: int = 2  # rounds drafting more requests than this skip the cache
+    inject_delay_s: float = 0.0    # testing: added to every round (a slow link on one machine)
 
 
 class DraftService:
@@ -135,6 +136,8 @@ class DraftService:
             return P.encode_stats_reply(self.stats())
         self.metrics.inc("rounds")
         started = time.perf_counter()
+        if self.config.inject_delay_s:
+            time.sleep(self.config.inject_delay_s)
         replies: dict[int, P.Reply] = {}
         batch: list[tuple[P.Entry, DraftRequest]] = []
         # The cache serves small rounds only: they draft each request alone, which is what
