@@ -6,16 +6,12 @@ LONGCTX_VLLM_PYTHON; elsewhere this is skipped."""
 
 import json
 import os
-import re
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from remote_drafter.vllm_launch import VllmServer
 from remote_drafter.worker import spawn_worker
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
@@ -32,68 +28,8 @@ SPEC = json.dumps({"method": "custom_class", "model": "remote_drafter.vllm.Remot
                    "num_speculative_tokens": 3})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One vLLM OpenAI server process (float32, eager) with the given spec config and env."""
-
-    def __init__(self, log: Path, spec: str | None, env: dict, kv_bytes: int = BUDGET):
-        self.port, self.log = free_port(), log
-        cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
-               "--served-model-name", "smollm2", "--max-model-len", "1024", "--dtype", "float32",
-               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-               "--kv-cache-memory-bytes", str(kv_bytes)]
-        if spec:
-            cmd += ["--speculative-config", spec]
-        # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
-        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-               "HF_HUB_OFFLINE": "1", **env}
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vLLM exited: {log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        self.stop()
-        pytest.fail(f"vLLM not ready in 900 s: {log.read_text()[-4000:]}")
-
-    def complete(self, prompt: str, logprobs: int | None = None) -> dict:
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
-                "return_token_ids": True}
-        if logprobs:
-            body["logprobs"] = logprobs
-        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
-        r.raise_for_status()
-        return r.json()["choices"][0]
-
-    def kv_tokens(self) -> int:
-        """The KV pool as vLLM reports it at start-up ('CPU KV cache size: N tokens')."""
-        match = re.search(r"KV cache size: ([\d,]+) tokens", self.log.read_text())
-        assert match, "vLLM did not report its KV cache size"
-        return int(match.group(1).replace(",", ""))
-
-    def spec_counter(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"vllm:spec_decode_{name}_total"))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def Server(log: Path, spec: str | None, env: dict, kv_bytes: int = BUDGET) -> VllmServer:
+    return VllmServer(PYTHON, MODEL, log, spec, env, kv_bytes, TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +51,6 @@ def assert_same(got: dict, want: dict) -> None:
     gap = top[0] - top[1]
     assert gap < 1e-3, f"differs at token {i} where the target's top-2 gap is {gap:.3g}: {got['text']!r}"
     print(f"near-tie at token {i} (top-2 logprob gap {gap:.2g}): counted, not a failure")
-
-
-def worker_env() -> dict:
-    return {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,85 @@
+"""Start a vLLM OpenAI server process and talk to it (the vLLM tier's tests and the vLLM
+benchmark). It does not import vLLM: it runs the given vLLM interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """vLLM serving `model` (float32, eager) with an explicit KV budget; `spec` is a
+    --speculative-config JSON or None; `env` adds variables (REMOTE_DRAFTER_* ...)."""
+
+    def __init__(self, python: str, model: Path, log: Path, spec: str | None = None,
+                 env: dict | None = None, kv_bytes: int = 1 << 30, max_tokens: int = 24,
+                 ready_timeout_s: float = 900):
+        self.port, self.log, self.max_tokens = free_port(), Path(log), max_tokens
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "target", "--max-model-len", "1024", "--dtype", "float32",
+               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+               "--kv-cache-memory-bytes", str(kv_bytes)]
+        if spec:
+            cmd += ["--speculative-config", spec]
+        # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
+        full_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {self.log.read_text()[-4000:]}")
+            try:
+                self._get("/v1/models", 2)
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready in {ready_timeout_s:.0f} s: {self.log.read_text()[-4000:]}")
+
+    def _get(self, path: str, timeout: float) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def complete(self, prompt: str, logprobs: int | None = None, max_tokens: int | None = None) -> dict:
+        body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens or self.max_tokens,
+                "temperature": 0, "return_token_ids": True}
+        if logprobs:
+            body["logprobs"] = logprobs
+        req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["choices"][0]
+
+    def kv_tokens(self) -> int:
+        """The KV pool as vLLM reports it at start-up ('CPU KV cache size: N tokens')."""
+        match = re.search(r"KV cache size: ([\d,]+) tokens", self.log.read_text())
+        if not match:
+            raise RuntimeError("vLLM did not report its KV cache size")
+        return int(match.group(1).replace(",", ""))
+
+    def spec_counter(self, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self._get("/metrics", 10).splitlines()
+                   if line.startswith(f"vllm:spec_decode_{name}_total"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
