@@ -56,7 +56,7 @@ def assert_same(got: dict, want: dict) -> None:
 @pytest.fixture(scope="module")
 def local_drafter(tmp_path_factory):
     """A token-only DSpark drafter for SmolLM2 (random weights) and its resident footprint
-    in the engine (its weights plus its own copy of the target's embedding and head)."""
+    in the engine: its own weights (it shares the engine's embedding and head)."""
     from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
     from remote_drafter.target import TargetConfig
     t = TargetConfig.from_hf(json.loads((MODEL / "config.json").read_text()))
@@ -66,9 +66,7 @@ def local_drafter(tmp_path_factory):
         num_kv_heads=t.num_key_value_heads, intermediate_size=t.intermediate_size,
         mask_token_id=t.vocab_size - 1, rope_theta=t.rope_theta))
     model = DSparkDrafter.load(out, str(MODEL)).model
-    tensors = {p.data_ptr(): p.numel() * p.element_size()
-               for p in list(model.parameters()) + list(model.buffers())}
-    return out, sum(tensors.values())
+    return out, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def test_local_drafter_in_vllm(baseline, local_drafter, tmp_path):
@@ -81,6 +79,7 @@ def test_local_drafter_in_vllm(baseline, local_drafter, tmp_path):
         for prompt, want in zip(PROMPTS, baseline):
             assert_same(server.complete(prompt), want)
         assert server.spec_counter("num_drafts") > 0
+        assert "local drafter shares the engine's embedding and head" in server.log.read_text()
         KV["local"] = {"footprint_bytes": footprint, "kv_bytes": BUDGET - footprint,
                        "kv_tokens": server.kv_tokens()}
     finally:

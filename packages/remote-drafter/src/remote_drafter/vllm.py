@@ -41,8 +41,30 @@ class RemoteProposer:
         self._next_id = 1
         log.info("remote drafter proposer: k=%d, %s", self.k, type(self.client.transport).__name__)
 
-    def load_model(self, *args, **kwargs) -> None:
-        """The drafter needs nothing from the target model object."""
+    def load_model(self, target_model=None, *args, **kwargs) -> None:
+        """Local mode: the drafter uses the engine's own embedding and head (the same values
+        it read from the checkpoint) instead of a second copy."""
+        drafter = getattr(getattr(self.client.transport, "service", None), "drafter", None)
+        model = getattr(drafter, "model", None)
+        if target_model is None or model is None or not hasattr(model, "embed"):
+            return
+        try:
+            embed = target_model.model.embed_tokens.weight
+            head = getattr(getattr(target_model, "lm_head", None), "weight", embed)
+        except AttributeError:
+            log.warning("target model has no embed_tokens: the local drafter keeps its own copy")
+            return
+        vocab, width = model.embed.shape
+        for name, mine, theirs in (("embed", model.embed, embed), ("head", model.head, head)):
+            if theirs.shape[0] < vocab or theirs.shape[1] != width or theirs.dtype != mine.dtype \
+                    or theirs.device != mine.device:
+                log.warning("the engine's %s (%s %s) does not fit the drafter's (%s %s): keeping "
+                            "its own copy", name, tuple(theirs.shape), theirs.dtype, tuple(mine.shape), mine.dtype)
+                return
+        saved = {p.data_ptr(): p.numel() * p.element_size() for p in (model.embed, model.head)}
+        model.embed, model.head = embed[:vocab], head[:vocab]
+        log.warning("local drafter shares the engine's embedding and head (%d bytes not duplicated)",
+                    sum(saved.values()))
 
     def set_batch(self, req_ids: list[str], finished) -> None:
         self.req_ids = req_ids
