@@ -96,17 +96,10 @@ def timing(paths, name, dtype, batches, repeats=50) -> list[dict]:
 def decode_check(paths, name) -> dict:
     target = TargetLM.load(paths["target"], device="cuda")
     drafter = DSparkDrafter.load(paths[name], paths["target"], "cuda")
-
-    class OnDevice:
-        config = target.config
-
-        def __call__(self, tokens, layers=()):
-            logits, hidden = target(tokens.to("cuda"), layers)
-            return logits.cpu(), hidden.cpu()
     prompts = {i: list(range(10 * i, 10 * i + 40)) for i in range(1, 5)}
-    ref = {r: plain_decode(OnDevice(), p, 48) for r, p in prompts.items()}
+    ref = {r: plain_decode(target, p, 48) for r, p in prompts.items()}
     client = DrafterClient(LocalTransport(DraftService(drafter, ServiceConfig())), "8:5")
-    got = speculative_decode(OnDevice(), client, prompts, 48, hidden_layers=drafter.hidden_layers)
+    got = speculative_decode(target, client, prompts, 48, hidden_layers=drafter.hidden_layers)
     return {"drafter": name, "requests": len(prompts),
             "identical_requests": sum(got.tokens[r] == ref[r] for r in prompts),
             "mean_accepted_length": got.mean_accepted_length}

@@ -222,14 +222,7 @@ def bench_spec_cache(paths, args, width) -> list[dict]:
 
 def _run_decode(target, client, prompts, args):
     """Greedy decoding with a target that 'verifies' for --verify-ms each step."""
-    class OnDevice:  # the reference engine feeds CPU tensors; move them for a GPU target
-        def __init__(self, model):
-            self.model, self.config = model, model.config
-
-        def __call__(self, tokens, layers=()):
-            logits, hidden = self.model(tokens.to(args.device), layers)
-            return logits.cpu(), hidden.cpu()
-    speculative_decode(OnDevice(target), client, prompts, args.tokens,
+    speculative_decode(target, client, prompts, args.tokens,
                        on_round=lambda d: time.sleep(args.verify_ms / 1000), k=args.k)
 
 

@@ -25,11 +25,18 @@ def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
     return torch.softmax(logits.double() / temperature, -1).cpu().numpy()
 
 
+def run_target(target: TargetLM, tokens: list[int], layers: tuple[int, ...] = ()):
+    """The target's (logits, hidden) for `tokens`, on the host, wherever the target runs."""
+    device = next(target.parameters()).device
+    logits, hidden = target(torch.tensor(tokens, device=device), layers)
+    return logits.cpu(), hidden.cpu()
+
+
 def plain_decode(target: TargetLM, prompt, new_tokens: int, temperature: float = 0.0,
                  rng: np.random.Generator | None = None) -> list[int]:
     seq, rng = list(prompt), rng or np.random.default_rng(0)
     for _ in range(new_tokens):
-        logits, _ = target(torch.tensor(seq))
+        logits, _ = run_target(target, seq)
         seq.append(sample(target_probs(logits[-1:], temperature)[0], rng))
     return seq[len(prompt):]
 
@@ -55,7 +62,7 @@ def speculative_decode(target: TargetLM, client: DrafterClient, prompts: dict, n
     rng, out = np.random.default_rng(seed), SpecResult()
     seqs = {}
     for rid, prompt in prompts.items():
-        logits, hidden = target(torch.tensor(list(prompt)), hidden_layers)
+        logits, hidden = run_target(target, list(prompt), hidden_layers)
         first = sample(target_probs(logits[-1:], temperature)[0], rng)
         seqs[rid] = list(prompt) + [first]
         out.tokens[rid] = [first]
@@ -75,7 +82,7 @@ def speculative_decode(target: TargetLM, client: DrafterClient, prompts: dict, n
             d = drafts.get(rid)
             tokens = d.tokens if d is not None else np.zeros(0, np.int32)
             seq, length = seqs[rid], len(seqs[rid])
-            logits, hidden = target(torch.tensor(seq + [int(t) for t in tokens]), hidden_layers)
+            logits, hidden = run_target(target, seq + [int(t) for t in tokens], hidden_layers)
             p_t = target_probs(logits[length - 1:], temperature)
             p_d = d.probs if d is not None and use_probs else None
             n, nxt = verify_chain(tokens, p_d, p_t, rng)
