@@ -4,7 +4,7 @@
 # own tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_FREE=(ofl-transport remote-engram async-handoff longctx-bench acceptance-ceiling)  # in dependency order: ours are not on an index
+TORCH_FREE=(ofl-transport longctx-bench remote-engram async-handoff acceptance-ceiling)  # in dependency order: ours are not on an index
 
 venv=.venv-torchfree
 rm -rf "$venv"

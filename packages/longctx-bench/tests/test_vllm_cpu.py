@@ -4,15 +4,12 @@ speculative decoding so spec-decode counters exist). tools/test prepares the env
 
 import json
 import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from longctx_bench.cli import main
+from longctx_bench.launch import VllmServer
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
 MODEL = Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"
@@ -20,45 +17,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     not PYTHON, reason="runs in the vLLM CPU tier: tools/test sets LONGCTX_VLLM_PYTHON")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
-             "--served-model-name", "smollm2", "--max-model-len", "2048", "--dtype", "bfloat16",
-             "--host", "127.0.0.1", "--port", str(port), "--speculative-config",
-             '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4,'
-             '"prompt_lookup_min":2}'], stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2})
+    server = VllmServer(PYTHON, MODEL, tmp_path_factory.mktemp("vllm") / "server.log", spec,
+                        name="smollm2", dtype="bfloat16", max_model_len=2048, eager=False)
     try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"vLLM not ready in 900 s: {log.read_text()[-3000:]}")
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 def test_run_against_real_vllm(vllm_server, tmp_path):

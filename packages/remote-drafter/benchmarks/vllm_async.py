@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from remote_drafter.vllm_launch import VllmServer
+from longctx_bench.launch import VllmServer
 from remote_drafter.worker import spawn_worker
 
 PROMPT = "Count the colours: red green blue, red green blue, red green blue, red green blue, red"

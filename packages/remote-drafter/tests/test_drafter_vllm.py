@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_drafter.vllm_launch import VllmServer
+from longctx_bench.launch import VllmServer
 from remote_drafter.worker import spawn_worker
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")

@@ -64,7 +64,7 @@ class EngramClient:
             for layer in geometry.layers:
                 self.local[layer] = self._open_local(shard_dir, layer)
         self.local_digests = {layer: r.digest() for layer, r in self.local.items()}
-        remote = remote if remote is not None else env.ENGRAM_REMOTE.get()
+        remote = remote if remote is not None else env.remote_for_rank(rank)
         if not remote and not self.local:
             raise ValueError("EngramClient needs a remote endpoint, local shards, or both")
         self.conn: Connection | None = None
@@ -179,10 +179,17 @@ class EngramClient:
                 for layer in self.geometry.layers}
 
     def prefetch(self, tokens, valid=None) -> Future:
-        """Start fetch_tokens in the background (at forward entry); wait() collects it.
-        At most ENGRAM_PREFETCH_DEPTH prefetches are in flight; a further call waits."""
+        """Start fetch_tokens in the background (at forward entry); wait() collects it."""
+        return self._submit(self.fetch_tokens, tokens, valid)
+
+    def fetch_async(self, layer: int, ids) -> Future:
+        """Start fetch(layer, ids) in the background (the vLLM overlay's prefetch)."""
+        return self._submit(self.fetch, layer, ids)
+
+    def _submit(self, fn, *args) -> Future:
+        # At most ENGRAM_PREFETCH_DEPTH fetches are in flight; a further call waits.
         self._slots.acquire()
-        future = self._pool.submit(self.fetch_tokens, tokens, valid)
+        future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda _: self._slots.release())
         return future
 

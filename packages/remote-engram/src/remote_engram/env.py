@@ -11,7 +11,8 @@ from ofl.env import EnvVar
 
 ENGRAM_REMOTE = EnvVar(
     "ENGRAM_REMOTE", "",
-    "Engram server HOST:PORT this rank reads from (its own link); empty = local shards only.")
+    "Engram server HOST:PORT this rank reads from, or one per tensor-parallel rank separated by "
+    "commas (rank r takes entry r: its own link); empty = local shards only.")
 ENGRAM_BACKEND = EnvVar(
     "ENGRAM_BACKEND", "verbs", "ofl backend of the remote link: verbs, tcp or shm.")
 ENGRAM_SHARD_DIR = EnvVar(
@@ -26,5 +27,18 @@ ENGRAM_BACKOFF_S = EnvVar(
 ENGRAM_PREFETCH_DEPTH = EnvVar(
     "ENGRAM_PREFETCH_DEPTH", "4", "Prefetches in flight at most; more wait for a slot.")
 
+ENGRAM_METRICS_LISTEN = EnvVar(
+    "ENGRAM_METRICS_LISTEN", "",
+    "vLLM overlay: HOST:PORT where each engine rank serves GET /metrics and /health of its "
+    "Engram client (rank r on PORT + r); empty = none.")
+
 ALL = [ENGRAM_REMOTE, ENGRAM_BACKEND, ENGRAM_SHARD_DIR, ENGRAM_DEADLINE_MS, ENGRAM_BACKOFF_S,
-       ENGRAM_PREFETCH_DEPTH]
+       ENGRAM_PREFETCH_DEPTH, ENGRAM_METRICS_LISTEN]
+
+
+def remote_for_rank(rank: int) -> str:
+    """This rank's entry of ENGRAM_REMOTE (one entry serves every rank)."""
+    entries = [e.strip() for e in ENGRAM_REMOTE.get().split(",") if e.strip()]
+    if len(entries) > 1 and rank >= len(entries):
+        raise ValueError(f"ENGRAM_REMOTE lists {len(entries)} endpoints; rank {rank} has none")
+    return entries[min(rank, len(entries) - 1)] if entries else ""

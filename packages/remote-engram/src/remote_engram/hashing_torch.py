@@ -29,15 +29,23 @@ def row_ids(geometry: EngramGeometry, layer: int, tokens: torch.Tensor, token_ma
         if d:
             alive = alive & back
         s.append(torch.where(alive, ids, pad))
-    dev = tokens.device
+    return mix(geometry, layer, s, columns)
+
+
+def mix(geometry: EngramGeometry, layer: int, s: list[torch.Tensor],
+        columns: tuple[int, int] | None = None) -> torch.Tensor:
+    """Row ids [..., C] from s = [s_0, .., s_{N-1}]: the compressed ids 0..N-1 positions back
+    (pad where dead), each of any shape [...]. Callers that keep their own history (the vLLM
+    miniature's slot cache) build s themselves."""
+    dev = s[0].device
     m = torch.as_tensor(geometry.mults[layer], device=dev)
     primes = torch.as_tensor(geometry.primes[layer], device=dev)
     offsets = torch.as_tensor(geometry.offsets[layer], device=dev)
     c0, c1 = columns or (0, geometry.columns)
     cols = []
-    mix = s[0] * m[0]
+    mixed = s[0] * m[0]
     for n in geometry.orders:
-        mix = torch.bitwise_xor(mix, s[n - 1] * m[n - 1])
-        cols.append(mix.unsqueeze(-1).expand(*mix.shape, geometry.heads))
+        mixed = torch.bitwise_xor(mixed, s[n - 1] * m[n - 1])
+        cols.append(mixed.unsqueeze(-1).expand(*mixed.shape, geometry.heads))
     mixes = torch.cat(cols, dim=-1)[..., c0:c1]
     return torch.remainder(mixes, primes[c0:c1]) + offsets[c0:c1]

@@ -1,5 +1,6 @@
-"""Start a vLLM OpenAI server process and talk to it (the vLLM tier's tests and the vLLM
-benchmark). It does not import vLLM: it runs the given vLLM interpreter."""
+"""Start a vLLM OpenAI server process on this machine and talk to it: the vLLM CPU tier's
+tests of every package and the benchmarks that need a server of their own. It does not
+import vLLM: it runs the given vLLM interpreter."""
 
 from __future__ import annotations
 
@@ -21,17 +22,19 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """vLLM serving `model` (float32, eager) with an explicit KV budget; `spec` is a
-    --speculative-config JSON or None; `env` adds variables (REMOTE_DRAFTER_* ...)."""
+    """vLLM serving `model` as `name` (float32 and eager by default) with an explicit KV
+    budget; `spec` is a --speculative-config JSON or None; `env` adds variables
+    (REMOTE_DRAFTER_*, ENGRAM_* ...)."""
 
     def __init__(self, python: str, model: Path, log: Path, spec: str | None = None,
                  env: dict | None = None, kv_bytes: int = 1 << 30, max_tokens: int = 24,
-                 ready_timeout_s: float = 900):
-        self.port, self.log, self.max_tokens = free_port(), Path(log), max_tokens
+                 ready_timeout_s: float = 900, name: str = "target", dtype: str = "float32",
+                 max_model_len: int = 1024, eager: bool = True):
+        self.port, self.log, self.max_tokens, self.name = free_port(), Path(log), max_tokens, name
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", "target", "--max-model-len", "1024", "--dtype", "float32",
-               "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-               "--kv-cache-memory-bytes", str(kv_bytes)]
+               "--served-model-name", name, "--max-model-len", str(max_model_len),
+               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port),
+               "--kv-cache-memory-bytes", str(kv_bytes)] + (["--enforce-eager"] if eager else [])
         if spec:
             cmd += ["--speculative-config", spec]
         # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
@@ -57,7 +60,7 @@ class VllmServer:
             return r.read().decode()
 
     def complete(self, prompt: str, logprobs: int | None = None, max_tokens: int | None = None) -> dict:
-        body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens or self.max_tokens,
+        body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens,
                 "temperature": 0, "return_token_ids": True}
         if logprobs:
             body["logprobs"] = logprobs
