@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from longctx_bench.launch import VllmServer
@@ -112,6 +113,47 @@ def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
             proc.kill()
 
 
+def test_a_hidden_state_drafter_gets_the_targets_rows(baseline, tmp_path):
+    """vLLM outputs the probe's layers; the worker's histories hold, after every step
+    (accepts and rejects alike), the target's own hidden rows at the right positions."""
+    from drafter_probe import LAYERS
+
+    from remote_drafter.reference import run_target
+    from remote_drafter.target import TargetLM
+    rounds = tmp_path / "rounds"
+    rounds.mkdir()
+    tests = str(Path(__file__).parent)
+    proc, address = spawn_worker(
+        ["--drafter", "drafter_probe:row_recorder", "--target", str(MODEL), "--listen", "127.0.0.1:0"],
+        env={**os.environ, "PROBE_DIR": str(rounds),
+             "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    server = Server(tmp_path / "hidden.log", SPEC, {
+        "REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(MODEL),
+        "REMOTE_DRAFTER_DEADLINE_MS": "5000"})
+    try:
+        for prompt, want in zip(PROMPTS[:2], baseline[:2]):
+            assert_same(server.complete(prompt), want)
+        drafted, accepted = server.spec_counter("num_draft_tokens"), server.spec_counter("num_accepted_tokens")
+    finally:
+        server.stop()
+        proc.kill()
+        proc.wait()
+    assert drafted > accepted > 0, (drafted, accepted)  # both paths: accepts and rejects
+    target = TargetLM.load(str(MODEL))
+    records = sorted(rounds.glob("*.npz"), key=lambda p: int(p.stem))
+    assert len(records) > 5
+    worst = 0.0
+    for path in records:
+        r = np.load(path)
+        tokens, rows, length = r["tokens"], r["rows"], int(r["length"])
+        assert len(tokens) == length and 0 < len(rows) <= min(length - 1, 64)
+        _, hidden = run_target(target, [int(t) for t in tokens], LAYERS)
+        want = hidden.numpy()[length - 1 - len(rows):length - 1]
+        worst = max(worst, float(np.linalg.norm(rows - want) / np.linalg.norm(want)))
+    print(f"hidden rows vs the target's own: worst relative error {worst:.2e} over {len(records)} rounds")
+    assert worst < 1e-3
+
+
 def test_the_capacity_trade():
     """Under one budget, the remote drafter's engine holds more KV tokens, in proportion to
     the local drafter's footprint (printed for findings/vllm-overlays.md)."""
@@ -129,7 +171,16 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
 assert vllm.__version__.startswith("0.32."), vllm.__version__
 params = list(inspect.signature(GPUModelRunner.propose_draft_token_ids).parameters)
-assert params[:3] == ["self", "scheduler_output", "sampled_token_ids"], params
+assert params[:7] == ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata",
+                      "hidden_states", "sample_hidden_states", "aux_hidden_states"], params
+assert list(inspect.signature(GPUModelRunner._setup_eagle3_aux_hidden_state_outputs).parameters) == ["self"]
+for runner in (GPUModelRunner, CPUModelRunner):  # both turn aux outputs on at the end of load_model
+    assert "self._setup_eagle3_aux_hidden_state_outputs()" in inspect.getsource(runner.load_model)
+from vllm.model_executor.models.llama import LlamaForCausalLM
+assert hasattr(LlamaForCausalLM, "set_aux_hidden_state_layers")
+from vllm.v1.core.sched.output import SchedulerOutput
+fields = SchedulerOutput.__dataclass_fields__
+assert "num_scheduled_tokens" in fields and "scheduled_spec_decode_tokens" in fields
 assert list(inspect.signature(GPUModelRunner.take_draft_token_ids).parameters) == ["self"]
 assert issubclass(CPUModelRunner, GPUModelRunner)
 src = inspect.getsource(GPUModelRunner.propose_draft_token_ids)

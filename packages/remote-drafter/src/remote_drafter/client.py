@@ -94,6 +94,7 @@ class WorkerInfo:
         d = described["drafter"]
         self.feature, self.max_depth, self.vocab = int(d["feature"]), int(d["max_depth"]), int(d["vocab_size"])
         self.window, self.history_tokens = int(d["window"]), int(d["history_tokens"])
+        self.hidden_layers = tuple(d.get("hidden_layers", ()))
         self.manifest = Manifest.from_json(described["manifest"])
         self.fingerprint = self.manifest.fingerprint
         self.described = described
@@ -134,6 +135,7 @@ class DrafterClient:
         self._last_warning, self._suppressed = -LOG_EVERY_S, 0
         self._deferrals = itertools.count(1)
         self._adopted = False  # histories sized from a worker's description yet
+        self.hidden_layers: tuple | None = None  # the layers of the rows it sends, once known
 
     # -- the engine's view of its requests --------------------------------------------------
     def add_request(self, rid: int, tokens, hidden=None, temperature: float = 0.0, seed: int = 0) -> None:
@@ -172,7 +174,11 @@ class DrafterClient:
 
     # -- building and reading rounds ---------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        """Keep at least what the worker looks at, so re-opens can always recreate its state."""
+        """Keep at least what the worker looks at, so re-opens can always recreate its state.
+        Refuses a worker that reads other target layers than the rows this engine sends."""
+        if self.hidden_layers is not None and info.hidden_layers != self.hidden_layers:
+            raise ValueError(f"the worker's drafter reads target layers {list(info.hidden_layers)}, "
+                             f"this engine sends rows of {list(self.hidden_layers)}")
         if self._adopted and info.window <= self.window and info.history_tokens <= self.history_tokens:
             return
         if self._adopted:

@@ -37,9 +37,15 @@ REMOTE_DRAFTER_DRAFTER = EnvVar(
     "REMOTE_DRAFTER_DRAFTER", "",
     "Local mode: the drafter (a checkpoint folder, 'ngram', or 'module:Class').")
 
+REMOTE_DRAFTER_HIDDEN_LAYERS = EnvVar(
+    "REMOTE_DRAFTER_HIDDEN_LAYERS", "auto",
+    "vLLM: the target layers whose hidden rows the drafter reads, comma-separated (0 = the "
+    "output of the first decoder layer), or 'auto' = ask the drafter at engine start-up (the "
+    "local one, or the worker). A worker reading other layers is refused.")
+
 ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
-       REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER]
+       REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS]
 
 
 def capacity_mode() -> bool:

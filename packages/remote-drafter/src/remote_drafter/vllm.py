@@ -11,9 +11,12 @@ the finished requests, and `take_draft_token_ids` so an asynchronous round submi
 `propose` is collected only when vLLM takes the drafts (the CPU runner inherits both). The client comes from the environment
 (`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
 (REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
-mode refuses a local drafter. Token-only for now: drafters that need the target's hidden
-states are not fed yet. Any failure means no drafts this step; vLLM verifies what it gets,
-so its output never changes.
+mode refuses a local drafter. Drafters that read the target's hidden states get them: the
+plugin turns on vLLM's auxiliary hidden-state outputs at the drafter's layers (as for
+EAGLE-3) and hands the proposer, per request, the rows of the inputs each step committed
+(a prefill chunk, or the previous newest token and the accepted drafts; rejected drafts'
+rows are dropped). Any failure means no drafts this step; vLLM verifies what it gets, so
+its output never changes.
 """
 
 from __future__ import annotations
@@ -22,10 +25,32 @@ import logging
 
 import numpy as np
 
+from . import env
+from .client import as_rows
 from .factory import make_client
 from .transport import AsyncTransport
 
 log = logging.getLogger("remote_drafter.vllm")
+START_DEADLINE_S = 10.0  # asking the worker which layers its drafter reads, at start-up
+
+
+def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, layers: tuple,
+                   ) -> dict[str, np.ndarray]:
+    """{request id: hidden rows [m, len(layers) x H]} of the inputs this step committed.
+    `aux`: vLLM's auxiliary hidden states, one [tokens, H] tensor per layer of sorted(layers)
+    (vLLM index = our layer + 1: its index counts the stream entering a layer)."""
+    import torch
+
+    order = sorted(set(layers))
+    scheduled = [int(scheduler_output.num_scheduled_tokens.get(rid, 0)) for rid in req_ids]
+    rows = as_rows(torch.cat([aux[order.index(layer)] for layer in layers], -1)[:sum(scheduled)])
+    out, start = {}, 0
+    for i, (rid, n) in enumerate(zip(req_ids, scheduled)):
+        spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+        accepted = max(len(sampled[i]) - 1, 0) if i < len(sampled) else 0
+        out[rid] = rows[start:start + n - spec + accepted]
+        start += n
+    return out
 
 
 class RemoteProposer:
@@ -39,11 +64,19 @@ class RemoteProposer:
         self.req_ids: list[str] | None = None  # this step's rows (from the plugin)
         self._pending = None  # async: (rows, {row: client id}) of the round in flight
         self._next_id = 1
+        self.hidden_layers: tuple[int, ...] = ()  # set in load_model
+        self.carry: dict[str, list[np.ndarray]] = {}  # committed rows not yet sent, per request
         log.info("remote drafter proposer: k=%d, %s", self.k, type(self.client.transport).__name__)
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
-        """Local mode: the drafter uses the engine's own embedding and head (the same values
-        it read from the checkpoint) instead of a second copy."""
+        """Learn which target layers the drafter reads (the plugin then has vLLM output
+        them). Local mode: the drafter uses the engine's own embedding and head (the same
+        values it read from the checkpoint) instead of a second copy."""
+        self.hidden_layers = self._hidden_layers()
+        self.client.hidden_layers = self.hidden_layers
+        if self.hidden_layers:
+            log.warning("remote drafter reads the target's hidden rows of layers %s",
+                        list(self.hidden_layers))
         drafter = getattr(getattr(self.client.transport, "service", None), "drafter", None)
         model = getattr(drafter, "model", None)
         if target_model is None or model is None or not hasattr(model, "embed"):
@@ -66,26 +99,47 @@ class RemoteProposer:
         log.warning("local drafter shares the engine's embedding and head (%d bytes not duplicated)",
                     sum(saved.values()))
 
-    def set_batch(self, req_ids: list[str], finished) -> None:
+    def _hidden_layers(self) -> tuple[int, ...]:
+        configured = env.REMOTE_DRAFTER_HIDDEN_LAYERS.get().strip()
+        if configured not in ("", "auto"):
+            return tuple(int(x) for x in configured.split(","))
+        try:
+            return tuple(self.client.transport.info(START_DEADLINE_S).hidden_layers)
+        except Exception as exc:  # noqa: BLE001 - no worker at start-up
+            log.error("cannot ask the worker which target layers its drafter reads (%s): rounds "
+                      "carry no hidden rows; a drafter that needs them drafts nothing. Set "
+                      "REMOTE_DRAFTER_HIDDEN_LAYERS to start without asking.", exc)
+            return ()
+
+    def set_batch(self, req_ids: list[str], finished, rows: dict | None = None) -> None:
+        """From the plugin, before propose: this step's rows (request ids) and, for a
+        drafter that reads hidden states, the rows of what each request committed."""
         self.req_ids = req_ids
         for rid in finished or ():
             self._forget(rid)
+        for rid, r in (rows or {}).items():
+            if len(r):
+                self.carry.setdefault(rid, []).append(r)
 
     def _forget(self, rid: str) -> None:
+        self.carry.pop(rid, None)
         if rid in self.ids:
             self.client.release(self.ids.pop(rid))
             self.known.pop(rid, None)
 
     def _track(self, rid: str, tokens: np.ndarray) -> int:
-        """Add the request or commit what it gained since the last step."""
+        """Add the request or commit what it gained since the last step, with the hidden
+        rows committed since (all but the newest token's: they lag by one)."""
         n = len(tokens)
+        carried = self.carry.pop(rid, None)
+        rows = np.concatenate(carried) if carried and self.hidden_layers else None
         if rid not in self.ids or n < self.known[rid]:  # new, or reset (preempted)
             self._forget(rid)
             self.ids[rid] = self._next_id
             self._next_id += 1
-            self.client.add_request(self.ids[rid], tokens)
+            self.client.add_request(self.ids[rid], tokens, rows)
         elif n > self.known[rid]:
-            self.client.commit(self.ids[rid], tokens[self.known[rid]:])
+            self.client.commit(self.ids[rid], tokens[self.known[rid]:], rows)
         self.known[rid] = n
         return self.ids[rid]
 
@@ -148,11 +202,34 @@ def register() -> None:
     if getattr(original, "_remote_drafter", False):
         return
 
-    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
-            drafter.set_batch(list(self.input_batch.req_ids), scheduler_output.finished_req_ids)
-        return original(self, scheduler_output, *args, **kwargs)
+            req_ids, rows = list(self.input_batch.req_ids), None
+            if drafter.hidden_layers and aux_hidden_states:
+                rows = committed_rows(scheduler_output, req_ids, sampled_token_ids,
+                                      aux_hidden_states, drafter.hidden_layers)
+            drafter.set_batch(req_ids, scheduler_output.finished_req_ids, rows)
+        return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                        hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs)
+
+    def setup_aux_hidden_state_outputs(self):
+        """Both runners call this at the end of load_model (for EAGLE-3): turn on the
+        outputs at the drafter's layers, shifted to vLLM's index (the stream entering a
+        layer: our layer i is vLLM's i + 1)."""
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, RemoteProposer) or not drafter.hidden_layers:
+            return original_setup(self)
+        model = self.get_model()
+        if not hasattr(model, "set_aux_hidden_state_layers"):
+            log.error("the target model cannot output hidden states: the drafter gets none")
+            drafter.hidden_layers = ()
+            return None
+        model.set_aux_hidden_state_layers(tuple(sorted({i + 1 for i in drafter.hidden_layers})))
+        self.use_aux_hidden_state_outputs = True
+        return None
 
     def take_draft_token_ids(self):
         drafter = getattr(self, "drafter", None)
@@ -163,6 +240,8 @@ def register() -> None:
         return original_take(self)
 
     original_take = GPUModelRunner.take_draft_token_ids
+    original_setup = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
     propose_draft_token_ids._remote_drafter = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner.take_draft_token_ids = take_draft_token_ids
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = setup_aux_hidden_state_outputs

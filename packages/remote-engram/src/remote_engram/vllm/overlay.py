@@ -14,6 +14,7 @@ both are unset. What it changes, per table class / Engram module class it is ins
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -144,11 +145,34 @@ def tp_rank_size() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+# What the overlay replaces, as vLLM 0.32 / 0.33 define it (vllm/models/deepseek_v41/common/
+# engram.py). install() refuses classes that differ: a changed hook fails loudly, not subtly.
+HOOKS = {
+    "table": {"lookup": ["self", "indices", "out", "background"], "_allocate_weights": ["self"],
+              "_weight_loader": ["param", "loaded_weight"]},
+    "engram": {"_create_embedding": ["self", "layout", "layer_hash_index"],
+               "prepare_embeddings": ["self", "hash_ids"], "_ready_rows": ["self", "num_tokens"]},
+}
+
+
+def check_hooks(table_cls: type, engram_cls: type) -> None:
+    for kind, cls in (("table", table_cls), ("engram", engram_cls)):
+        for name, params in HOOKS[kind].items():
+            got = list(inspect.signature(getattr(cls, name)).parameters) \
+                if hasattr(cls, name) else None
+            if got != params:
+                raise RuntimeError(f"remote Engram overlay: {cls.__qualname__}.{name} is "
+                                   f"{got}, the overlay was written for {params}; this vLLM "
+                                   "version is not supported (unset ENGRAM_REMOTE and "
+                                   "ENGRAM_SHARD_DIR to run without the overlay)")
+
+
 def install(table_cls: type, engram_cls: type) -> bool:
     """Patch a table class and its Engram module class; idempotent (vLLM loads general
     plugins in every process). Returns whether it patched now."""
     if getattr(table_cls, _MARK, False):
         return False
+    check_hooks(table_cls, engram_cls)
 
     def allocate_nothing(self):
         scale_dim = self.dim // self.block_size
