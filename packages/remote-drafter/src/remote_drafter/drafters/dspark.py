@@ -96,6 +96,21 @@ class DSparkModel(nn.Module):
         return (self.norm(x) @ self.head.T).float()
 
 
+def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSparkModel:
+    """A fresh drafter's weights: N(0, std) everywhere but the norms (ones)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    return model
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes, any dtype (numpy has no bfloat16: bf16 checkpoints load too)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def load_target_embedding(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and output head (tied checkpoints: the same tensor)."""
     found = {}
@@ -129,19 +144,20 @@ class DSparkDrafter(Drafter):
                init_std: float = 0.02) -> str:
         """A randomly initialised drafter for `target`, written to `out` (training comes later)."""
         embed, head = load_target_embedding(target)
-        torch.manual_seed(seed)
-        model = DSparkModel(config, embed, head)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.normal_(0.0, init_std)
+        model = init_weights(DSparkModel(config, embed, head), seed, init_std)
+        return DSparkDrafter.save(out, model, target_digest(target), tokenizer_digest(target))
+
+    @staticmethod
+    def save(out: str, model: DSparkModel, target: str, tokenizer: str,
+             dtype: torch.dtype | None = None) -> str:
+        """Write `model` (its own weights, in `dtype` if given; never the target's embedding
+        and head) with the target and tokenizer digests it was built for."""
         os.makedirs(out, exist_ok=True)
-        meta = {**asdict(config), "target_digest": target_digest(target),
-                "tokenizer_digest": tokenizer_digest(target)}
+        meta = {**asdict(model.config), "target_digest": target, "tokenizer_digest": tokenizer}
         with open(os.path.join(out, CONFIG_FILE), "w") as f:
             json.dump(meta, f, indent=1)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                  os.path.join(out, WEIGHTS_FILE))
+        save_file({k: v.detach().to(dtype or v.dtype).contiguous().cpu()
+                   for k, v in model.state_dict().items()}, os.path.join(out, WEIGHTS_FILE))
         return out
 
     @classmethod
@@ -167,8 +183,8 @@ class DSparkDrafter(Drafter):
         manifest = Manifest(
             target=built_for, tokenizer=tokenizer, kind=cls.kind,
             drafter=digest_tensors([("config", config_bytes)] + [
-                (n, state[n].numpy().tobytes()) for n in names if not n.startswith("markov.")]),
-            markov=digest_tensors([(n, state[n].numpy().tobytes()) for n in names
+                (n, tensor_bytes(state[n])) for n in names if not n.startswith("markov.")]),
+            markov=digest_tensors([(n, tensor_bytes(state[n])) for n in names
                                    if n.startswith("markov.")]))
         return cls(config, model, manifest, device)
 
