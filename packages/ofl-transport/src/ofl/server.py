@@ -47,12 +47,16 @@ class Server:
     def __init__(self, backend: str | None = None, host: str = "127.0.0.1", port: int = 0, *,
                  identity: str = "ofl-server", handler: Handler | None = None,
                  max_connections: int = 64, max_message_bytes: int | None = None,
-                 handshake_timeout_s: float | None = None, metadata: dict | None = None):
+                 handshake_timeout_s: float | None = None, metadata: dict | None = None,
+                 read_delay_s: float = 0.0):
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.backend = server_backend(self.backend_name)
         self.identity = identity
         self.handler = handler
         self.metadata = metadata or {}  # JSON handed to every client in the handshake
+        # testing: added to every read this process answers (a slow link on one machine;
+        # one-sided verbs READs never reach it)
+        self.read_delay_s = read_delay_s
         self.max_connections = max_connections
         self.max_message_bytes = max_message_bytes or env.OFL_MAX_MESSAGE_BYTES.get_int()
         self.handshake_timeout_s = (handshake_timeout_s if handshake_timeout_s is not None
@@ -232,6 +236,8 @@ class Server:
             self.stats.add("out_of_range")
             self._send_error(ch, request_id, f"out of range: region {region.name!r}: {why}")
             return
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
         total = req.total_bytes
         if len(req.offsets) > ZERO_COPY_MAX_RANGES:
             # Many small rows: one vectorised copy into a scratch buffer beats thousands of

@@ -32,6 +32,15 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, data: dict) -> TargetConfig:
+        """From a Hugging Face config.json; newer transformers keep rope_theta under
+        rope_parameters (reading only the top level gave SmolLM2 the default 10,000 instead
+        of its 100,000). Refuses what this model does not implement."""
+        data = {**data, **(data.get("rope_parameters") or {})}
+        if data.get("rope_type", "default") != "default" or data.get("rope_scaling"):
+            raise ValueError(f"unsupported RoPE: {data.get('rope_type')} {data.get('rope_scaling')}")
+        if data.get("head_dim", data["hidden_size"] // data["num_attention_heads"]) != \
+                data["hidden_size"] // data["num_attention_heads"]:
+            raise ValueError(f"head_dim {data['head_dim']} is not hidden_size / heads")
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 

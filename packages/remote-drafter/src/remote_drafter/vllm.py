@@ -33,6 +33,15 @@ from .transport import AsyncTransport
 log = logging.getLogger("remote_drafter.vllm")
 START_DEADLINE_S = 10.0  # asking the worker which layers its drafter reads, at start-up
 
+# What register() wraps, as vLLM 0.32 / 0.33 define it: {file: {class: {method: leading
+# parameters}}}. tools/check-vllm-hooks.py checks a vLLM release against it.
+HOOKS = {"vllm/v1/worker/gpu_model_runner.py": {"GPUModelRunner": {
+    "propose_draft_token_ids": ["self", "scheduler_output", "sampled_token_ids",
+                                "sampling_metadata", "hidden_states", "sample_hidden_states",
+                                "aux_hidden_states"],
+    "take_draft_token_ids": ["self"],
+    "_setup_eagle3_aux_hidden_state_outputs": ["self"]}}}
+
 
 def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, layers: tuple,
                    ) -> dict[str, np.ndarray]:

@@ -129,7 +129,8 @@ def cmd_serve(args) -> int:
     t = time.perf_counter()
     server = EngramServer(shard_paths(args.shards), backend=args.backend, listen=args.listen,
                           identity=args.identity, in_ram=not args.page_cache,
-                          mlock=not args.no_mlock, hugepages=args.hugepages, progress=bars)
+                          mlock=not args.no_mlock, hugepages=args.hugepages, progress=bars,
+                          read_delay_s=args.inject_delay_ms / 1000)
     bars.close()
     server.start(args.metrics_listen)
     h = server.health()
@@ -219,6 +220,9 @@ def main(argv=None) -> int:
                    help="serve the file mappings instead of copying into RAM")
     v.add_argument("--no-mlock", action="store_true", help="do not try to lock the tables")
     v.add_argument("--hugepages", action="store_true", help="madvise transparent huge pages")
+    v.add_argument("--inject-delay-ms", type=float, default=0.0,
+                   help="testing: delay every read this process answers (tcp/shm; a slow link "
+                   "on one machine)")
     v.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("qualify", help="compare the server's rows with local shards, per link")

@@ -32,8 +32,13 @@ ENGRAM_METRICS_LISTEN = EnvVar(
     "vLLM overlay: HOST:PORT where each engine rank serves GET /metrics and /health of its "
     "Engram client (rank r on PORT + r); empty = none.")
 
+ENGRAM_PREFETCH = EnvVar(
+    "ENGRAM_PREFETCH", "1",
+    "vLLM overlay: 1 = start each layer's fetch at forward entry (where the row ids are "
+    "computed); 0 = fetch when the layer needs its rows (to measure what prefetch buys).")
+
 ALL = [ENGRAM_REMOTE, ENGRAM_BACKEND, ENGRAM_SHARD_DIR, ENGRAM_DEADLINE_MS, ENGRAM_BACKOFF_S,
-       ENGRAM_PREFETCH_DEPTH, ENGRAM_METRICS_LISTEN]
+       ENGRAM_PREFETCH_DEPTH, ENGRAM_METRICS_LISTEN, ENGRAM_PREFETCH]
 
 
 def remote_for_rank(rank: int) -> str:

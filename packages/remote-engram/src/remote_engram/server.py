@@ -71,7 +71,8 @@ class LoadedShard:
 class EngramServer:
     def __init__(self, shard_paths: list[str], *, backend: str, listen: list[str],
                  identity: str = "engram-server", in_ram: bool = True, mlock: bool = True,
-                 hugepages: bool = False, progress: Progress | None = None):
+                 hugepages: bool = False, progress: Progress | None = None,
+                 read_delay_s: float = 0.0):
         if not shard_paths:
             raise ValueError("no shards given")
         self.backend = backend
@@ -87,7 +88,7 @@ class EngramServer:
         for address in listen:
             host, port = parse_address(address, 7480)
             srv = Server(backend, host, port, identity=identity, handler=self.handle,
-                         metadata=self.manifest)
+                         metadata=self.manifest, read_delay_s=read_delay_s)
             for shard in self.shards:
                 srv.register(shard.region)
             self.servers.append(srv)

@@ -53,19 +53,26 @@ def geometry_of(layout) -> EngramGeometry:
 
 
 class RemoteRows:
-    """One layer's reads for one rank: started at forward entry, finished where consumed."""
+    """One layer's reads for one rank: started at forward entry, finished where consumed
+    (with `prefetch` off the fetch itself waits until then)."""
 
-    def __init__(self, client: EngramClient, layer: int, heads: HeadRange):
-        self.client, self.layer, self.heads = client, layer, heads
-        self._pending = None
+    def __init__(self, client: EngramClient, layer: int, heads: HeadRange, prefetch: bool = True):
+        self.client, self.layer, self.heads, self.prefetch = client, layer, heads, prefetch
+        self._pending = self._deferred = None
 
-    def start(self, indices: torch.Tensor, out: torch.Tensor) -> None:
+    def start(self, indices: torch.Tensor, out: torch.Tensor, now: bool | None = None) -> None:
         self.finish()  # one lookup in flight per layer: a new step completes the last one
+        if not (self.prefetch if now is None else now):
+            self._deferred = (indices, out)
+            return
         ids, owned = self.heads.owned(indices.detach().to("cpu"))
         future = self.client.fetch_async(self.layer, ids[owned].numpy())
         self._pending = (future, owned, out)
 
     def finish(self) -> None:
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self.start(*deferred, now=True)
         if self._pending is None:
             return
         future, owned, out = self._pending
@@ -131,7 +138,7 @@ def attach(table, layout, layer_hash_index: int):
     if (heads.lo, heads.hi) != client.ranges[layer]:
         raise ValueError(f"Engram layer {layer} rank {rank}: vLLM reads rows "
                          f"[{heads.lo}, {heads.hi}), the shards hold {client.ranges[layer]}")
-    table.remote_rows = RemoteRows(client, layer, heads)
+    table.remote_rows = RemoteRows(client, layer, heads, env.ENGRAM_PREFETCH.get() != "0")
     return table
 
 
@@ -180,7 +187,7 @@ def install(table_cls: type, engram_cls: type) -> bool:
                 torch.empty(0, scale_dim, dtype=torch.uint8))
 
     def lookup(self, indices, out, background=False):
-        self.remote_rows.start(indices, out)
+        self.remote_rows.start(indices, out, now=True)
         self.remote_rows.finish()
 
     create = engram_cls._create_embedding
