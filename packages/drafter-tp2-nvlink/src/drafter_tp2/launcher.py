@@ -1,0 +1,77 @@
+"""`drafter-tp2 worker`: start both ranks as child processes, forward rank 0's ready line
+(with both pids), and keep the pair whole: when either rank exits, the other is stopped and
+the worker exits with the reason (2: refused to start, 3: stopped serving)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from ofl.server import parse_address
+
+GRACE_S = 10.0
+
+
+def free_master(master: str) -> str:
+    host, port = parse_address(master, 0)
+    if port == 0:  # a free port now; the ranks bind it a moment later
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    return f"{host}:{port}"
+
+
+def rank_command(rank: int, master: str, rank_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "drafter_tp2.cli", "rank", "--rank", str(rank),
+            "--master", master, *rank_args]
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a stopped (hung) process cannot handle SIGTERM
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_pair(master: str, rank_args: list[str]) -> int:
+    master = free_master(master)
+    ranks = [subprocess.Popen(rank_command(r, master, rank_args), text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
+             for r in range(2)]
+    term = []
+    signal.signal(signal.SIGTERM, lambda *a: term.append(1))
+    signal.signal(signal.SIGINT, lambda *a: term.append(1))
+    line = ranks[0].stdout.readline()
+    if " on " not in line:  # rank 0 refused or died before serving; its reason is on stderr
+        code = ranks[0].wait()
+        _stop(ranks[1])
+        print(f"drafter-tp2 worker: the pair did not start (rank 0 exit {code})",
+              file=sys.stderr, flush=True)
+        return code if code == 2 else 3
+    head, address = line.rsplit(" on ", 1)
+    print(f"drafter-tp2 worker: {head.split(': ', 1)[1]} (rank pids {ranks[0].pid},{ranks[1].pid}) "
+          f"on {address.strip()}", flush=True)
+    while not term:
+        for r, proc in enumerate(ranks):
+            code = proc.poll()
+            if code is not None:
+                for other in ranks:
+                    _stop(other)
+                how = f"signal {-code}" if code < 0 else f"exit {code}"
+                print(f"drafter-tp2 worker: rank {r} ended ({how}); the pair stopped serving",
+                      file=sys.stderr, flush=True)
+                return 3
+        time.sleep(0.1)
+    _stop(ranks[0])  # rank 0 finishes its round, stops rank 1, then releases its lock
+    try:
+        ranks[1].wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        _stop(ranks[1])
+    return 0

@@ -1,0 +1,180 @@
+"""One rank of the pair, start to finish: device lock, rendezvous, pair safety, load and
+shard, capture, then serve (rank 0: the ofl endpoint, remote_drafter's Worker and
+DraftService as they are) or follow (rank 1: run each round rank 0 broadcasts)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from remote_drafter.drafters.dspark import DSparkDrafter
+from remote_drafter.service import ServiceConfig
+from remote_drafter.worker import Worker
+
+from . import env
+from .capture import Rounds
+from .channel import Channel
+from .locks import DeviceBusy, DeviceLock
+from .pair import describe_rank, device_key, refusals, torch_device
+from .sharding import move, shard_model
+
+log = logging.getLogger("drafter_tp2.rank")
+REFUSED, BROKEN = 2, 3  # exit codes: refused to start (do not restart) / stopped serving
+
+
+@dataclass
+class RankConfig:
+    rank: int
+    devices: list[str]
+    master: str
+    drafter: str
+    target: str
+    dtype: str = "float32"
+    backend: str = "tcp"
+    listen: str = "127.0.0.1:0"
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    graphs: bool = True
+    graph_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+    start_timeout_s: float = 120.0
+    require_p2p: bool = True
+
+    def agreed(self, drafter: DSparkDrafter) -> dict:
+        """What both ranks must agree on (the pair check compares it key by key)."""
+        return {"drafter_config": asdict(drafter.config), "dtype": self.dtype,
+                "devices": self.devices, "graphs": self.graphs,
+                "graph_batches": self.graph_batches, "timeout_s": self.timeout_s}
+
+
+class TP2Drafter(DSparkDrafter):
+    """Rank 0's drafter: DSparkDrafter.draft as it is, over the sharded model; its
+    description adds the topology (the only thing a client sees differ)."""
+
+    def __init__(self, base: DSparkDrafter, model: nn.Module, device: str, topology: dict):
+        super().__init__(base.config, model, base.manifest(), device)
+        self.topology = topology
+
+    def describe(self) -> dict:
+        return {**super().describe(), "topology": self.topology}
+
+
+class LeaderModel(nn.Module):
+    """What TP2Drafter.draft calls: each block_logits is a round of the pair."""
+
+    def __init__(self, shard: nn.Module, channel: Channel, rounds: Rounds):
+        super().__init__()
+        self.shard, self.markov = shard, shard.markov
+        self.channel, self.rounds = channel, rounds
+
+    def block_logits(self, *inputs) -> torch.Tensor:
+        return self.channel.round(inputs, self.rounds)
+
+
+def _say(rank: int, text: str) -> None:
+    print(f"drafter-tp2 rank {rank}: {text}", file=sys.stderr, flush=True)
+
+
+def run(cfg: RankConfig) -> int:
+    dev = cfg.devices[cfg.rank]
+    tdev = torch_device(dev)
+    cuda = torch.device(tdev).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(tdev)
+    try:
+        lock = DeviceLock(device_key(dev), env.lock_dir()).acquire()
+    except DeviceBusy as exc:
+        _say(cfg.rank, f"refusing to serve: {exc}")
+        return REFUSED
+    if lock.cleared:
+        _say(cfg.rank, f"cleared the stale lock record of dead pid {lock.cleared.get('pid')} on {dev}")
+    stopped_cleanly = False
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{cfg.master}",
+                                rank=cfg.rank, world_size=2,
+                                timeout=timedelta(seconds=cfg.start_timeout_s),
+                                **({"device_id": torch.device(tdev)} if cuda else {}))
+        # Start-up exchanges may wait for a slow peer (loading, capture); rounds may not.
+        hello = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.start_timeout_s))
+        ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        data = dist.group.WORLD if cuda else ctrl
+        drafter = DSparkDrafter.load(cfg.drafter, cfg.target, "cpu")  # full, then sharded
+        info = describe_rank(cfg.rank, cfg.devices, drafter.manifest().fingerprint.hex(),
+                             cfg.drafter, cfg.agreed(drafter))
+        infos = [None, None]
+        dist.all_gather_object(infos, info, group=hello)
+        why = refusals(infos, cfg.require_p2p)
+        if why:
+            _say(cfg.rank, "refusing to serve: " + "; ".join(why))
+            return REFUSED
+        model = move(shard_model(drafter.model, cfg.rank, data), tdev, getattr(torch, cfg.dtype))
+        rounds = Rounds(model, tdev, cfg.graphs, cfg.graph_batches)
+        rounds.capture(drafter.window, drafter.feature)
+        broken = threading.Event()
+        channel = Channel(cfg.rank, ctrl, data, tdev, on_broken=lambda why: broken.set())
+        if cfg.rank == 1:
+            ended = channel.follow(rounds)
+            stopped_cleanly = ended == "stopped"
+            if not stopped_cleanly:
+                _say(1, f"stopped: {ended}")
+            return 0 if stopped_cleanly else BROKEN
+        topology = {"tp": 2, "devices": [i["device"] for i in infos],
+                    "names": [i.get("name", "cpu") for i in infos],
+                    "peer": infos[0]["peer"]["text"], "rounds": rounds.describe(),
+                    "sharding": "q/k/v, gate/up column-parallel; o, down row-parallel; "
+                                "embedding/head vocab-parallel; Markov head on rank 0"}
+        stopped_cleanly = serve(cfg, TP2Drafter(drafter, LeaderModel(model, channel, rounds),
+                                                tdev, topology), channel, broken)
+        return 0 if stopped_cleanly else BROKEN
+    finally:
+        if cuda:
+            torch.cuda.synchronize(tdev)  # in-flight GPU work ends before the card is free
+        lock.release()
+        if stopped_cleanly and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: threading.Event) -> bool:
+    """Rank 0: serve until SIGTERM (True) or until the pair breaks (False)."""
+    from ofl.server import parse_address
+    host, port = parse_address(cfg.listen, 7480)
+    term = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: term.set())
+    signal.signal(signal.SIGINT, lambda *a: term.set())
+    worker = Worker(drafter, cfg.backend, host, port, cfg.service,
+                    identity="drafter-tp2-worker").start()
+    heart = threading.Thread(target=_heartbeat, args=(channel, cfg.heartbeat_s, term, broken),
+                             name="tp2-heartbeat", daemon=True)
+    heart.start()
+    d = worker.service.describe()
+    print(f"drafter-tp2 rank 0: tp 2 on {'+'.join(cfg.devices)} ({drafter.topology['peer']}; "
+          f"depth {drafter.max_depth}, {d['max_requests']} requests, warm-up "
+          f"{worker.warm_up_s:.2f} s) {cfg.backend} on {worker.address}", flush=True)
+    while not (term.is_set() or broken.is_set()):
+        term.wait(0.1)
+    worker.stop()  # no new rounds
+    with worker.service.device_lock:  # the round in flight, if any, has finished
+        channel.stop()
+    heart.join(timeout=cfg.timeout_s + 1)
+    if broken.is_set() and channel.broken != "stopped":
+        _say(0, f"stopped serving: {channel.broken}; clients get no drafts from here "
+                "(they decode target-only) until the pair is restarted")
+        return False
+    return True
+
+
+def _heartbeat(channel: Channel, interval: float, term: threading.Event, broken: threading.Event) -> None:
+    from .channel import PairBroken
+    while not (term.wait(interval) or broken.is_set()):
+        try:
+            channel.ping()
+        except PairBroken:
+            return
