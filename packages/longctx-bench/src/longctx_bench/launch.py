@@ -21,6 +21,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_command(python: str, model, port: int, spec: str | None = None,
+                 kv_bytes: int = 1 << 30, name: str = "target", dtype: str = "float32",
+                 max_model_len: int = 1024, eager: bool = True, host: str = "127.0.0.1",
+                 extra: list[str] | None = None) -> list[str]:
+    """The OpenAI server's command line (VllmServer runs it; the stack's `args` prints it)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", name, "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--host", host, "--port", str(port),
+           "--kv-cache-memory-bytes", str(kv_bytes)] + (["--enforce-eager"] if eager else [])
+    return cmd + (["--speculative-config", spec] if spec else []) + (extra or [])
+
+
 class VllmServer:
     """vLLM serving `model` as `name` (float32 and eager by default) with an explicit KV
     budget; `spec` is a --speculative-config JSON or None; `env` adds variables
@@ -31,12 +43,8 @@ class VllmServer:
                  ready_timeout_s: float = 900, name: str = "target", dtype: str = "float32",
                  max_model_len: int = 1024, eager: bool = True):
         self.port, self.log, self.max_tokens, self.name = free_port(), Path(log), max_tokens, name
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", name, "--max-model-len", str(max_model_len),
-               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port),
-               "--kv-cache-memory-bytes", str(kv_bytes)] + (["--enforce-eager"] if eager else [])
-        if spec:
-            cmd += ["--speculative-config", spec]
+        cmd = vllm_command(python, model, self.port, spec, kv_bytes, name, dtype, max_model_len,
+                           eager)
         # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
         full_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})

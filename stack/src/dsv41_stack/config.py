@@ -1,0 +1,78 @@
+"""An env file (or several: later ones override, e.g. production-D.env then the async
+delta) read into the launcher's configuration. Lines are KEY=VALUE, `#` comments, optional
+quotes; a value still holding a template placeholder `<...>` is an error that names the
+line, so nothing starts half-configured."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from .settings import BY_NAME, COMPONENT_PREFIXES
+
+PLACEHOLDER = re.compile(r"<[^<>]+>")
+LINE = re.compile(r"^(?:export\s+)?([A-Z][A-Z0-9_]*)=(.*)$")
+
+
+class ConfigError(ValueError):
+    """An env file the launcher cannot use; the message says where and why."""
+
+
+def parse(text: str, where: str = "env file") -> dict[str, str]:
+    values = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = LINE.match(line)
+        if not match:
+            raise ConfigError(f"{where}:{number}: not KEY=VALUE: {raw!r}")
+        key, value = match.groups()
+        if PLACEHOLDER.search(value):
+            raise ConfigError(f"{where}:{number}: {key} still holds the placeholder "
+                              f"{PLACEHOLDER.search(value).group()}: replace it with this "
+                              "deployment's value")
+        words = shlex.split(value, comments=True)
+        if len(words) > 1:
+            raise ConfigError(f"{where}:{number}: {key} has spaces; quote the value")
+        value = words[0] if words else ""
+        if not key.startswith("STACK_") and not key.startswith(COMPONENT_PREFIXES):
+            raise ConfigError(f"{where}:{number}: {key} is neither a STACK_ setting nor a "
+                              f"component variable ({', '.join(COMPONENT_PREFIXES)}*)")
+        if key.startswith("STACK_") and key not in BY_NAME:
+            raise ConfigError(f"{where}:{number}: unknown setting {key} (dsv41-stack env lists them)")
+        values[key] = value
+    return values
+
+
+class StackConfig:
+    """The merged env files: STACK_* settings (with defaults) and component variables."""
+
+    def __init__(self, values: dict[str, str], sources: list[str] | None = None):
+        self.values, self.sources = values, sources or []
+
+    @classmethod
+    def load(cls, paths: list[str | Path]) -> StackConfig:
+        values: dict[str, str] = {}
+        for path in paths:
+            values.update(parse(Path(path).read_text(), str(path)))
+        return cls(values, [str(p) for p in paths])
+
+    def __getitem__(self, name: str) -> str:
+        return self.values.get(name, BY_NAME[name].default)
+
+    def int(self, name: str) -> int:
+        return int(self[name])
+
+    def components(self, *prefixes: str) -> dict[str, str]:
+        """Component variables with these prefixes (all of them when none given)."""
+        return {k: v for k, v in self.values.items()
+                if not k.startswith("STACK_") and k.startswith(prefixes or COMPONENT_PREFIXES)}
+
+    def with_values(self, **changes: str | None) -> StackConfig:
+        """A copy with variables set, or removed where the value is None (rollbacks)."""
+        values = {**self.values, **{k: v for k, v in changes.items() if v is not None}}
+        for k in [k for k, v in changes.items() if v is None]:
+            values.pop(k, None)
+        return StackConfig(values, self.sources)

