@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from ofl.server import parse_address
@@ -48,13 +49,24 @@ def run_pair(master: str, rank_args: list[str]) -> int:
     term = []
     signal.signal(signal.SIGTERM, lambda *a: term.append(1))
     signal.signal(signal.SIGINT, lambda *a: term.append(1))
-    line = ranks[0].stdout.readline()
-    if " on " not in line:  # rank 0 refused or died before serving; its reason is on stderr
-        code = ranks[0].wait()
-        _stop(ranks[1])
-        print(f"drafter-tp2 worker: the pair did not start (rank 0 exit {code})",
-              file=sys.stderr, flush=True)
-        return code if code == 2 else 3
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(ranks[0].stdout.readline()), daemon=True)
+    reader.start()
+    while reader.is_alive() and not term:  # either rank may refuse (or die) before serving
+        ended = [(r, p.poll()) for r, p in enumerate(ranks) if p.poll() is not None]
+        if ended:
+            rank, code = ended[0]
+            for other in ranks:
+                _stop(other)
+            print(f"drafter-tp2 worker: the pair did not start (rank {rank} exit {code}; its "
+                  "reason is above)", file=sys.stderr, flush=True)
+            return 2 if code == 2 else 3
+        reader.join(0.1)
+    line = ready[0] if ready else ""
+    if " on " not in line:
+        for other in ranks:
+            _stop(other)
+        return 0 if term else 3
     head, address = line.rsplit(" on ", 1)
     print(f"drafter-tp2 worker: {head.split(': ', 1)[1]} (rank pids {ranks[0].pid},{ranks[1].pid}) "
           f"on {address.strip()}", flush=True)

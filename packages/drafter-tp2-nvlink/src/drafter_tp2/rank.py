@@ -89,8 +89,12 @@ def run(cfg: RankConfig) -> int:
     cuda = torch.device(tdev).type == "cuda"
     if cuda:
         torch.cuda.set_device(tdev)
+    keys = [device_key(d) if _visible(d) else d for d in cfg.devices]
+    if keys[0] == keys[1]:  # before the lock, which would otherwise be the only complaint
+        _say(cfg.rank, f"refusing to serve: the same device twice: {cfg.devices} are both {keys[0]}")
+        return REFUSED
     try:
-        lock = DeviceLock(device_key(dev), env.lock_dir()).acquire()
+        lock = DeviceLock(keys[cfg.rank], env.lock_dir()).acquire()
     except DeviceBusy as exc:
         _say(cfg.rank, f"refusing to serve: {exc}")
         return REFUSED
@@ -140,6 +144,11 @@ def run(cfg: RankConfig) -> int:
         lock.release()
         if stopped_cleanly and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _visible(device: str) -> bool:
+    d = torch.device(device)
+    return d.type == "cpu" or (d.index or 0) < torch.cuda.device_count()
 
 
 def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: threading.Event) -> bool:

@@ -1,0 +1,117 @@
+"""Pair safety and lifetime device locks: refusals with their reasons, a held device
+refused, a dead holder's lock cleared, the lock released only at the end."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from tp2_support import PairProcess, RankPair, drafter_tp2, tp2_env, worker_args
+
+from drafter_tp2.launcher import free_master
+from drafter_tp2.locks import DeviceBusy, DeviceLock
+from drafter_tp2.pair import device_key, refusals
+from remote_drafter.drafters.dspark import DSparkDrafter
+
+
+def run_worker(args, env) -> tuple[int, str]:
+    p = drafter_tp2("worker", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = p.communicate(timeout=90)
+    return p.returncode, out + err
+
+
+def test_the_same_device_twice_is_refused(models, lock_dir):
+    code, text = run_worker(worker_args(models, "cpu:0,cpu:0"), tp2_env())
+    assert code == 2
+    assert "refusing to serve: the same device twice: ['cpu:0', 'cpu:0']" in text, text
+
+
+def test_the_pair_check_names_the_same_device_twice():
+    info = {"key": "GPU-abc", "device": "cuda:0", "fingerprint": "f" * 32, "source": "d",
+            "config": {"dtype": "float32"}, "torch": "2.11", "peer": {"p2p": True, "text": ""}}
+    why = refusals([{**info, "rank": 0}, {**info, "rank": 1, "device": "cuda:1"}], True)
+    assert why == ["the same device twice: both ranks are on GPU-abc (cuda:0, cuda:1)"]
+    no_p2p = {**info, "peer": {"p2p": False, "text": "P2P no"}}
+    why = refusals([{**no_p2p, "rank": 0}, {**no_p2p, "rank": 1, "key": "GPU-def"}], True)
+    assert len(why) == 2 and all("no P2P access" in w for w in why)
+    assert refusals([{**no_p2p, "rank": 0}, {**no_p2p, "rank": 1, "key": "GPU-def"}], False) == []
+
+
+def test_different_weights_are_refused_by_both_ranks(models, lock_dir, tmp_path):
+    other = str(tmp_path / "other")
+    config = DSparkDrafter.load(models["dspark"], models["target"]).config
+    DSparkDrafter.create(other, models["target"], config, seed=5, init_std=0.3)  # same shape, other weights
+    args = worker_args(models)
+    args1 = [other if a == models["dspark"] else a for a in args]
+    pair = RankPair(args, free_master("127.0.0.1:0"), args1=args1)
+    try:
+        (c0, e0), (c1, e1) = pair.wait(timeout=90)
+    finally:
+        pair.kill()
+    assert (c0, c1) == (2, 2), (e0, e1)
+    for text in (e0, e1):
+        assert "refusing to serve: different weights: rank 0 loaded" in text, text
+        assert other in text
+
+
+def test_a_different_configuration_is_refused(models, lock_dir):
+    args = worker_args(models)
+    pair = RankPair(args, free_master("127.0.0.1:0"), args1=args + ["--dtype", "bfloat16"])
+    try:
+        (c0, e0), (c1, _) = pair.wait(timeout=90)
+    finally:
+        pair.kill()
+    assert (c0, c1) == (2, 2)
+    assert "different configuration: dtype 'float32' vs 'bfloat16'" in e0, e0
+
+
+def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
+    first = PairProcess(worker_args(models, "cpu:0,cpu:1"), tp2_env())
+    try:
+        code, text = run_worker(worker_args(models, "cpu:2,cpu:1"), tp2_env())
+        assert code == 2
+        assert f"device {device_key('cpu:1')} is in use" in text, text
+        assert f"locked by pid {first.rank_pids[1]}" in text, text
+    finally:
+        first.stop()
+    assert first.proc.returncode == 0
+    for dev in ("cpu:0", "cpu:1"):  # released at the end, with no record left behind
+        lock = DeviceLock(device_key(dev), lock_dir).acquire()
+        assert lock.cleared is None
+        lock.release()
+
+
+def test_a_dead_holders_lock_is_cleared(lock_dir):
+    key = device_key("cpu:7")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from drafter_tp2.locks import DeviceLock; "
+        f"DeviceLock({key!r}, {lock_dir!r}).acquire(); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DeviceBusy, match=f"locked by pid {holder.pid}"):
+            DeviceLock(key, lock_dir).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = DeviceLock(key, lock_dir).acquire()  # the kernel dropped the dead holder's flock
+    try:
+        assert lock.cleared is not None and lock.cleared["pid"] == holder.pid
+        with pytest.raises(DeviceBusy):  # and now it is this process's, exclusively
+            DeviceLock(key, lock_dir).acquire()
+    finally:
+        lock.release()
+
+
+def test_locks_of_one_process_exclude_each_other_and_name_the_holder(lock_dir):
+    a = DeviceLock("GPU-1234", lock_dir).acquire()
+    try:
+        with pytest.raises(DeviceBusy) as refused:
+            DeviceLock("GPU-1234", lock_dir).acquire()
+        assert "device GPU-1234 is in use" in str(refused.value)
+        DeviceLock("GPU-5678", lock_dir).acquire().release()  # another card is free
+    finally:
+        a.release()
+    started = time.monotonic()
+    DeviceLock("GPU-1234", lock_dir).acquire().release()
+    assert time.monotonic() - started < 1
