@@ -1,0 +1,40 @@
+"""The main job in the vLLM CPU tier (tools/test sets LONGCTX_VLLM_PYTHON; elsewhere skipped):
+`dsv41-stack demo`, shortened, end to end — four engine launches over one Engram server and
+one drafter worker — with the same greedy output everywhere, the KV trade in vLLM's own
+figures, and nothing left running."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsv41_stack.cli import main, template_path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
+    not PYTHON, reason="runs in the vLLM CPU tier: tools/test sets LONGCTX_VLLM_PYTHON")]
+
+
+def test_the_demo_runs_the_four_configurations(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # local.env's paths are relative to the repository
+    delta = tmp_path / "here.env"
+    delta.write_text(f"STACK_RUN_DIR={tmp_path}\nSTACK_MODEL={tmp_path}/model\n"
+                     f"STACK_ENGRAM_SHARDS={tmp_path}/model/shards\nSTACK_VLLM_PYTHON={PYTHON}\n")
+    code = main(["demo", "--env", str(template_path("local")), "--env", str(delta),
+                 "--contexts", "256", "--repeats", "1", "--output-len", "16"])
+    report = json.loads((tmp_path / "results" / "demo.json").read_text())
+    print(capsys.readouterr().out[-1500:])
+    assert code == 0 and report["identical_output"]
+    rows = {r["config"]: r for r in report["configs"]}
+    assert list(rows) == ["A", "B", "D", "D-async"]
+    assert all(r["errors"] == 0 and r["bench_exit"] == 0 for r in rows.values())
+    # the tables leave the engine: its KV pool grows by their bytes, in vLLM's own count
+    assert rows["A"]["kv_budget_bytes"] == report["kv_budget_bytes"] - report["engram_table_bytes"]
+    assert rows["A"]["kv_tokens"] < rows["B"]["kv_tokens"] == rows["D"]["kv_tokens"]
+    assert all(r["accepted_length"] and r["accepted_length"] > 1 for r in rows.values())
+    assert (tmp_path / "results" / "demo.png").stat().st_size > 1000
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert not left.stdout.strip(), f"processes left running: {left.stdout}"
