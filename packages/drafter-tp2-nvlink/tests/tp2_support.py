@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 from ofl.testing import ChildProcess
 
@@ -48,22 +49,28 @@ class RankPair:
 
     def __init__(self, args: list[str], master: str, env: dict | None = None, args1=None):
         env = env or tp2_env()
+        # stderr to files: a rank logging many failed rounds must never block on a full pipe
+        self.logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
         self.procs = [drafter_tp2("rank", "--rank", str(r), "--master", master,
                                   *(args if r == 0 or args1 is None else args1),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                                  stdout=subprocess.PIPE, stderr=self.logs[r], env=env)
                       for r in range(2)]
+
+    def stderr(self, rank: int) -> str:
+        self.logs[rank].seek(0)
+        return self.logs[rank].read()
 
     def ready(self) -> str:
         line = self.procs[0].stdout.readline()
         if " on " not in line:
-            raise RuntimeError(f"rank 0 did not serve: {line!r} {self.procs[0].stderr.read()}")
+            raise RuntimeError(f"rank 0 did not serve: {line!r} {self.stderr(0)}")
         return line.rsplit(" on ", 1)[1].strip()
 
     def wait(self, timeout: float) -> list[tuple[int, str]]:
         out = []
-        for p in self.procs:
+        for r, p in enumerate(self.procs):
             code = p.wait(timeout=timeout)
-            out.append((code, p.stderr.read()))
+            out.append((code, self.stderr(r)))
         return out
 
     def kill(self) -> None:

@@ -52,21 +52,21 @@ def run_pair(master: str, rank_args: list[str]) -> int:
     ready: list[str] = []
     reader = threading.Thread(target=lambda: ready.append(ranks[0].stdout.readline()), daemon=True)
     reader.start()
-    while reader.is_alive() and not term:  # either rank may refuse (or die) before serving
-        ended = [(r, p.poll()) for r, p in enumerate(ranks) if p.poll() is not None]
-        if ended:
-            rank, code = ended[0]
-            for other in ranks:
-                _stop(other)
-            print(f"drafter-tp2 worker: the pair did not start (rank {rank} exit {code}; its "
-                  "reason is above)", file=sys.stderr, flush=True)
-            return 2 if code == 2 else 3
-        reader.join(0.1)
+    while reader.is_alive() and not term and all(p.poll() is None for p in ranks):
+        reader.join(0.1)  # either rank may refuse (or die) before rank 0 serves
     line = ready[0] if ready else ""
     if " on " not in line:
-        for other in ranks:
-            _stop(other)
-        return 0 if term else 3
+        deadline = time.monotonic() + 1.0  # the other rank may be refusing too: let it say why
+        while not term and time.monotonic() < deadline and any(p.poll() is None for p in ranks):
+            time.sleep(0.05)
+        codes = [p.poll() for p in ranks]
+        for proc in ranks:
+            _stop(proc)
+        if term:
+            return 0
+        print(f"drafter-tp2 worker: the pair did not start (exit codes {codes}; the reason "
+              "is above)", file=sys.stderr, flush=True)
+        return 2 if 2 in codes else 3
     head, address = line.rsplit(" on ", 1)
     print(f"drafter-tp2 worker: {head.split(': ', 1)[1]} (rank pids {ranks[0].pid},{ranks[1].pid}) "
           f"on {address.strip()}", flush=True)
