@@ -2,6 +2,7 @@
 compiled variant runs in benchmarks/gpu.sh) passes against the float32 reference on fresh
 inputs, and each injected error makes it fail, naming the quantity."""
 
+import copy
 import math
 import os
 
@@ -116,3 +117,12 @@ def test_reference_loss_is_zero_tv_when_the_drafter_is_the_teacher(tiny_target, 
         ce = -lp.max(-1).values
         w = Objective().position_weights(5)
     assert loss.item() == pytest.approx((0.1 * ce * w).sum(-1).mean().item() / w.sum().item(), rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="GPU tier: no CUDA here; packages/native-drafter/benchmarks/gpu.sh stage runs it on an H200")
+def test_compiled_fast_path_passes_on_cuda(tiny_target, tiny_drafter):
+    target, drafter = copy.deepcopy(tiny_target).cuda(), copy.deepcopy(tiny_drafter).cuda()
+    batch = tiny_batch(target, 0)
+    report = training_gate(drafter, [batch], FastPath(compile=True))
+    assert report.passed, report.table(("batch0/loss", "batch0/logits", "batch0/grad/"))

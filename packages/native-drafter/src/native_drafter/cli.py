@@ -112,21 +112,28 @@ def cmd_evaluate(args) -> int:
     tokens, offsets, classes = load_tokens(args.tokens, args.split)
     starts = round_starts(offsets, classes, args.per_class, args.seed)
     layers = tuple(c.target_layers)
-    t0 = time.time()
-    per_start = exact_rounds(target, {"trained": trained.model, "untrained": untrained, "ngram": ngram},
-                             tokens, offsets, starts, layers, progress=lambda s: tqdm(s, desc="exact"))
+    names = args.drafters.split(",")
+    unknown = set(names) - {"trained", "untrained", "ngram"}
+    if unknown:
+        raise SystemExit(f"--drafters: unknown {sorted(unknown)} (trained, untrained, ngram)")
     result = {"split": args.split, "k_max": 5, "temperature": 0.0, "per_class": args.per_class,
-              "seed": args.seed, "checkpoint": args.checkpoint,
-              "command": "native-drafter " + shlex.join(sys.argv[1:]),
-              "exact": {name: by_class(v, starts) for name, v in per_start.items()},
-              "exact_seconds": round(time.time() - t0, 1),
-              "rounds": [{"doc": d, "class": k, "t": t, "E": {n: v[i] for n, v in per_start.items()}}
-                         for i, (d, k, t) in enumerate(starts)]}
+              "seed": args.seed, "checkpoint": args.checkpoint, "device": args.device,
+              "command": "native-drafter " + shlex.join(sys.argv[1:])}
+    if not args.no_exact:
+        models = {"trained": trained.model, "untrained": untrained, "ngram": ngram}
+        t0 = time.time()
+        per_start = exact_rounds(target, {n: models[n] for n in names}, tokens, offsets, starts, layers,
+                                 progress=lambda s: tqdm(s, desc="exact"))
+        result.update(exact={name: by_class(v, starts) for name, v in per_start.items()},
+                      exact_seconds=round(time.time() - t0, 1),
+                      rounds=[{"doc": d, "class": k, "t": t, "E": {n: v[i] for n, v in per_start.items()}}
+                              for i, (d, k, t) in enumerate(starts)])
     if args.measured_prompts:
         picked = [s for i, s in enumerate(starts) if i % args.per_class < args.measured_prompts]
-        spec = {"trained": trained,
-                "untrained": DSparkDrafter(c, untrained, Manifest(kind="dspark"), args.device),
-                "ngram": ngram}
+        drafters = {"trained": trained,
+                    "untrained": DSparkDrafter(c, untrained, Manifest(kind="dspark"), args.device),
+                    "ngram": ngram}
+        spec = {n: drafters[n] for n in names}
         t0 = time.time()
         result["measured"] = measured(target, spec, tokens, offsets, picked, args.new_tokens, layers)
         result["measured_settings"] = {"prompts_per_class": args.measured_prompts,
@@ -231,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--measured-prompts", type=int, default=8, help="prompts per class for the loop (0: skip)")
     s.add_argument("--new-tokens", type=int, default=48, help="tokens each measured prompt decodes")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--drafters", default="trained,untrained,ngram",
+                   help="comma list of trained, untrained (same config, init seed 0), ngram")
+    s.add_argument("--no-exact", action="store_true", help="only the measured loop")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_evaluate)
 

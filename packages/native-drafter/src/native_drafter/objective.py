@@ -51,9 +51,6 @@ class Batch:
     previous: torch.Tensor   # [B, W] x_t .. x_{t+W-1}: the Markov head's input per draft
     teacher: torch.Tensor    # [B, W, V] target logits at t .. t+W-1 (for x_{t+1} .. x_{t+W})
 
-    def to(self, device) -> Batch:
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
-
     def __len__(self) -> int:
         return self.anchor.shape[0]
 
@@ -73,11 +70,11 @@ def make_batch(tokens: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
                  teacher=logits[rows[:, None], ahead])
 
 
-def anchors(lengths: torch.Tensor, block: int, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def anchors(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every anchor whose W teacher positions lie inside its row: t + W - 1 < length."""
     rows, starts = [], []
     for r, n in enumerate(lengths.tolist()):
-        t = torch.arange(0, max(n - block + 1, 0), stride)
+        t = torch.arange(0, max(n - block + 1, 0))
         rows.append(torch.full_like(t, r))
         starts.append(t)
     return torch.cat(rows), torch.cat(starts)
