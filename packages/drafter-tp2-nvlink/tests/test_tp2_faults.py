@@ -20,7 +20,7 @@ from remote_drafter.target import TargetLM
 from remote_drafter.transport import RemoteTransport
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7]}
-NEW = 16
+NEW = 10
 
 
 @pytest.fixture(scope="module")

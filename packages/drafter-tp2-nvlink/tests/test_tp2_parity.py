@@ -145,3 +145,36 @@ def test_release_reopen_capacity_and_stats_as_on_one_card(models, pair):
     assert stats["open_requests"] == 0
     client.add_request(101, rng.integers(0, 90, 6), rng.standard_normal((5, feature)))
     assert 101 in client.propose()  # still serving after the garbage
+
+
+def test_uneven_shards_odd_vocabulary_and_untied_head(tmp_path, lock_dir):
+    """3 kv heads (split 2 + 1, as SmolLM2's 9/3), an odd feed-forward width and vocabulary
+    (the head's shards padded for the gather), an untied output head: still the one-card
+    drafts."""
+    from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
+    from remote_drafter.target import TargetConfig, random_target
+    t = TargetConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=3, intermediate_size=129, tie_word_embeddings=False)
+    target, drafter = str(tmp_path / "target"), str(tmp_path / "dspark")
+    random_target(t, seed=2).save(target)
+    DSparkDrafter.create(drafter, target, DSparkConfig(
+        vocab_size=97, hidden_size=48, num_heads=6, num_kv_heads=3, intermediate_size=129,
+        window=16, target_layers=[0, 1], target_hidden_size=48, mask_token_id=96), init_std=0.3)
+    models = {"dspark": drafter, "target": target}
+    w = PairProcess(worker_args(models), tp2_env())
+    try:
+        one = load_drafter(drafter, target)
+        client = client_for(models, w.address)
+        rng = np.random.default_rng(5)
+        for rid in range(40):
+            n = int(rng.integers(2, 30))
+            tokens = rng.integers(0, 96, n).astype(np.int32)
+            rows = rng.standard_normal((n - 1, one.feature)).astype(np.float32)
+            client.add_request(rid, tokens, rows)
+            theirs = client.propose()[rid].tokens
+            client.release(rid)
+            h = one.new_history()
+            h.reset(tokens, rows[-one.window:])
+            assert np.array_equal(theirs, one.draft([DraftRequest(h, 5)], False)[0].tokens), rid
+    finally:
+        w.stop()

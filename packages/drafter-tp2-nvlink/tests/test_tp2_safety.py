@@ -54,15 +54,15 @@ def test_different_weights_are_refused_by_both_ranks(models, lock_dir, tmp_path)
         assert other in text
 
 
-def test_a_different_configuration_is_refused(models, lock_dir):
-    args = worker_args(models)
-    pair = RankPair(args, free_master("127.0.0.1:0"), args1=args + ["--dtype", "bfloat16"])
-    try:
-        (c0, e0), (c1, _) = pair.wait(timeout=90)
-    finally:
-        pair.kill()
-    assert (c0, c1) == (2, 2)
-    assert "different configuration: dtype 'float32' vs 'bfloat16'" in e0, e0
+def test_a_different_configuration_or_torch_is_refused():
+    info = {"key": "k0", "device": "cpu:0", "fingerprint": "f" * 32, "source": "d",
+            "config": {"dtype": "float32", "timeout_s": 10.0}, "torch": "2.13.0",
+            "peer": {"p2p": None, "text": "cpu, no peer link"}}
+    other = {**info, "rank": 1, "key": "k1", "torch": "2.11.0",
+             "config": {"dtype": "bfloat16", "timeout_s": 10.0}}
+    assert refusals([{**info, "rank": 0}, other], True) == [
+        "different configuration: dtype 'float32' vs 'bfloat16'",
+        "different torch builds: 2.13.0 vs 2.11.0"]
 
 
 def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):

@@ -35,16 +35,22 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="release a request not seen for this long")
 
 
-def rank_config(args):
-    from remote_drafter.service import ServiceConfig
-
-    from .rank import RankConfig
+def checked(args) -> tuple[list[str], str]:
+    """The devices and graph mode, or a clear error (torch-free: the launcher runs it)."""
     devices = args.devices.split(",")
     if len(devices) != 2:
         raise ValueError(f"--devices names two devices, got {args.devices!r}")
     mode = env.DRAFTER_TP2_CUDA_GRAPHS.get()
     if mode not in ("auto", "0"):
         raise ValueError(f"DRAFTER_TP2_CUDA_GRAPHS is 'auto' or '0', not {mode!r}")
+    return devices, mode
+
+
+def rank_config(args):
+    from remote_drafter.service import ServiceConfig
+
+    from .rank import RankConfig
+    devices, mode = checked(args)
     return RankConfig(
         rank=args.rank, devices=devices, master=args.master, drafter=args.drafter,
         target=args.target, dtype=args.dtype, backend=args.backend, listen=args.listen,
@@ -71,9 +77,8 @@ def cmd_rank(args) -> int:
 
 def cmd_worker(args) -> int:
     from .launcher import run_pair
-    args.rank, args.master = 0, env.DRAFTER_TP2_MASTER.get()
-    rank_config(args)  # bad arguments fail here, once, not in both ranks
-    return run_pair(args.master, worker_argv(args))
+    checked(args)  # bad arguments fail here, once, not in both ranks
+    return run_pair(env.DRAFTER_TP2_MASTER.get(), worker_argv(args))
 
 
 def cmd_supervise(args) -> int:

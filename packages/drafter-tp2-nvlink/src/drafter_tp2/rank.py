@@ -109,7 +109,9 @@ def run(cfg: RankConfig) -> int:
         # Start-up exchanges may wait for a slow peer (loading, capture); rounds may not.
         hello = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.start_timeout_s))
         ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
-        data = dist.group.WORLD if cuda else ctrl
+        # Rounds' tensors: NCCL with the round deadline on GPUs (its watchdog ends a rank
+        # whose collective passes it), the control group itself on CPU.
+        data = dist.new_group(backend="nccl", timeout=timedelta(seconds=cfg.timeout_s)) if cuda else ctrl
         drafter = DSparkDrafter.load(cfg.drafter, cfg.target, "cpu")  # full, then sharded
         info = describe_rank(cfg.rank, cfg.devices, drafter.manifest().fingerprint.hex(),
                              cfg.drafter, cfg.agreed(drafter))
