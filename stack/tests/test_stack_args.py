@@ -50,3 +50,12 @@ def test_the_engine_gets_the_component_variables_and_no_stack_settings(tmp_path,
 def test_a_placeholder_left_in_stops_with_the_line(capsys):
     assert main(["args", "--env", str(template_path("production-D"))]) == 2
     assert "production-D.env.example:9: STACK_MODEL still holds the placeholder" in capsys.readouterr().err
+
+
+def test_up_refuses_what_is_missing_before_starting_anything(tmp_path, capsys):
+    here = tmp_path / "here.env"
+    here.write_text(f"STACK_RUN_DIR={tmp_path}\nSTACK_MODEL={tmp_path}/none\n"
+                    f"STACK_ENGRAM_SHARDS={tmp_path}/none\n")
+    assert main(["up", "--env", str(template_path("local")), "--env", str(here)]) == 2
+    assert "engram-server: no shards in STACK_ENGRAM_SHARDS" in capsys.readouterr().err
+    assert not (tmp_path / "pids").exists() or not any((tmp_path / "pids").iterdir())

@@ -1,6 +1,9 @@
 """`dsv41-stack`: the DSV41 offload stack's launcher.
 
   dsv41-stack demo                                   # the whole deployment in miniature, here
+  dsv41-stack up --env stack/env/local.env           # configuration D here; then canary
+  dsv41-stack status | logs engine | canary | down   (each with --env)
+  dsv41-stack rollback remote-engram --env F --write F.rollback   # then restart the engine
   dsv41-stack args --env production-D.env --role offload-host
   dsv41-stack args --env production-D.env --env production-async.env --role engine
   dsv41-stack template production-D > production-D.env   # then replace every <placeholder>
@@ -14,6 +17,7 @@ that read them. Later --env files override earlier ones.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -57,6 +61,67 @@ def cmd_args(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    from .deployment import Deployment
+
+    deployment = Deployment(StackConfig.load(args.env))
+    deployment.up(args.role)
+    if args.role in (None, "engine"):
+        return report_canary(deployment.canary(record=args.record_canary))
+    return 0
+
+
+def cmd_down(args) -> int:
+    from .deployment import Deployment
+
+    Deployment(StackConfig.load(args.env)).down(args.role)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .deployment import Deployment
+
+    status = Deployment(StackConfig.load(args.env)).status()
+    print(json.dumps(status, indent=2))
+    return 0 if all(s["running"] for s in status.values()) else 1
+
+
+def cmd_logs(args) -> int:
+    log = Path(StackConfig.load(args.env)["STACK_RUN_DIR"]) / "logs" / f"{args.role}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    print("\n".join(lines[-args.lines:]) if lines else f"no log at {log}")
+    return 0
+
+
+def report_canary(result: dict) -> int:
+    if result["recorded"]:
+        print(f"canary: recorded the reference fingerprint {result['fingerprint'][:16]}")
+    elif result["ok"]:
+        print(f"canary: ok, fingerprint {result['fingerprint'][:16]} = the reference")
+    else:
+        print(f"canary: FAILED, fingerprint {result['fingerprint'][:16]} != reference "
+              f"{result['reference'][:16]} (prompts differing: {result['differs']})")
+    return 0 if result["ok"] else 1
+
+
+def cmd_canary(args) -> int:
+    from .deployment import Deployment
+
+    return report_canary(Deployment(StackConfig.load(args.env)).canary(record=args.record))
+
+
+def cmd_rollback(args) -> int:
+    from .rollback import LEVERS, rollback, write_env
+
+    cfg = rollback(StackConfig.load(args.env), args.lever)
+    write_env(cfg, Path(args.write), f"dsv41-stack rollback {args.lever} of {', '.join(args.env)}\n"
+              f"after an engine restart: {LEVERS[args.lever]}")
+    print(f"wrote {args.write}: {LEVERS[args.lever]}.\nNothing changes until the engine restarts "
+          f"with it: dsv41-stack down --role engine --env ... && dsv41-stack up --role engine "
+          f"--env {args.write}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from rich.console import Console
 
@@ -85,6 +150,35 @@ def main(argv=None) -> int:
     a.add_argument("--env", action="append", required=True, help="env file (repeatable)")
     a.add_argument("--role", choices=["offload-host", "engine"], help="default: every role")
     a.set_defaults(func=cmd_args)
+    for name, func, text in (("up", cmd_up, "start this machine's roles in the reference order, "
+                               "each waited for; then the canary"),
+                              ("down", cmd_down, "stop this machine's roles (the engine first)"),
+                              ("status", cmd_status, "each role's process and the engine's "
+                               "spec-decode counters (exit 1 if one is down)")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("--env", action="append", required=True, help="env file (repeatable)")
+        c.add_argument("--role", choices=["offload-host", "engine"], help="default: every role")
+        if name == "up":
+            c.add_argument("--record-canary", action="store_true",
+                           help="record this start's fingerprint as the canary's reference")
+        c.set_defaults(func=func)
+    g = sub.add_parser("logs", help="the last lines of a role's log")
+    g.add_argument("role", choices=["engram-server", "drafter-worker", "engine"])
+    g.add_argument("--env", action="append", required=True)
+    g.add_argument("-n", "--lines", type=int, default=40)
+    g.set_defaults(func=cmd_logs)
+    c = sub.add_parser("canary", help="greedy fingerprint of fixed prompts vs the recorded one")
+    c.add_argument("--env", action="append", required=True)
+    c.add_argument("--record", action="store_true", help="record it as the reference")
+    c.set_defaults(func=cmd_canary)
+    r = sub.add_parser("rollback", help="write the env file of a lever's reference rollback",
+                       description="async: synchronous rounds; remote-drafter: the drafter in "
+                       "the engine with the baseline KV budget; remote-engram: the local shard "
+                       "reader. Takes effect when the engine restarts with the written file.")
+    r.add_argument("lever", choices=["async", "remote-drafter", "remote-engram"])
+    r.add_argument("--env", action="append", required=True)
+    r.add_argument("--write", required=True, help="the env file to write")
+    r.set_defaults(func=cmd_rollback)
     d = sub.add_parser("demo", help="the deployment in miniature on this machine (A, B, D, D-async)",
                        description="Builds the SmolLM2-with-Engram target if needed, starts the "
                        "Engram server, the drafter worker and one vLLM per configuration, "
@@ -101,7 +195,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"dsv41-stack: {exc}", file=sys.stderr)
         return 2
 

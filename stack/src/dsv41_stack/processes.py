@@ -14,6 +14,13 @@ from pathlib import Path
 from .roles import Role
 
 
+def role_env(role: Role) -> dict[str, str]:
+    """This process's environment plus the role's; the legacy VLLM_CPU_KVCACHE_SPACE is
+    dropped (it would override the explicit KV budget)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    return {**env, **role.env}
+
+
 class RoleFailed(RuntimeError):
     """A role exited or did not become ready; the message ends with its log's tail."""
 
@@ -35,6 +42,15 @@ class Running:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until it served; RoleFailed if it exits or takes longer than timeout_s."""
+        t = time.monotonic()
+        while not self.ready():
+            if time.monotonic() - t > timeout_s:
+                raise RoleFailed(f"{self.role.name} not ready in {timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(0.5)
+        return time.monotonic() - t
 
     def address(self) -> str:
         """Where a role that prints 'serve... on ADDRESS' listens (port 0 made concrete)."""
@@ -61,18 +77,12 @@ class Processes:
 
     def start(self, role: Role, label: str = "", timeout_s: float = 900) -> Running:
         log = self.run_dir / "logs" / f"{role.name}{'-' + label if label else ''}.log"
-        env = {k: v for k, v in os.environ.items()
-               if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the explicit KV budget
         with open(log, "w") as out:
             proc = subprocess.Popen(role.command, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**env, **role.env}, start_new_session=True)
+                                    env=role_env(role), start_new_session=True)
         running = Running(role, proc, log)
         self.running.append(running)
-        deadline = time.monotonic() + timeout_s
-        while not running.ready():
-            if time.monotonic() > deadline:
-                raise RoleFailed(f"{role.name} not ready in {timeout_s:.0f} s:\n{running.tail()}")
-            time.sleep(0.5)
+        running.wait_ready(timeout_s)
         return running
 
     def stop(self, running: Running) -> None:

@@ -24,6 +24,8 @@ SETTINGS = [
     Setting("STACK_ENGINE_LISTEN", "127.0.0.1:8000", "HOST:PORT of rank 0's OpenAI server."),
     Setting("STACK_TP", "1", "Tensor-parallel size of the engine (2 on the Sparks)."),
     Setting("STACK_KV_BYTES", "1073741824", "KV cache budget per rank, bytes (--kv-cache-memory-bytes)."),
+    Setting("STACK_KV_BYTES_BASELINE", "", "The KV budget with the drafter inside the engine: what "
+            "`rollback remote-drafter` restores (3.75 GiB in the reference); empty = keep."),
     Setting("STACK_MAX_MODEL_LEN", "2048", "Longest request, tokens (327,680 in the reference)."),
     Setting("STACK_MAX_NUM_SEQS", "4", "Concurrent sequences (4 in the reference)."),
     Setting("STACK_DTYPE", "float32", "Engine dtype (float32 on CPU; bfloat16 on the Sparks)."),

@@ -1,0 +1,140 @@
+"""This machine's roles as long-lived processes (`up`, `down`, `status`, `logs`, `canary`):
+detached, with pid files and logs under STACK_RUN_DIR, brought up in the reference order —
+offload host first (Engram server, drafter worker), then the engine — each waited for until
+it serves; the engine's canary last."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from .config import StackConfig
+from .processes import Running, role_env
+from .roles import SERVED_NAME, Role, roles
+
+
+class Deployment:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.run = Path(cfg["STACK_RUN_DIR"])
+        self.pids, self.logs = self.run / "pids", self.run / "logs"
+
+    # -- processes -------------------------------------------------------------------------
+    def pid(self, role: Role) -> int | None:
+        """The role's live pid, or None (a pid file of a dead process is removed)."""
+        path = self.pids / f"{role.name}.pid"
+        if not path.exists():
+            return None
+        pid = int(path.read_text())
+        try:
+            os.kill(pid, 0)
+            return pid
+        except ProcessLookupError:
+            path.unlink()
+            return None
+
+    def up(self, role_filter: str | None = None, say=print, timeout_s: float = 900) -> None:
+        self.pids.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for role in roles(self.cfg, role_filter):
+            missing = self.missing_input(role)
+            if missing:
+                raise FileNotFoundError(f"{role.name}: {missing}")
+        started = []
+        try:
+            for role in roles(self.cfg, role_filter):
+                if self.pid(role):
+                    say(f"{role.name}: already running (pid {self.pid(role)})")
+                    continue
+                log = self.logs / f"{role.name}.log"
+                with open(log, "w") as out:
+                    proc = subprocess.Popen(role.command, stdout=out, stderr=subprocess.STDOUT,
+                                            env=role_env(role), start_new_session=True)
+                (self.pids / f"{role.name}.pid").write_text(str(proc.pid))
+                started.append(role)
+                took = Running(role, proc, log).wait_ready(timeout_s)
+                say(f"{role.name}: ready in {took:.1f} s (pid {proc.pid}, log {log})")
+        except BaseException:
+            for role in reversed(started):  # nothing half up
+                self.stop(role)
+            raise
+
+    def missing_input(self, role: Role) -> str | None:
+        """What a role needs on disk before it can start, if it is not there."""
+        if role.name == "engine" and not (Path(self.cfg["STACK_MODEL"]) / "config.json").exists():
+            return f"no checkpoint at STACK_MODEL={self.cfg['STACK_MODEL']!r}"
+        if role.name == "engram-server" and not any(Path(self.cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin")):
+            return f"no shards in STACK_ENGRAM_SHARDS={self.cfg['STACK_ENGRAM_SHARDS']!r}"
+        return None
+
+    def stop(self, role: Role, timeout_s: float = 30) -> bool:
+        pid = self.pid(role)
+        if pid is None:
+            return False
+        os.killpg(pid, signal.SIGTERM)  # its own session: vLLM's workers go with it
+        deadline = time.monotonic() + timeout_s
+        while self.pid(role) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self.pid(role):
+            os.killpg(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        (self.pids / f"{role.name}.pid").unlink(missing_ok=True)
+        return True
+
+    def down(self, role_filter: str | None = None, say=print) -> None:
+        for role in reversed(roles(self.cfg, role_filter)):  # the engine first
+            say(f"{role.name}: {'stopped' if self.stop(role) else 'not running'}")
+
+    # -- looking at it ---------------------------------------------------------------------
+    def engine_url(self) -> str:
+        return f"http://{self.cfg['STACK_ENGINE_LISTEN']}"
+
+    def status(self) -> dict:
+        out = {}
+        for role in roles(self.cfg):
+            pid = self.pid(role)
+            entry = {"pid": pid, "running": pid is not None}
+            if pid and role.ready_url:
+                entry["counters"] = engine_counters(self.engine_url())
+            out[role.name] = entry
+        return out
+
+    def canary(self, record: bool = False) -> dict:
+        """Greedy fingerprint of fixed prompts vs the recorded reference."""
+        import httpx
+
+        from longctx_bench.runner import RunConfig, fingerprint
+
+        async def measure():
+            async with httpx.AsyncClient() as client:
+                return await fingerprint(client, RunConfig(self.engine_url(), SERVED_NAME, [], []))
+
+        got = asyncio.run(measure())
+        path = self.run / "canary-reference.json"
+        if record or not path.exists():
+            path.write_text(json.dumps(got, indent=2))
+            return {"ok": True, "recorded": True, "fingerprint": got["all"]}
+        want = json.loads(path.read_text())
+        return {"ok": got["all"] == want["all"], "recorded": False, "fingerprint": got["all"],
+                "reference": want["all"], "differs": [k for k in want if got.get(k) != want[k]]}
+
+
+def engine_counters(url: str) -> dict:
+    """The engine's spec-decode counters (vLLM /metrics), summed over labels."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        return {"error": str(exc)}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_") and "_total" in line:
+            name = line.split("{")[0].split(" ")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -1,0 +1,66 @@
+"""`up`, `canary`, `status`, `rollback`, `down` of the miniature in real vLLM (the vLLM CPU
+tier; tools/test sets LONGCTX_VLLM_PYTHON, elsewhere skipped): configuration D comes up in
+the reference order and records its canary; each lever's rollback, applied by restarting
+the engine with the written env file, keeps the fingerprint; the offload host stopped
+under a serving engine leaves it serving the same output (Engram from disk, target-only
+decoding) and status shows the degradation; nothing is left running."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsv41_stack.cli import main, template_path
+from dsv41_stack.config import StackConfig
+from dsv41_stack.deployment import Deployment
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
+    not PYTHON, reason="runs in the vLLM CPU tier: tools/test sets LONGCTX_VLLM_PYTHON")]
+
+
+def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, capsys):
+    from remote_engram.miniature import build
+
+    monkeypatch.chdir(ROOT)
+    model = tmp_path / "model"
+    build(str(model), str(ROOT / ".artifacts/smollm2-135m"), base=str(ROOT / ".artifacts/smollm2-135m"))
+    here = tmp_path / "here.env"
+    here.write_text(f"STACK_RUN_DIR={tmp_path}/run\nSTACK_MODEL={model}\nSTACK_VLLM_PYTHON={PYTHON}\n"
+                    f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n"
+                    f"REMOTE_DRAFTER_TARGET={model}\nENGRAM_METRICS_LISTEN=127.0.0.1:17495\n")
+    env = ["--env", str(template_path("local")), "--env", str(here)]
+    try:
+        assert main(["up", *env, "--record-canary"]) == 0
+        assert main(["canary", *env]) == 0
+        assert main(["status", *env]) == 0
+        status = Deployment(StackConfig.load(env[1::2])).status()
+        assert status["engine"]["counters"]["num_drafts"] > 0  # the remote drafter drafted
+        for lever in ("remote-engram", "remote-drafter"):
+            rolled = tmp_path / f"{lever}.env"
+            assert main(["rollback", lever, *env, "--write", str(rolled)]) == 0
+            assert main(["down", *env, "--role", "engine"]) == 0
+            assert main(["up", "--env", str(rolled), "--role", "engine"]) == 0  # canary inside
+            out = capsys.readouterr().out
+            assert "canary: ok" in out, out
+            env = ["--env", str(rolled)]
+        # drill: the offload host goes away under a serving engine (back on configuration D)
+        assert main(["down", "--env", str(template_path("local")), "--env", str(here),
+                     "--role", "engine"]) == 0
+        env = ["--env", str(template_path("local")), "--env", str(here)]
+        assert main(["up", *env, "--role", "engine"]) == 0
+        assert main(["down", *env, "--role", "offload-host"]) == 0
+        assert main(["canary", *env]) == 0  # same output: Engram from disk, no drafts
+        assert main(["status", *env]) == 1  # the degradation shows
+        with __import__("urllib.request").request.urlopen("http://127.0.0.1:17495/metrics") as r:
+            assert "engram_client_fallbacks_total" in r.read().decode()
+    finally:
+        main(["down", *env])
+        main(["down", "--env", str(template_path("local")), "--env", str(here)])
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert not left.stdout.strip(), f"processes left running: {left.stdout}"
+    assert json.loads((tmp_path / "run" / "canary-reference.json").read_text())["all"]
+
