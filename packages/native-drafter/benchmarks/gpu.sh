@@ -6,12 +6,14 @@
 #   device run (carry xfer0): bash packages/native-drafter/benchmarks/gpu.sh keep
 #   device run (carry xfer1): bash packages/native-drafter/benchmarks/gpu.sh keep
 #   device run (carry xfer2): bash packages/native-drafter/benchmarks/gpu.sh keep
-#   device run (carry xfer3): MINUTES=5 bash packages/native-drafter/benchmarks/gpu.sh run
+#   device run (carry xfer3): bash packages/native-drafter/benchmarks/gpu.sh run
 # keep:     only keep the carried parts.
 # stage:    keep, then throughput and the gate at the real shapes, random teacher (MINUTES=1).
-# run:      the training run (gate, MINUTES of training, gate, checkpoint) and its evaluation;
+# run:      the training run (gate, MINUTES=7 of training, gate, checkpoint) and its exact
+#           evaluation (PER_CLASS=160; the measured loop does not fit the call: PROMPTS=0);
 #           the checkpoint comes back in 15 MiB parts, the JSON in results.tar.
-# evaluate: the committed checkpoint's evaluation only (PER_CLASS, PROMPTS, NEW_TOKENS).
+# evaluate: the committed checkpoint's evaluation, exact and measured (PER_CLASS=160,
+#           PROMPTS=12, NEW_TOKENS=48).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/native-drafter-gpu}; mkdir -p "$OUT"
@@ -47,21 +49,21 @@ so = pathlib.Path(mod.builder().compile(tmpdir=tempfile.mkdtemp(), verbose=False
 shutil.copy2(so, path.parent / so.name)
 PY
 done
-evaluate() {  # checkpoint, out json
+evaluate() {  # checkpoint, out json, measured prompts per class
   python3 -m native_drafter.cli evaluate --checkpoint "$1" --gguf /tmp/smollm2.gguf --tokens /tmp/tokens \
-    --device cuda --per-class "${PER_CLASS:-48}" --measured-prompts "${PROMPTS:-8}" \
+    --device cuda --per-class "${PER_CLASS:-160}" --measured-prompts "${PROMPTS:-$3}" \
     --new-tokens "${NEW_TOKENS:-48}" --out "$2"
 }
 rc=0
 if [[ $1 == evaluate ]]; then
-  evaluate packages/native-drafter/checkpoints/smollm2-135m-dspark "$OUT/eval.json" 2>&1 | tee "$OUT/eval.log" || rc=$?
+  evaluate packages/native-drafter/checkpoints/smollm2-135m-dspark "$OUT/eval.json" 12 2>&1 | tee "$OUT/eval.log" || rc=$?
   exit $rc
 fi
 python3 -m native_drafter.cli train --gguf /tmp/smollm2.gguf --tokens /tmp/tokens \
-  --identity "$KEEP/identity.json" --out /tmp/run --minutes "${MINUTES:-5}" --device cuda \
+  --identity "$KEEP/identity.json" --out /tmp/run --minutes "${MINUTES:-7}" --device cuda \
   2>&1 | tee "$OUT/train.log" || rc=$?
 if [[ -f /tmp/run/checkpoint/drafter.safetensors ]]; then
-  evaluate /tmp/run/checkpoint /tmp/run/eval.json 2>&1 | tee "$OUT/eval.log" || rc=$?
+  evaluate /tmp/run/checkpoint /tmp/run/eval.json 0 2>&1 | tee "$OUT/eval.log" || rc=$?
   split -b 15M -d -a 1 /tmp/run/checkpoint/drafter.safetensors "$OUT/drafter.safetensors.part"
 fi
 tar -C /tmp/run -cf "$OUT/results.tar" --exclude='*.safetensors' .

