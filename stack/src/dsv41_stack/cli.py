@@ -1,6 +1,7 @@
 """`dsv41-stack`: the DSV41 offload stack's launcher.
 
   dsv41-stack demo                                   # the whole deployment in miniature, here
+  dsv41-stack preflight --env F --role offload-host  # PASS/FAIL per check, exit 1 on a FAIL
   dsv41-stack up --env stack/env/local.env           # configuration D here; then canary
   dsv41-stack status | logs engine | canary | down   (each with --env)
   dsv41-stack rollback remote-engram --env F --write F.rollback   # then restart the engine
@@ -59,6 +60,16 @@ def cmd_args(args) -> int:
             print(f"{key}={shlex.quote(value)}")
         print(shlex.join(role.command) + "\n")
     return 0
+
+
+def cmd_preflight(args) -> int:
+    from .preflight import report, run
+
+    checks = run(StackConfig.load(args.env), args.role)
+    print(report(checks))
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
 
 
 def cmd_up(args) -> int:
@@ -150,7 +161,9 @@ def main(argv=None) -> int:
     a.add_argument("--env", action="append", required=True, help="env file (repeatable)")
     a.add_argument("--role", choices=["offload-host", "engine"], help="default: every role")
     a.set_defaults(func=cmd_args)
-    for name, func, text in (("up", cmd_up, "start this machine's roles in the reference order, "
+    for name, func, text in (("preflight", cmd_preflight, "is this machine ready for its roles: "
+                               "versions, shards, ports, memory, mlock, links, qualify, GPUs"),
+                             ("up", cmd_up, "start this machine's roles in the reference order, "
                                "each waited for; then the canary"),
                               ("down", cmd_down, "stop this machine's roles (the engine first)"),
                               ("status", cmd_status, "each role's process and the engine's "

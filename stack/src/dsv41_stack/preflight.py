@@ -1,0 +1,172 @@
+"""`dsv41-stack preflight`: is this machine ready for its roles? Each check prints PASS or
+FAIL with the reason; any FAIL exits non-zero. Run it on the offload host first, then on
+each engine host (the links and the qualify sample need the offload host serving)."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+import resource
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import StackConfig
+from .roles import roles
+
+QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def pins() -> dict[str, str]:
+    """Our components and the versions this stack pins them to (from its own metadata)."""
+    out = {}
+    for req in metadata.requires("dsv41-stack") or []:
+        match = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([\w.]+)", req.split(";")[0].strip())
+        if match:
+            out[match.group(1)] = match.group(2)
+    return out
+
+
+def check_versions(wanted: set[str]) -> list[Check]:
+    out = []
+    for dist, version in sorted(pins().items()):
+        if dist not in wanted:
+            continue
+        try:
+            have = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out.append(Check(f"version {dist}", False, f"not installed (pinned {version})"))
+            continue
+        out.append(Check(f"version {dist}", have == version, f"{have} (pinned {version})"))
+    return out
+
+
+def endpoints(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def check_port_free(address: str, role: str) -> Check:
+    host, _, port = address.rpartition(":")
+    if port == "0":
+        return Check(f"port {role}", True, f"{address}: any free port")
+    with socket.socket() as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            return Check(f"port {role}", False, f"{address} is in use ({exc.strerror})")
+    return Check(f"port {role}", True, f"{address} free")
+
+
+def check_reachable(address: str, what: str, timeout_s: float = 2.0) -> Check:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return Check(f"link {what}", True, f"{address} answers")
+    except OSError as exc:
+        return Check(f"link {what}", False, f"{address} unreachable ({exc.strerror or exc})")
+
+
+def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Check:
+    from remote_engram.qualify import qualify_link
+    paths = sorted(str(p) for p in Path(shard_dir).glob(f"*-r{rank}of*.bin"))
+    try:
+        report = qualify_link(address, backend, paths, sample=QUALIFY_SAMPLE, link=f"rank{rank}")
+    except Exception as exc:  # noqa: BLE001 - any failure to qualify is a FAIL with its reason
+        return Check(f"qualify rank {rank}", False, f"{address}: {type(exc).__name__}: {exc}")
+    bad = [s["shard"] for s in report["shards"] if s["mismatched_rows"] or not s["digest_equal"]
+           or "error" in s]
+    rows = sum(s["rows_compared"] for s in report["shards"])
+    return Check(f"qualify rank {rank}", report["ok"] and bool(paths),
+                 f"{address}: {rows:,} rows compared over {len(paths)} shards"
+                 + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def check_memory(need: int, what: str) -> Check:
+    have = mem_available()
+    return Check(f"memory {what}", have >= need, f"MemAvailable {have / 2**30:.1f} GiB, "
+                 f"needs {need / 2**30:.2f} GiB")
+
+
+def check_mlock(need: int) -> Check:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    ok = soft == resource.RLIM_INFINITY or soft >= need
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+    return Check("mlock limit", ok, f"{limit}, the tables need {need / 2**30:.2f} GiB locked"
+                 + ("" if ok else " (systemd: LimitMEMLOCK=infinity; shell: ulimit -l unlimited)"))
+
+
+def check_hugepages() -> Check:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = re.search(r"\[(\w+)\]", path.read_text()).group(1) if path.exists() else "unknown"
+    return Check("transparent huge pages", mode != "never", f"{mode} (serve --hugepages needs "
+                 "madvise or always)")
+
+
+def check_gpu(device: str) -> Check:
+    if not shutil.which("nvidia-smi"):
+        return Check(f"gpu {device}", False, "no nvidia-smi: no NVIDIA driver on this machine")
+    index = device.partition(":")[2] or "0"
+    query = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=name,utilization.gpu,memory.used",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    if query.returncode:
+        return Check(f"gpu {device}", False, query.stderr.strip() or "nvidia-smi failed")
+    name, busy, used = [x.strip() for x in query.stdout.split(",")]
+    return Check(f"gpu {device}", int(busy) < 5 and int(used) < 1024,
+                 f"{name}: {busy}% busy, {used} MiB used (a worker wants it idle)")
+
+
+def run(cfg: StackConfig, role: str | None) -> list[Check]:
+    names = {r.name for r in roles(cfg, role)}
+    checks: list[Check] = []
+    wanted = {"ofl-transport", "dsv41-async-handoff", "dsv41-remote-engram", "dsv41-longctx-bench",
+              "dsv41-acceptance-ceiling"}
+    if names & {"drafter-worker", "engine"}:
+        wanted.add("dsv41-remote-drafter")
+    checks += check_versions(wanted)
+    if "engram-server" in names:
+        shards = list(Path(cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin"))
+        total = sum(p.stat().st_size for p in shards)
+        checks.append(Check("engram shards", bool(shards), f"{len(shards)} in "
+                            f"{cfg['STACK_ENGRAM_SHARDS']!r} ({total / 2**30:.2f} GiB)"))
+        checks += [check_port_free(a, "engram-server") for a in endpoints(cfg["STACK_ENGRAM_LISTEN"])]
+        checks += [check_memory(total, "for the tables"), check_mlock(total), check_hugepages()]
+    if "drafter-worker" in names:
+        checks.append(check_port_free(cfg["STACK_DRAFTER_LISTEN"], "drafter-worker"))
+        if cfg["STACK_DRAFTER_DEVICE"].startswith("cuda"):
+            checks.append(check_gpu(cfg["STACK_DRAFTER_DEVICE"]))
+    if "engine" in names:
+        model = Path(cfg["STACK_MODEL"])
+        checks.append(Check("target checkpoint", (model / "config.json").exists(), str(model)))
+        checks.append(check_port_free(cfg["STACK_ENGINE_LISTEN"], "engine"))
+        checks.append(check_memory(cfg.int("STACK_KV_BYTES"), "for the KV pool"))
+        if role == "engine":  # the offload host serves by now (reference order)
+            backend = cfg.values.get("ENGRAM_BACKEND", "verbs")
+            for rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
+                checks.append(reachable := check_reachable(address, f"engram rank {rank}"))
+                shard_dir = cfg.values.get("ENGRAM_SHARD_DIR", "")
+                if reachable.ok and shard_dir:
+                    checks.append(check_qualify(address, shard_dir, rank, backend))
+            if address := cfg.values.get("REMOTE_DRAFTER_ADDRESS"):
+                checks.append(check_reachable(address, "drafter worker"))
+    return checks
+
+
+def report(checks: list[Check]) -> str:
+    return "\n".join(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}" for c in checks)
+

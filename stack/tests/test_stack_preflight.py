@@ -1,0 +1,100 @@
+"""`dsv41-stack preflight`: a ready machine passes; each check, made to fail on purpose,
+fails with its reason and the exit code says so."""
+
+import importlib.metadata
+import json
+import resource
+import shutil
+import socket
+
+import pytest
+
+from dsv41_stack import preflight
+from dsv41_stack.cli import main
+from dsv41_stack.config import StackConfig
+from remote_engram.geometry import EngramGeometry
+from remote_engram.server import EngramServer
+from remote_engram.synth import write_shards
+
+SMALL = EngramGeometry(layers=(1, 14), vocab=500, prime_start=211)
+
+
+@pytest.fixture
+def ready(tmp_path, monkeypatch):
+    """A machine with everything the roles need (ports: any free; mlock: unlimited)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    write_shards(str(tmp_path / "shards"), SMALL, nranks=1)
+    write_shards(str(tmp_path / "other"), SMALL, nranks=1, seed=1)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    values = {"STACK_MODEL": str(tmp_path / "model"), "STACK_ENGRAM_SHARDS": str(tmp_path / "shards"),
+              "STACK_ENGRAM_LISTEN": "127.0.0.1:0", "STACK_DRAFTER": "ngram",
+              "STACK_DRAFTER_LISTEN": "127.0.0.1:0", "STACK_ENGINE_LISTEN": "127.0.0.1:0",
+              "STACK_KV_BYTES": str(1 << 20), "ENGRAM_BACKEND": "tcp",
+              "ENGRAM_SHARD_DIR": str(tmp_path / "shards")}
+    return StackConfig(values), tmp_path
+
+
+def failed(cfg, role=None) -> dict:
+    return {c.name: c.detail for c in preflight.run(cfg, role) if not c.ok}
+
+
+def test_a_ready_machine_passes(ready, tmp_path, capsys):
+    cfg, _ = ready
+    assert failed(cfg) == {}
+    env = tmp_path / "ready.env"
+    env.write_text("\n".join(f"{k}={v}" for k, v in cfg.values.items()))
+    assert main(["preflight", "--env", str(env)]) == 0
+    assert "0 failed" in capsys.readouterr().out
+
+
+def test_a_version_other_than_the_pin(ready, monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda d: "9.9" if d == "dsv41-remote-engram" else real(d))
+    assert failed(ready[0]) == {"version dsv41-remote-engram": "9.9 (pinned 0.1.0)"}
+
+
+def test_missing_shards_and_checkpoint(ready, tmp_path):
+    cfg = ready[0].with_values(STACK_ENGRAM_SHARDS=str(tmp_path / "none"),
+                               STACK_MODEL=str(tmp_path / "none"))
+    assert set(failed(cfg)) == {"engram shards", "target checkpoint"}
+
+
+def test_a_port_in_use(ready):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = "127.0.0.1:%d" % s.getsockname()[1]
+        assert "in use" in failed(ready[0].with_values(STACK_ENGINE_LISTEN=address))["port engine"]
+
+
+def test_not_enough_memory_or_mlock(ready, monkeypatch):
+    assert "memory for the KV pool" in failed(ready[0].with_values(STACK_KV_BYTES=str(1 << 50)))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (64 << 10, 64 << 10))
+    assert "LimitMEMLOCK=infinity" in failed(ready[0])["mlock limit"]
+
+
+def test_a_worker_gpu_without_a_driver(ready, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = ready[0].with_values(STACK_DRAFTER_DEVICE="cuda:0")
+    assert failed(cfg) == {"gpu cuda:0": "no nvidia-smi: no NVIDIA driver on this machine"}
+
+
+def test_links_and_qualify_on_the_engine_host(ready, tmp_path):
+    cfg, _ = ready
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = "127.0.0.1:%d" % s.getsockname()[1]
+    down = cfg.with_values(ENGRAM_REMOTE=closed, REMOTE_DRAFTER_ADDRESS=closed)
+    assert set(failed(down, "engine")) == {"link engram rank 0", "link drafter worker"}
+    for tables, ok in (("shards", True), ("other", False)):  # the host's rows vs ours
+        server = EngramServer(sorted(str(p) for p in (tmp_path / tables).glob("*.bin")),
+                              backend="tcp", listen=["127.0.0.1:0"], mlock=False).start()
+        try:
+            address = server.health()["links"][0]
+            checks = {c.name: c for c in preflight.run(cfg.with_values(ENGRAM_REMOTE=address), "engine")}
+        finally:
+            server.stop()
+        assert checks["link engram rank 0"].ok
+        assert checks["qualify rank 0"].ok is ok, json.dumps(checks["qualify rank 0"].detail)
