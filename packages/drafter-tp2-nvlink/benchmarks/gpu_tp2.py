@@ -95,22 +95,23 @@ def client(address: str, target: str) -> DrafterClient:
                          deadline_s=5.0)
 
 
-def time_rounds(address: str, target: str, feature: int, batch: int, rounds: int) -> dict:
+def time_rounds(address: str, target: str, feature: int, vocab: int, batch: int, rounds: int) -> dict:
     """Client round time with `batch` requests continuing one token per round (the steady
     decode shape: one new token and its hidden row per request)."""
     c = client(address, target)
     rng = np.random.default_rng(0)
     for rid in range(batch):
-        c.add_request(rid, rng.integers(0, 1000, 200), rng.standard_normal((199, feature)).astype(np.float32))
+        c.add_request(rid, rng.integers(0, vocab - 1, 200), rng.standard_normal((199, feature)).astype(np.float32))
     times = []
     for i in range(rounds + 5):
         t0 = time.perf_counter()
         drafts = c.propose()
         if i >= 5:
             times.append(time.perf_counter() - t0)
-        assert len(drafts) == batch, f"round {i}: {len(drafts)} of {batch} drafted"
+        if len(drafts) != batch:
+            raise RuntimeError(f"round {i}: {len(drafts)} of {batch} requests drafted")
         for rid in range(batch):
-            c.commit(rid, [int(rng.integers(0, 1000))], rng.standard_normal((1, feature)).astype(np.float32))
+            c.commit(rid, [int(rng.integers(0, vocab - 1))], rng.standard_normal((1, feature)).astype(np.float32))
     for rid in range(batch):
         c.release(rid)
     c.propose()
@@ -119,9 +120,9 @@ def time_rounds(address: str, target: str, feature: int, batch: int, rounds: int
             "rounds": rounds}
 
 
-def parity(address: str, target: str, drafter: str, rounds: int) -> dict:
-    """TP2 drafts vs the one-card drafter on cuda:0 (float32), single-request rounds."""
-    one = load_drafter(drafter, target, "cuda:0")
+def parity(address: str, target: str, drafter: str, rounds: int, device: str = "cuda:0") -> dict:
+    """TP2 drafts vs the one-card drafter on `device` (float32), single-request rounds."""
+    one = load_drafter(drafter, target, device)
     c = client(address, target)
     rng = np.random.default_rng(7)
     same, gaps = 0, []
@@ -155,13 +156,13 @@ def fault_drill(drafter: str, target: str, dtype: str) -> dict:
 def measure(name: str, base: str, rounds: int) -> dict:
     target, drafter = build(base, name)
     dtype = WIDTHS[name]["dtype"]
-    feature = 3 * WIDTHS[name]["target"].hidden_size
+    feature, vocab = 3 * WIDTHS[name]["target"].hidden_size, WIDTHS[name]["target"].vocab_size
     result = {"width": name, "dtype": dtype, "config": asdict(WIDTHS[name]["target"]), "latency": {}}
     one, one_address = spawn_worker(["--drafter", drafter, "--target", target, "--device", "cuda:0",
                                      "--dtype", dtype, "--listen", "127.0.0.1:0"])
     try:
         result["memory_one_card_mib"] = memory_mib([one.pid])
-        result["latency"]["one-card"] = {b: time_rounds(one_address, target, feature, b, rounds) for b in BATCHES}
+        result["latency"]["one-card"] = {b: time_rounds(one_address, target, feature, vocab, b, rounds) for b in BATCHES}
     finally:
         one.terminate()
         one.wait()
@@ -173,7 +174,7 @@ def measure(name: str, base: str, rounds: int) -> dict:
             result[f"{label}_topology"] = c.transport.info(10).described["drafter"]["topology"]
             c.close()
             result[f"memory_{label}_mib"] = memory_mib(pids)
-            result["latency"][label] = {b: time_rounds(address, target, feature, b, rounds) for b in BATCHES}
+            result["latency"][label] = {b: time_rounds(address, target, feature, vocab, b, rounds) for b in BATCHES}
             if name == "smollm2":
                 result[f"parity_{label}"] = parity(address, target, drafter, 100)
         finally:

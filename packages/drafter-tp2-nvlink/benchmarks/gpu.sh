@@ -1,0 +1,23 @@
+#!/bin/bash
+# The GPU tier of drafter-tp2-nvlink, in one call on an nvidia-h200-x2 machine:
+#   device run (kind nvidia-h200-x2, carry .whl): bash packages/drafter-tp2-nvlink/benchmarks/gpu.sh
+# 1. the package's tests under that torch: CPU tiers plus tests/test_tp2_gpu.py (pair check,
+#    P2P status, graph capture on owned streams, TP2 vs one-card drafts on CUDA, same GPU twice);
+# 2. benchmarks/gpu_tp2.py: one-card vs TP2 (graphs, eager) round latency at batch 1/4/16 at
+#    the SmolLM2 width and a production-like width, memory per card, parity, the fault drill.
+# Writes pytest.txt, tp2.json and tp2.txt under $OUT (WIDTHS=smollm2 or large splits the run
+# over two calls if one passes its 10 minutes). NOT YET RUN (issue 10's GPU tier).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/drafter-tp2-gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+source packages/drafter-tp2-nvlink/benchmarks/gpu_env.sh
+nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m | tee "$OUT/topo.txt"
+if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
+  echo "== drafter-tp2 tests under this torch (CPU tiers + the two-GPU tests)"
+  python3 -m pytest -q -p no:cacheprovider -rs packages/drafter-tp2-nvlink/tests 2>&1 | tail -8 | tee "$OUT/pytest.txt"
+fi
+echo "== one-card vs TP2 rounds, memory, parity, fault drill"
+python3 packages/drafter-tp2-nvlink/benchmarks/gpu_tp2.py --rounds "${ROUNDS:-100}" --widths "${WIDTHS:-smollm2,large}" \
+  --out "$OUT/tp2.json" | tee "$OUT/tp2.txt"
