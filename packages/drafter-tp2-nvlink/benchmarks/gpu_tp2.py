@@ -85,8 +85,8 @@ def memory_mib(pids: list[int]) -> dict:
     found = {}
     for line in out.splitlines():
         pid, uuid, used = [x.strip() for x in line.split(",")]
-        if int(pid) in pids:
-            found[f"pid {pid} ({uuid[:12]})"] = int(used)
+        if pid.isdigit() and int(pid) in pids:
+            found[f"pid {pid} ({uuid[:12]})"] = int(used) if used.isdigit() else used
     return found
 
 

@@ -112,8 +112,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("supervise", help="run a worker pair, restarting it with a bound",
                        description="Restart the pair when it stops serving (a rank died or "
                        "hung), at most --restarts times within --window-s, then give up.")
-    p.add_argument("--restarts", type=int, default=env.DRAFTER_TP2_RESTARTS.get_int())
-    p.add_argument("--window-s", type=float, default=env.DRAFTER_TP2_RESTART_WINDOW_S.get_float())
+    p.add_argument("--restarts", type=int, default=env.DRAFTER_TP2_RESTARTS.get_int(),
+                   help="restarts allowed within the window (default: DRAFTER_TP2_RESTARTS)")
+    p.add_argument("--window-s", type=float, default=env.DRAFTER_TP2_RESTART_WINDOW_S.get_float(),
+                   help="the window in seconds (default: DRAFTER_TP2_RESTART_WINDOW_S)")
     p.add_argument("--backoff-s", type=float, default=1.0, help="pause before a restart")
     p.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then the worker's arguments")
     p.set_defaults(fn=cmd_supervise)
