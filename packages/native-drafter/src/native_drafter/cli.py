@@ -56,9 +56,11 @@ def cmd_identity(args) -> int:
 
 def load_target(args, device: str):
     """The target: from the Hugging Face folder (--target) or the GGUF (--gguf / env)."""
-    from .teacher import load_target_folder, load_teacher
+    from remote_drafter.target import TargetLM
+
+    from .teacher import load_teacher
     if getattr(args, "target", None):
-        return load_target_folder(args.target, device)
+        return TargetLM.load(args.target, device)
     return load_teacher(args.gguf or env.NATIVE_DRAFTER_GGUF.get() or None, device)
 
 

@@ -10,7 +10,6 @@ against that folder. `teacher_forward` is TargetLM.forward for a batch of rows.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sysconfig
 
@@ -125,17 +124,3 @@ def teacher_forward(target: TargetLM, tokens: torch.Tensor, layers: tuple[int, .
             kept.append(x)
     logits = (target.model.norm(x) @ target.head_weight.T).float()
     return logits, torch.cat(kept, -1).float()
-
-
-def load_target_folder(folder: str, device: str = "cpu") -> TargetLM:
-    """TargetLM.load, with the rotary base of transformers-5 configs honoured: they keep it
-    under rope_parameters, which TargetConfig.from_hf does not read (it would fall back to
-    10,000 where SmolLM2 uses 100,000 and the GGUF says so)."""
-    with open(os.path.join(folder, "config.json")) as f:
-        theta = json.load(f).get("rope_parameters", {}).get("rope_theta")
-    model = TargetLM.load(folder, device=device)
-    if theta is not None:
-        model.config.rope_theta = float(theta)
-        for layer in model.model.layers:
-            layer.self_attn.theta = float(theta)
-    return model
