@@ -98,3 +98,25 @@ def test_links_and_qualify_on_the_engine_host(ready, tmp_path):
             server.stop()
         assert checks["link engram rank 0"].ok
         assert checks["qualify rank 0"].ok is ok, json.dumps(checks["qualify rank 0"].detail)
+
+
+def test_the_drafter_workers_identity(ready, tmp_path):
+    """The worker serves target A; an engine of target A passes, an engine of B fails."""
+    from remote_drafter.target import TargetConfig, random_target
+    from remote_drafter.worker import spawn_worker
+    tiny = TargetConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=64)
+    for name, seed in (("a", 0), ("b", 1)):
+        random_target(tiny, seed).save(str(tmp_path / name))
+    proc, address = spawn_worker(["--drafter", "ngram", "--target", str(tmp_path / "a"),
+                                  "--listen", "127.0.0.1:0"])
+    try:
+        for target, ok in (("a", True), ("b", False)):
+            cfg = ready[0].with_values(REMOTE_DRAFTER_ADDRESS=address,
+                                       REMOTE_DRAFTER_TARGET=str(tmp_path / target))
+            checks = {c.name: c for c in preflight.run(cfg, "engine")}
+            assert checks["link drafter worker"].ok
+            assert checks["drafter identity"].ok is ok, checks["drafter identity"].detail
+    finally:
+        proc.kill()
+        proc.wait()

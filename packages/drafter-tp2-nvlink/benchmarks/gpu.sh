@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/drafter-tp2-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-source packages/drafter-tp2-nvlink/benchmarks/gpu_env.sh
+source tools/gpu-env.sh .whl
 nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | tee "$OUT/topo.txt"
 if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements

@@ -23,8 +23,7 @@ mkdir -p "$KEEP"
 for x in .artifacts/native-drafter/xfer*/; do [[ -d $x ]] && cp "$x"* "$KEEP"/; done
 ls -la "$KEEP"
 [[ ${1:-run} == keep ]] && exit 0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KEEP"/*.whl
-export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
+source tools/gpu-env.sh "$KEEP"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $1 == stage ]]; then
   python3 -m pytest -q -p no:cacheprovider packages/native-drafter/tests/test_training_gate.py -k cuda 2>&1 | tail -3
@@ -38,17 +37,6 @@ mkdir -p /tmp/tokens
 python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
   "$KEEP/train.npz.xz" /tmp/tokens/train.npz
 cp "$KEEP/validation.npz" "$KEEP/tokens.json" /tmp/tokens/
-# the reference loop's client imports the host-flags helper (cffi, built here as remote-drafter's gpu.sh does)
-for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py packages/ofl-transport/src/ofl/_gather_build.py; do
-  python3 - "$builder" <<'PY'
-import importlib.util, pathlib, shutil, sys, tempfile
-path = pathlib.Path(sys.argv[1])
-spec = importlib.util.spec_from_file_location(path.stem, path)
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-so = pathlib.Path(mod.builder().compile(tmpdir=tempfile.mkdtemp(), verbose=False))
-shutil.copy2(so, path.parent / so.name)
-PY
-done
 evaluate() {  # checkpoint, out json, measured prompts per class
   python3 -m native_drafter.cli evaluate --checkpoint "$1" --gguf /tmp/smollm2.gguf --tokens /tmp/tokens \
     --device cuda --per-class "${PER_CLASS:-160}" --measured-prompts "${PROMPTS:-$3}" \

@@ -1,26 +1,13 @@
 #!/bin/bash
 # The GPU tier of remote-drafter, in one call on an H200 machine (see the README):
 #   device run: bash packages/remote-drafter/benchmarks/gpu.sh   (carry: .whl)
-# No registry there: cffi/pycparser come as wheels in .whl/ (python 3.12), our packages
-# from their src/ folders, the C helpers compiled in place. Writes JSON under $OUT.
+# No registry there: tools/gpu-env.sh installs the carried wheels (.whl/, python 3.12) and
+# builds the C helpers. Writes JSON under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
-for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py \
-               packages/ofl-transport/src/ofl/_gather_build.py; do
-  python3 - "$builder" <<'PY'
-import importlib.util, pathlib, shutil, sys, tempfile
-path = pathlib.Path(sys.argv[1])
-spec = importlib.util.spec_from_file_location(path.stem, path)
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-so = pathlib.Path(mod.builder().compile(tmpdir=tempfile.mkdtemp(), verbose=False))
-shutil.copy2(so, path.parent / so.name)
-print("built", so.name)
-PY
-done
+source tools/gpu-env.sh .whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"

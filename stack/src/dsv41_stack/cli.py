@@ -133,6 +133,26 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def cmd_systemd(args) -> int:
+    from .systemd import write_units
+
+    paths = write_units(StackConfig.load(args.env), args.env, args.role, Path(args.out))
+    print("\n".join(f"wrote {p}" for p in paths))
+    print(f"install: cp {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && "
+          "systemctl enable --now dsv41-watchdog.timer " + " ".join(
+              p.name for p in paths if p.name.endswith(".service") and "watchdog" not in p.name))
+    return 0
+
+
+def cmd_watchdog(args) -> int:
+    from .systemd import watchdog
+
+    cfg = StackConfig.load(args.env)
+    said = watchdog(cfg, args.role, Path(cfg["STACK_RUN_DIR"]) / "watchdog.json")
+    print("\n".join(said) or "every role serves")
+    return 1 if any("left down" in line for line in said) else 0
+
+
 def cmd_demo(args) -> int:
     from rich.console import Console
 
@@ -192,6 +212,17 @@ def main(argv=None) -> int:
     r.add_argument("--env", action="append", required=True)
     r.add_argument("--write", required=True, help="the env file to write")
     r.set_defaults(func=cmd_rollback)
+    u = sub.add_parser("systemd", help="write systemd units for this machine's roles and the "
+                       "watchdog timer")
+    u.add_argument("--env", action="append", required=True)
+    u.add_argument("--role", choices=["offload-host", "engine"])
+    u.add_argument("--out", required=True, help="folder for the unit files")
+    u.set_defaults(func=cmd_systemd)
+    w = sub.add_parser("watchdog", help="one pass: restart (bounded) a role that runs but does "
+                       "not serve (the timer runs it every 30 s)")
+    w.add_argument("--env", action="append", required=True)
+    w.add_argument("--role", choices=["offload-host", "engine"])
+    w.set_defaults(func=cmd_watchdog)
     d = sub.add_parser("demo", help="the deployment in miniature on this machine (A, B, D, D-async)",
                        description="Builds the SmolLM2-with-Engram target if needed, starts the "
                        "Engram server, the drafter worker and one vLLM per configuration, "
@@ -208,7 +239,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"dsv41-stack: {exc}", file=sys.stderr)
         return 2
 

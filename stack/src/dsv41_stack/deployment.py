@@ -49,6 +49,8 @@ class Deployment:
         started = []
         try:
             for role in roles(self.cfg, role_filter):
+                if role.name == "engine":
+                    self.check_offload_host(say)
                 if self.pid(role):
                     say(f"{role.name}: already running (pid {self.pid(role)})")
                     continue
@@ -64,6 +66,17 @@ class Deployment:
             for role in reversed(started):  # nothing half up
                 self.stop(role)
             raise
+
+    def check_offload_host(self, say) -> None:
+        """Reference order: the engine starts only once the rows it will read are qualified
+        and the worker's identities match."""
+        from .preflight import offload_links, report
+        checks = offload_links(self.cfg)
+        if checks:
+            say(report(checks))
+        if not all(c.ok for c in checks):
+            raise RuntimeError("the offload host is not ready for this engine (see above); "
+                               "start it first or fix the links")
 
     def missing_input(self, role: Role) -> str | None:
         """What a role needs on disk before it can start, if it is not there."""

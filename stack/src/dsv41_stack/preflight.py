@@ -90,6 +90,25 @@ def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Chec
                  + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
 
 
+def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
+    """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
+    engine expects (REMOTE_DRAFTER_TARGET / _MANIFEST): the handshake the engine will make."""
+    from remote_drafter.identity import expectation
+    from remote_drafter.transport import RemoteTransport
+    try:
+        expect = expectation(cfg.values.get("REMOTE_DRAFTER_TARGET"),
+                             cfg.values.get("REMOTE_DRAFTER_MANIFEST"))
+        transport = RemoteTransport(address, cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp"), expect)
+        try:
+            info = transport.info(5.0)
+        finally:
+            transport.close()
+    except Exception as exc:  # noqa: BLE001 - a refused or failed handshake is the FAIL
+        return Check("drafter identity", False, f"{address}: {exc}")
+    return Check("drafter identity", True, f"{address}: {info.manifest.kind} drafter, target "
+                 f"{info.manifest.target[:12]}, drafter {info.manifest.drafter[:12]}")
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -156,14 +175,25 @@ def run(cfg: StackConfig, role: str | None) -> list[Check]:
         checks.append(check_port_free(cfg["STACK_ENGINE_LISTEN"], "engine"))
         checks.append(check_memory(cfg.int("STACK_KV_BYTES"), "for the KV pool"))
         if role == "engine":  # the offload host serves by now (reference order)
-            backend = cfg.values.get("ENGRAM_BACKEND", "verbs")
-            for rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
-                checks.append(reachable := check_reachable(address, f"engram rank {rank}"))
-                shard_dir = cfg.values.get("ENGRAM_SHARD_DIR", "")
-                if reachable.ok and shard_dir:
-                    checks.append(check_qualify(address, shard_dir, rank, backend))
-            if address := cfg.values.get("REMOTE_DRAFTER_ADDRESS"):
-                checks.append(check_reachable(address, "drafter worker"))
+            checks += offload_links(cfg)
+    return checks
+
+
+def offload_links(cfg: StackConfig) -> list[Check]:
+    """What an engine needs of the offload host before it starts: each Engram link answers
+    and its rows equal the local shards (a sample); the drafter worker answers with the
+    identities this engine expects."""
+    checks = []
+    backend = cfg.values.get("ENGRAM_BACKEND", "verbs")
+    for rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
+        checks.append(reachable := check_reachable(address, f"engram rank {rank}"))
+        shard_dir = cfg.values.get("ENGRAM_SHARD_DIR", "")
+        if reachable.ok and shard_dir:
+            checks.append(check_qualify(address, shard_dir, rank, backend))
+    if address := cfg.values.get("REMOTE_DRAFTER_ADDRESS"):
+        checks.append(reachable := check_reachable(address, "drafter worker"))
+        if reachable.ok:
+            checks.append(check_drafter_identity(address, cfg))
     return checks
 
 

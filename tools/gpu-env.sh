@@ -1,8 +1,10 @@
-# Sourced by benchmarks/gpu.sh: the GPU machine has no registry, so cffi/pycparser come as
-# wheels carried in .whl/ (python 3.12), our packages from their src/ folders, and the two C
-# helpers (async-handoff's host flags, ofl's gather) are compiled in place. The same steps
-# as packages/remote-drafter/benchmarks/gpu.sh, which could source this file too.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Sourced by every package's GPU script (benchmarks/gpu.sh), from the repository root:
+#   source tools/gpu-env.sh [WHEEL_DIR]      (default .whl)
+# The GPU machine has no registry, so cffi/pycparser come as Python 3.12 wheels carried in
+# WHEEL_DIR, our packages from their src/ folders (PYTHONPATH), and the two C helpers
+# (async-handoff's host flags, ofl's gather) are compiled in place.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "${1:-.whl}"/*.whl
 export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
 for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py \
                packages/ofl-transport/src/ofl/_gather_build.py; do

@@ -1,0 +1,137 @@
+"""systemd units for this machine's roles, and the watchdog that restarts a role which runs
+but no longer serves (systemd itself restarts one that exits: Restart=on-failure, bounded by
+StartLimitBurst in StartLimitIntervalSec; the watchdog keeps its own bound)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .config import StackConfig
+from .roles import Role, roles
+
+RESTART_BURST, RESTART_WINDOW_S = 3, 600
+WATCHDOG_EVERY_S, WATCHDOG_MISSES = 30, 3
+
+
+def unit_name(role: Role) -> str:
+    return f"dsv41-{role.name}.service"
+
+
+def systemd_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def service_unit(role: Role, workdir: str) -> str:
+    env = "\n".join(f"Environment={systemd_quote(f'{k}={v}')}" for k, v in sorted(role.env.items()))
+    # systemd wants an absolute executable
+    command = [str(Path(workdir, role.command[0])) if not Path(role.command[0]).is_absolute()
+               else role.command[0], *role.command[1:]]
+    extra = "LimitMEMLOCK=infinity\n" if role.name == "engram-server" else ""
+    return f"""[Unit]
+Description=DSV41 offload stack: {role.name}
+After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec={RESTART_WINDOW_S}
+StartLimitBurst={RESTART_BURST}
+
+[Service]
+Type=simple
+WorkingDirectory={workdir}
+{env}
+ExecStart={shlex.join(command)}
+Restart=on-failure
+RestartSec=5
+KillMode=control-group
+TimeoutStopSec=60
+{extra}
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def watchdog_units(env_files: list[str], role: str | None, workdir: str) -> dict[str, str]:
+    args = " ".join(f"--env {shlex.quote(str(Path(f).resolve()))}" for f in env_files)
+    args += f" --role {role}" if role else ""
+    return {
+        "dsv41-watchdog.service": f"""[Unit]
+Description=DSV41 offload stack: restart a role that runs but does not serve
+
+[Service]
+Type=oneshot
+WorkingDirectory={workdir}
+ExecStart={shlex.quote(sys.executable)} -m dsv41_stack.cli watchdog {args}
+""",
+        "dsv41-watchdog.timer": f"""[Unit]
+Description=DSV41 offload stack watchdog, every {WATCHDOG_EVERY_S} s
+
+[Timer]
+OnBootSec=120
+OnUnitActiveSec={WATCHDOG_EVERY_S}
+
+[Install]
+WantedBy=timers.target
+""",
+    }
+
+
+def write_units(cfg: StackConfig, env_files: list[str], role: str | None, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = os.getcwd()
+    files = {unit_name(r): service_unit(r, workdir) for r in roles(cfg, role)}
+    files.update(watchdog_units(env_files, role, workdir))
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return [out / name for name in files]
+
+
+def serving(role: Role) -> bool:
+    """Does the role answer? The engine on its HTTP readiness URL, the servers on their
+    first listener."""
+    try:
+        if role.ready_url:
+            with urllib.request.urlopen(role.ready_url, timeout=5) as r:
+                return r.status == 200
+        host, _, port = role.command[role.command.index("--listen") + 1].rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def watchdog(cfg: StackConfig, role: str | None, state_path: Path, probe=serving,
+             restart=lambda unit: subprocess.run(["systemctl", "restart", unit], check=True),
+             now=time.time) -> list[str]:
+    """One watchdog pass: a role missing WATCHDOG_MISSES probes in a row is restarted, at
+    most RESTART_BURST times per RESTART_WINDOW_S; past that it is left to the operator
+    (reported). Returns what it did, one line per role that needed anything."""
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    said = []
+    for r in roles(cfg, role):
+        entry = state.setdefault(r.name, {"misses": 0, "restarts": []})
+        if probe(r):
+            entry["misses"] = 0
+            continue
+        entry["misses"] += 1
+        if entry["misses"] < WATCHDOG_MISSES:
+            said.append(f"{r.name}: not serving ({entry['misses']}/{WATCHDOG_MISSES})")
+            continue
+        entry["restarts"] = [t for t in entry["restarts"] if now() - t < RESTART_WINDOW_S]
+        if len(entry["restarts"]) >= RESTART_BURST:
+            said.append(f"{r.name}: not serving and restarted {RESTART_BURST} times in "
+                        f"{RESTART_WINDOW_S} s: left down for the operator")
+            continue
+        restart(unit_name(r))
+        entry["restarts"].append(now())
+        entry["misses"] = 0
+        said.append(f"{r.name}: restarted ({len(entry['restarts'])}/{RESTART_BURST} in the window)")
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    state_path.write_text(json.dumps(state))
+    return said

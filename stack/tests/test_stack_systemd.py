@@ -1,0 +1,64 @@
+"""systemd units (each role's exact command and environment, bounded restarts) and the
+watchdog's bounded restarts of a role that runs but does not serve."""
+
+import configparser
+import json
+import shlex
+from pathlib import Path
+
+from dsv41_stack.cli import main, template_path
+from dsv41_stack.config import StackConfig
+from dsv41_stack.roles import roles
+from dsv41_stack.systemd import RESTART_BURST, WATCHDOG_MISSES, watchdog
+
+
+def units(tmp_path) -> dict:
+    out = tmp_path / "units"
+    assert main(["systemd", "--env", str(template_path("local")), "--out", str(out)]) == 0
+    parsed = {}
+    for path in out.iterdir():
+        p = configparser.ConfigParser(strict=False, interpolation=None)
+        p.optionxform = str
+        p.read_string(path.read_text().replace("\nEnvironment=", "\nEnvironment_="), source=str(path))
+        parsed[path.name] = (p, path.read_text())
+    return parsed
+
+
+def test_each_role_runs_exactly_what_args_prints(tmp_path):
+    got = units(tmp_path)
+    cfg = StackConfig.load([template_path("local")])
+    assert set(got) == {"dsv41-engram-server.service", "dsv41-drafter-worker.service",
+                        "dsv41-engine.service", "dsv41-watchdog.service", "dsv41-watchdog.timer"}
+    for role in roles(cfg):
+        parser, text = got[f"dsv41-{role.name}.service"]
+        command = shlex.split(parser["Service"]["ExecStart"])
+        assert Path(command[0]).is_absolute() and command[1:] == role.command[1:]
+        for key, value in role.env.items():
+            assert f'Environment="{key}={value}"' in text
+        assert parser["Service"]["Restart"] == "on-failure"
+        assert int(parser["Unit"]["StartLimitBurst"]) == RESTART_BURST
+    assert got["dsv41-engram-server.service"][0]["Service"]["LimitMEMLOCK"] == "infinity"
+    assert "watchdog --env" in got["dsv41-watchdog.service"][0]["Service"]["ExecStart"]
+
+
+def test_the_watchdog_restarts_a_silent_role_with_a_bound(tmp_path):
+    cfg = StackConfig.load([template_path("local")])
+    state, clock, restarted = tmp_path / "watchdog.json", [1000.0], []
+
+    def one_pass(engine_serves: bool):
+        return watchdog(cfg, None, state, probe=lambda r: r.name != "engine" or engine_serves,
+                        restart=restarted.append, now=lambda: clock[0])
+
+    assert one_pass(True) == []
+    for _ in range(WATCHDOG_MISSES - 1):  # a miss or two is not yet a restart
+        assert "not serving" in one_pass(False)[0] and not restarted
+    assert "restarted (1/" in one_pass(False)[0] and restarted == ["dsv41-engine.service"]
+    for _ in range((RESTART_BURST - 1) * WATCHDOG_MISSES):
+        one_pass(False)
+    assert len(restarted) == RESTART_BURST
+    for _ in range(WATCHDOG_MISSES):
+        said = one_pass(False)
+    assert "left down for the operator" in said[0] and len(restarted) == RESTART_BURST
+    clock[0] += 3600  # the window has passed: the role still silent is restarted at once
+    assert "restarted (1/" in one_pass(False)[0] and len(restarted) == RESTART_BURST + 1
+    assert json.loads(state.read_text())["engine"]["misses"] == 0
