@@ -31,7 +31,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     here = tmp_path / "here.env"
     here.write_text(f"STACK_RUN_DIR={tmp_path}/run\nSTACK_MODEL={model}\nSTACK_VLLM_PYTHON={PYTHON}\n"
                     f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n"
-                    f"REMOTE_DRAFTER_TARGET={model}\nENGRAM_METRICS_LISTEN=127.0.0.1:17495\n")
+                    "ENGRAM_METRICS_LISTEN=127.0.0.1:17495\n")
     env = ["--env", str(template_path("local")), "--env", str(here)]
     try:
         assert main(["up", *env, "--record-canary"]) == 0

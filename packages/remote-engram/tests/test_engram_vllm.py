@@ -28,7 +28,6 @@ from longctx_bench.launch import VllmServer, free_port
 from remote_engram.cli import main as cli
 from remote_engram.geometry import ROW_BYTES, EngramGeometry
 from remote_engram.hashing import row_ids
-from remote_engram.miniature import build
 from remote_engram.shard import HEADER_BYTES, ShardReader, shard_name
 from remote_engram.synth import write_shards
 
@@ -91,6 +90,7 @@ def test_the_overlay_reads_what_vllms_engram_code_reads_on_every_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from remote_engram.miniature import build  # torch: the torch-free venv only collects this file
     folder = tmp_path_factory.mktemp("miniature") / "tiny"
     build(str(folder), str(SMOLLM2))
     return folder
@@ -196,6 +196,7 @@ def test_one_corrupted_row_on_the_host_changes_the_output(tiny, reference, tmp_p
 
 
 def test_smollm2_with_engram_rows_from_the_host_speaks(tmp_path):
+    from remote_engram.miniature import build
     folder = tmp_path / "smollm2-engram"
     build(str(folder), str(SMOLLM2), base=str(SMOLLM2))
     host = EngramServeProcess(str(folder / "shards"), "tcp")

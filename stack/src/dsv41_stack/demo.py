@@ -62,7 +62,7 @@ def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfi
         "ENGRAM_SHARD_DIR": cfg["STACK_ENGRAM_SHARDS"] if remote_engram else None,
         "REMOTE_DRAFTER_ADDRESS": worker_at if remote_drafter else None,
         "REMOTE_DRAFTER_DRAFTER": None if remote_drafter else cfg["STACK_DRAFTER"],
-        "REMOTE_DRAFTER_TARGET": cfg["STACK_MODEL"],
+        "REMOTE_DRAFTER_TARGET": cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
         "VLLM_DSPARK_REMOTE_ASYNC": "1" if setting.get("async") else None,
     }
 

@@ -42,7 +42,8 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
     if not cfg["STACK_DRAFTER"]:
         return None
     cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", "--drafter", cfg["STACK_DRAFTER"],
-           "--target", cfg["STACK_MODEL"], "--listen", cfg["STACK_DRAFTER_LISTEN"],
+           "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
+           "--listen", cfg["STACK_DRAFTER_LISTEN"],
            "--device", cfg["STACK_DRAFTER_DEVICE"],
            "--backend", cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp")]
     if cfg.int("STACK_INJECT_DELAY_MS"):

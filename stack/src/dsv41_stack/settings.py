@@ -37,6 +37,8 @@ SETTINGS = [
             "comma-separated; empty = no Engram server."),
     Setting("STACK_DRAFTER", "", "Offload host: the drafter the worker serves (checkpoint folder, "
             "'ngram', 'module:Class'); empty = no worker."),
+    Setting("STACK_DRAFTER_TARGET", "", "Offload host: the target folder the drafter was built "
+            "for (its embedding, head and identity); empty = STACK_MODEL."),
     Setting("STACK_DRAFTER_LISTEN", "", "Offload host: HOST:PORT of the drafter worker."),
     Setting("STACK_DRAFTER_DEVICE", "cpu", "Offload host: the worker's device (cuda:0 on the 3090)."),
     Setting("STACK_INJECT_DELAY_MS", "0", "Miniature only: delay added to every Engram read and "
