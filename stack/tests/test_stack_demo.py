@@ -31,9 +31,15 @@ def test_the_demo_runs_the_four_configurations(tmp_path, monkeypatch, capsys):
     rows = {r["config"]: r for r in report["configs"]}
     assert list(rows) == ["A", "B", "D", "D-async"]
     assert all(r["errors"] == 0 and r["bench_exit"] == 0 for r in rows.values())
-    # the tables leave the engine: its KV pool grows by their bytes, in vLLM's own count
-    assert rows["A"]["kv_budget_bytes"] == report["kv_budget_bytes"] - report["engram_table_bytes"]
-    assert rows["A"]["kv_tokens"] < rows["B"]["kv_tokens"] == rows["D"]["kv_tokens"]
+    # what leaves the engine (tables from A to B, the drafter from B to D) becomes KV pool,
+    # in vLLM's own count
+    budget, tables, drafter = (report[k] for k in ("kv_budget_bytes", "engram_table_bytes",
+                                                   "local_drafter_bytes"))
+    assert drafter > 0  # the trained DSpark checkpoint, not prompt lookup
+    assert [rows[c]["kv_budget_bytes"] for c in rows] == [
+        budget - tables - drafter, budget - drafter, budget, budget]
+    assert rows["A"]["kv_tokens"] < rows["B"]["kv_tokens"] < rows["D"]["kv_tokens"] \
+        == rows["D-async"]["kv_tokens"]
     assert all(r["accepted_length"] and r["accepted_length"] > 1 for r in rows.values())
     assert (tmp_path / "results" / "demo.png").stat().st_size > 1000
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)

@@ -30,8 +30,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     build(str(model), str(ROOT / ".artifacts/smollm2-135m"), base=str(ROOT / ".artifacts/smollm2-135m"))
     here = tmp_path / "here.env"
     here.write_text(f"STACK_RUN_DIR={tmp_path}/run\nSTACK_MODEL={model}\nSTACK_VLLM_PYTHON={PYTHON}\n"
-                    f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n"
-                    "ENGRAM_METRICS_LISTEN=127.0.0.1:17495\n")
+                    f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n")
     env = ["--env", str(template_path("local")), "--env", str(here)]
     try:
         assert main(["up", *env, "--record-canary"]) == 0
@@ -45,7 +44,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
             assert main(["down", *env, "--role", "engine"]) == 0
             assert main(["up", "--env", str(rolled), "--role", "engine"]) == 0  # canary inside
             out = capsys.readouterr().out
-            assert "canary: ok" in out, out
+            assert "canary: output ok" in out and "canary: ok, counters fresh" in out, out
             env = ["--env", str(rolled)]
         # drill: the offload host goes away under a serving engine (back on configuration D)
         assert main(["down", "--env", str(template_path("local")), "--env", str(here),
@@ -53,8 +52,11 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         env = ["--env", str(template_path("local")), "--env", str(here)]
         assert main(["up", *env, "--role", "engine"]) == 0
         assert main(["down", *env, "--role", "offload-host"]) == 0
-        assert main(["canary", *env]) == 0  # same output: Engram from disk, no drafts
-        assert main(["status", *env]) == 1  # the degradation shows
+        capsys.readouterr()
+        assert main(["canary", *env]) == 1  # same output (Engram from disk, no drafts) ...
+        out = capsys.readouterr().out
+        assert "canary: output ok" in out and "DEGRADED: no drafts made; Engram fallbacks" in out, out
+        assert main(["status", *env]) == 1  # ... and the degradation shows
         with __import__("urllib.request").request.urlopen("http://127.0.0.1:17495/metrics") as r:
             assert "engram_client_fallbacks_total" in r.read().decode()
     finally:

@@ -107,11 +107,15 @@ def cmd_logs(args) -> int:
 def report_canary(result: dict) -> int:
     if result["recorded"]:
         print(f"canary: recorded the reference fingerprint {result['fingerprint'][:16]}")
-    elif result["ok"]:
-        print(f"canary: ok, fingerprint {result['fingerprint'][:16]} = the reference")
+    elif result["fingerprint"] == result["reference"]:
+        print(f"canary: output ok, fingerprint {result['fingerprint'][:16]} = the reference")
     else:
         print(f"canary: FAILED, fingerprint {result['fingerprint'][:16]} != reference "
               f"{result['reference'][:16]} (prompts differing: {result['differs']})")
+    if result["degraded"]:
+        print(f"canary: DEGRADED: {'; '.join(result['degraded'])}")
+    elif result["ok"]:
+        print("canary: ok, counters fresh (drafts made, no Engram fallback)")
     return 0 if result["ok"] else 1
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import StackConfig
 from .processes import Running, role_env
-from .roles import SERVED_NAME, Role, roles
+from .roles import SERVED_NAME, Role, roles, speculative_config
 
 
 class Deployment:
@@ -119,7 +119,8 @@ class Deployment:
         return out
 
     def canary(self, record: bool = False) -> dict:
-        """Greedy fingerprint of fixed prompts vs the recorded reference."""
+        """Greedy fingerprint of fixed prompts vs the recorded reference, and fresh counters
+        over those requests: drafts made when a drafter is configured, no Engram fallback."""
         import httpx
 
         from longctx_bench.runner import RunConfig, fingerprint
@@ -128,14 +129,39 @@ class Deployment:
             async with httpx.AsyncClient() as client:
                 return await fingerprint(client, RunConfig(self.engine_url(), SERVED_NAME, [], []))
 
+        before = self.counters()
         got = asyncio.run(measure())
+        after = self.counters()
+        moved = {k: after[k] - before.get(k, 0.0) for k in after}
+        degraded = []
+        if speculative_config(self.cfg) and not moved.get("num_drafts"):
+            degraded.append("no drafts made")
+        degraded += [f"Engram {k} +{v:.0f}" for k, v in moved.items()
+                     if k in ("fallbacks", "remote_failures") and v]
         path = self.run / "canary-reference.json"
         if record or not path.exists():
             path.write_text(json.dumps(got, indent=2))
-            return {"ok": True, "recorded": True, "fingerprint": got["all"]}
+            return {"ok": not degraded, "recorded": True, "fingerprint": got["all"],
+                    "degraded": degraded}
         want = json.loads(path.read_text())
-        return {"ok": got["all"] == want["all"], "recorded": False, "fingerprint": got["all"],
-                "reference": want["all"], "differs": [k for k in want if got.get(k) != want[k]]}
+        return {"ok": got["all"] == want["all"] and not degraded, "recorded": False,
+                "fingerprint": got["all"], "reference": want["all"], "degraded": degraded,
+                "differs": [k for k in want if got.get(k) != want[k]]}
+
+    def counters(self) -> dict:
+        """The engine's spec-decode counters and, where its overlay serves metrics
+        (ENGRAM_METRICS_LISTEN), rank 0's Engram client counters."""
+        out = engine_counters(self.engine_url())
+        if listen := self.cfg.values.get("ENGRAM_METRICS_LISTEN"):
+            try:
+                with urllib.request.urlopen(f"http://{listen}/metrics", timeout=5) as r:
+                    for line in r.read().decode().splitlines():
+                        if line.startswith("engram_client_"):
+                            name = line.split("{")[0].removeprefix("engram_client_").removesuffix("_total")
+                            out[name] = float(line.rsplit(" ", 1)[1])
+            except OSError:
+                pass
+        return {k: v for k, v in out.items() if isinstance(v, float)}
 
 
 def engine_counters(url: str) -> dict:
