@@ -27,8 +27,9 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from drafter_tp2.parity import compare_single_rounds
 from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest, load_drafter
+from remote_drafter.drafters import load_drafter
 from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
 from remote_drafter.identity import expectation, target_digest, tokenizer_digest
 from remote_drafter.target import TargetConfig, random_target
@@ -122,27 +123,8 @@ def time_rounds(address: str, target: str, feature: int, vocab: int, batch: int,
 
 def parity(address: str, target: str, drafter: str, rounds: int, device: str = "cuda:0") -> dict:
     """TP2 drafts vs the one-card drafter on `device` (float32), single-request rounds."""
-    one = load_drafter(drafter, target, device)
-    c = client(address, target)
-    rng = np.random.default_rng(7)
-    same, gaps = 0, []
-    for rid in range(rounds):
-        n = int(rng.integers(2, 200))
-        tokens = rng.integers(0, one.vocab_size - 1, n).astype(np.int32)
-        rows = rng.standard_normal((n - 1, one.feature)).astype(np.float32)
-        c.add_request(rid, tokens, rows)
-        theirs = c.propose()[rid].tokens
-        c.release(rid)
-        h = one.new_history()
-        h.reset(tokens, rows[-one.window:])
-        mine = one.draft([DraftRequest(h, 5)], want_probs=True)[0]
-        if np.array_equal(theirs, mine.tokens):
-            same += 1
-        else:
-            i = int(np.flatnonzero(theirs != mine.tokens)[0])
-            gaps.append(float(mine.own_probs[i] - mine.alt_probs[i]))
-    c.propose()
-    return {"rounds": rounds, "identical": same, "difference_top2_gaps": gaps}
+    return compare_single_rounds(client(address, target), load_drafter(drafter, target, device),
+                                 rounds, 200, seed=7)
 
 
 def fault_drill(drafter: str, target: str, dtype: str) -> dict:

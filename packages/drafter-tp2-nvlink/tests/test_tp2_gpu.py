@@ -3,13 +3,13 @@ nvidia-h200-x2 machine (with the latency table and the fault drill). UNTESTED un
 
 import subprocess
 
-import numpy as np
 import pytest
 import torch
 from tp2_support import PairProcess, drafter_tp2, tp2_env, worker_args
 
+from drafter_tp2.parity import compare_single_rounds
 from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest, load_drafter
+from remote_drafter.drafters import load_drafter
 from remote_drafter.identity import expectation
 from remote_drafter.transport import RemoteTransport
 
@@ -24,22 +24,7 @@ def drafts_against_one_card(models, address, rounds=60):
     one = load_drafter(models["dspark"], models["target"], "cuda:0")
     client = DrafterClient(RemoteTransport(address, "tcp", expectation(models["target"], None)),
                            "8:5", deadline_s=5.0)
-    rng = np.random.default_rng(3)
-    gaps = []
-    for rid in range(rounds):
-        n = int(rng.integers(2, 40))
-        tokens = rng.integers(0, one.vocab_size - 1, n).astype(np.int32)
-        rows = rng.standard_normal((n - 1, one.feature)).astype(np.float32)
-        client.add_request(rid, tokens, rows)
-        theirs = client.propose()[rid].tokens
-        client.release(rid)
-        h = one.new_history()
-        h.reset(tokens, rows[-one.window:])
-        mine = one.draft([DraftRequest(h, 5)], want_probs=True)[0]
-        if not np.array_equal(theirs, mine.tokens):
-            i = int(np.flatnonzero(theirs != mine.tokens)[0])
-            gaps.append(float(mine.own_probs[i] - mine.alt_probs[i]))
-    return gaps
+    return compare_single_rounds(client, one, rounds, 40, seed=3)["difference_top2_gaps"]
 
 
 @pytest.mark.parametrize("graphs", ["auto", "0"])

@@ -6,11 +6,12 @@ import pytest
 from drafter_support import HIDDEN_LAYERS, WorkerProcess
 from tp2_support import PairProcess, tp2_env, worker_args
 
+from drafter_tp2.parity import compare_single_rounds
 from ofl import Connection
 from ofl.errors import RemoteError
 from remote_drafter import protocol as P
 from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest, load_drafter
+from remote_drafter.drafters import load_drafter
 from remote_drafter.identity import Manifest, expectation
 from remote_drafter.reference import plain_decode, speculative_decode
 from remote_drafter.service import DraftService
@@ -46,24 +47,8 @@ def test_single_rounds_equal_the_one_card_drafter(models, pair):
     is reported); none was seen on this set (findings/drafter-tp2.md)."""
     one = load_drafter(models["dspark"], models["target"])
     client = client_for(models, pair.address)
-    rng = np.random.default_rng(7)
-    same, differences = 0, []
-    for rid in range(150):
-        n = int(rng.integers(2, 40))
-        tokens = rng.integers(0, one.vocab_size - 1, n).astype(np.int32)
-        rows = rng.standard_normal((n - 1, one.feature)).astype(np.float32)
-        client.add_request(rid, tokens, rows)
-        theirs = client.propose()[rid].tokens
-        client.release(rid)
-        h = one.new_history()
-        h.reset(tokens, rows[-one.window:])
-        mine = one.draft([DraftRequest(h, 5)], want_probs=True)[0]
-        if np.array_equal(theirs, mine.tokens):
-            same += 1
-        else:
-            i = int(np.flatnonzero(theirs != mine.tokens)[0])
-            differences.append(float(mine.own_probs[i] - mine.alt_probs[i]))
-    client.propose()  # sends the last release: the worker holds nothing for the next test
+    result = compare_single_rounds(client, one, 150, 40, seed=7)
+    same, differences = result["identical"], result["difference_top2_gaps"]
     print(f"TP2 vs one-card single rounds: {same}/150 identical, near-tie gaps {differences}")
     assert same + len(differences) == 150
     assert all(gap < 1e-4 for gap in differences), f"differences away from near-ties: {differences}"
@@ -165,16 +150,6 @@ def test_uneven_shards_odd_vocabulary_and_untied_head(tmp_path, lock_dir):
     try:
         one = load_drafter(drafter, target)
         client = client_for(models, w.address)
-        rng = np.random.default_rng(5)
-        for rid in range(40):
-            n = int(rng.integers(2, 30))
-            tokens = rng.integers(0, 96, n).astype(np.int32)
-            rows = rng.standard_normal((n - 1, one.feature)).astype(np.float32)
-            client.add_request(rid, tokens, rows)
-            theirs = client.propose()[rid].tokens
-            client.release(rid)
-            h = one.new_history()
-            h.reset(tokens, rows[-one.window:])
-            assert np.array_equal(theirs, one.draft([DraftRequest(h, 5)], False)[0].tokens), rid
+        assert compare_single_rounds(client, one, 40, 30, seed=5)["identical"] == 40
     finally:
         w.stop()
