@@ -1,7 +1,8 @@
 """`up`, `canary`, `status`, `rollback`, `down` of the miniature in real vLLM (the vLLM CPU
-tier; tools/test sets LONGCTX_VLLM_PYTHON, elsewhere skipped): configuration D comes up in
-the reference order and records its canary; each lever's rollback, applied by restarting
-the engine with the written env file, keeps the fingerprint; the offload host stopped
+tier; tools/test sets LONGCTX_VLLM_PYTHON, elsewhere skipped): configuration D-async comes
+up in the reference order and records its canary; each lever's rollback in turn (async,
+remote Engram, remote drafter), applied by restarting the engine with the written env file,
+keeps the fingerprint with fresh counters; the offload host stopped
 under a serving engine leaves it serving the same output (Engram from disk, target-only
 decoding) and status shows the degradation; nothing is left running."""
 
@@ -30,7 +31,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     build(str(model), str(ROOT / ".artifacts/smollm2-135m"), base=str(ROOT / ".artifacts/smollm2-135m"))
     here = tmp_path / "here.env"
     here.write_text(f"STACK_RUN_DIR={tmp_path}/run\nSTACK_MODEL={model}\nSTACK_VLLM_PYTHON={PYTHON}\n"
-                    f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n")
+                    f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n"
+                    "VLLM_DSPARK_REMOTE_ASYNC=1\n")  # configuration D-async: every lever on
     env = ["--env", str(template_path("local")), "--env", str(here)]
     try:
         assert main(["up", *env, "--record-canary"]) == 0
@@ -38,7 +40,9 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         assert main(["status", *env]) == 0
         status = Deployment(StackConfig.load(env[1::2])).status()
         assert status["engine"]["counters"]["num_drafts"] > 0  # the remote drafter drafted
-        for lever in ("remote-engram", "remote-drafter"):
+        assert status["engram-server"]["health"]["resident_bytes"] > 0
+        assert "error" not in status["drafter-worker"], status["drafter-worker"]
+        for lever in ("async", "remote-engram", "remote-drafter"):
             rolled = tmp_path / f"{lever}.env"
             assert main(["rollback", lever, *env, "--write", str(rolled)]) == 0
             assert main(["down", *env, "--role", "engine"]) == 0
@@ -46,7 +50,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
             out = capsys.readouterr().out
             assert "canary: output ok" in out and "canary: ok, counters fresh" in out, out
             env = ["--env", str(rolled)]
-        # drill: the offload host goes away under a serving engine (back on configuration D)
+        # drill: the offload host goes away under a serving engine (back on D-async)
         assert main(["down", "--env", str(template_path("local")), "--env", str(here),
                      "--role", "engine"]) == 0
         env = ["--env", str(template_path("local")), "--env", str(here)]

@@ -109,14 +109,32 @@ class Deployment:
         return f"http://{self.cfg['STACK_ENGINE_LISTEN']}"
 
     def status(self) -> dict:
+        """Each role's process and what it says of itself: the engine its spec-decode and
+        Engram counters, the Engram server its health (tables resident, mlock, links), the
+        drafter worker its counters."""
         out = {}
         for role in roles(self.cfg):
             pid = self.pid(role)
             entry = {"pid": pid, "running": pid is not None}
-            if pid and role.ready_url:
-                entry["counters"] = engine_counters(self.engine_url())
+            if pid:
+                try:
+                    entry.update(self.health(role))
+                except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
             out[role.name] = entry
         return out
+
+    def health(self, role: Role) -> dict:
+        if role.name == "engine":
+            return {"counters": self.counters()}
+        listen = role.command[role.command.index("--listen") + 1]
+        if role.name == "engram-server":
+            from ofl import Connection
+            backend = self.cfg.values.get("ENGRAM_BACKEND", "verbs")
+            with Connection(listen, backend=backend, identity="dsv41-stack-status") as conn:
+                return {"health": json.loads(conn.request(b'{"op":"health"}'))}
+        from remote_drafter.transport import worker_stats
+        return {"counters": worker_stats(listen, self.cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp"))}
 
     def canary(self, record: bool = False) -> dict:
         """Greedy fingerprint of fixed prompts vs the recorded reference, and fresh counters

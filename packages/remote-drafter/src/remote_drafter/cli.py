@@ -92,15 +92,8 @@ def cmd_identity(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from ofl import Connection
-
-    from . import protocol as P
-    from .identity import Manifest
-    with Connection(args.worker, backend=args.backend, identity="remote-drafter-status") as conn:
-        described = conn.peer_metadata.get("remote_drafter", {})
-        fingerprint = Manifest.from_json(described["manifest"]).fingerprint
-        stats = P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
-    print(json.dumps(stats, indent=1))
+    from .transport import worker_stats
+    print(json.dumps(worker_stats(args.worker, args.backend), indent=1))
     return 0
 
 

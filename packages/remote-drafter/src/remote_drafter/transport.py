@@ -33,6 +33,17 @@ def check_worker(expect: Manifest):
     return verify
 
 
+def worker_stats(address: str, backend: str = "tcp") -> dict:
+    """A worker's counters (requests held, rounds, failures...), asked over its own link."""
+    from ofl import Connection
+
+    from . import protocol as P
+    with Connection(address, backend=backend, identity="remote-drafter-status") as conn:
+        described = conn.peer_metadata.get("remote_drafter", {})
+        fingerprint = Manifest.from_json(described["manifest"]).fingerprint
+        return P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
+
+
 class LocalTransport:
     """The drafter in the engine's own process: the stock configuration and the rollback."""
 
