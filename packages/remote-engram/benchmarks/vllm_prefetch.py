@@ -18,7 +18,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,16 +25,14 @@ sys.path.insert(0, str(ROOT / "packages/remote-engram/tests"))
 from engram_support import EngramServeProcess  # noqa: E402
 
 from longctx_bench.launch import VllmServer, free_port  # noqa: E402
+from remote_engram.client import served_counters  # noqa: E402
 from remote_engram.miniature import build  # noqa: E402
 
 PROMPTS = ["The capital of Germany is", "def add(a, b):\n    return", "Once upon a time"]
 
 
 def counters(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {line.split("{")[0].removeprefix("engram_client_").removesuffix("_total"):
-            float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("engram_client_")}
+    return served_counters(f"127.0.0.1:{port}")
 
 
 def measure(args, model: Path, base: Path, name: str, delay_ms: float, prefetch: bool) -> dict:

@@ -12,12 +12,10 @@
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from engram_support import EngramServeProcess
 
 from longctx_bench.launch import VllmServer, free_port
 from remote_engram.cli import main as cli
+from remote_engram.client import served_counters
 from remote_engram.geometry import ROW_BYTES, EngramGeometry
 from remote_engram.hashing import row_ids
 from remote_engram.shard import HEADER_BYTES, ShardReader, shard_name
@@ -105,10 +104,7 @@ def serve(folder: Path, log: Path, env: dict, metrics_port: int | None = None) -
 
 def counters(port: int) -> dict:
     """The engine's Engram client counters (ENGRAM_METRICS_LISTEN, rank 0)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r"^engram_client_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+    return served_counters(f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")

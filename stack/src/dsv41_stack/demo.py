@@ -15,9 +15,11 @@ longctx-bench measures each; the greedy fingerprint must be the same in all four
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
+
+from longctx_bench.launch import free_port
+from remote_engram.geometry import ROW_BYTES
 
 from .config import StackConfig
 from .processes import Processes
@@ -29,13 +31,6 @@ CONFIGS = [
     ("D", "remote Engram + remote drafter, sync", {"engram": "remote", "drafter": "remote"}),
     ("D-async", "D through the proxy", {"engram": "remote", "drafter": "remote", "async": True}),
 ]
-ROW_BYTES = 264
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_model(cfg: StackConfig, base: str, say) -> Path:

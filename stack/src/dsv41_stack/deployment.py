@@ -171,12 +171,9 @@ class Deployment:
         (ENGRAM_METRICS_LISTEN), rank 0's Engram client counters."""
         out = engine_counters(self.engine_url())
         if listen := self.cfg.values.get("ENGRAM_METRICS_LISTEN"):
+            from remote_engram.client import served_counters
             try:
-                with urllib.request.urlopen(f"http://{listen}/metrics", timeout=5) as r:
-                    for line in r.read().decode().splitlines():
-                        if line.startswith("engram_client_"):
-                            name = line.split("{")[0].removeprefix("engram_client_").removesuffix("_total")
-                            out[name] = float(line.rsplit(" ", 1)[1])
+                out.update(served_counters(listen, timeout_s=5))
             except OSError:
                 pass
         return {k: v for k, v in out.items() if isinstance(v, float)}

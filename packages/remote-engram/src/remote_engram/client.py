@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -202,3 +203,12 @@ class EngramClient:
             self.conn.close()
         for reader in self.local.values():
             reader.close()
+
+
+def served_counters(listen: str, timeout_s: float = 10) -> dict[str, float]:
+    """An engine rank's EngramClient counters, read from its /metrics (ENGRAM_METRICS_LISTEN,
+    HOST:PORT): {name: value} without the engram_client_ prefix and _total suffix."""
+    with urllib.request.urlopen(f"http://{listen}/metrics", timeout=timeout_s) as r:
+        lines = r.read().decode().splitlines()
+    return {line.split("{")[0].removeprefix("engram_client_").removesuffix("_total"):
+            float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("engram_client_")}
