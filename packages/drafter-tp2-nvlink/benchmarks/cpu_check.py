@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp()
-    os.environ["DRAFTER_TP2_LOCK_DIR"] = os.path.join(base, "locks")
+    os.environ["REMOTE_DRAFTER_LOCK_DIR"] = os.path.join(base, "locks")
     m = make_models(os.path.join(base, "models"))
     feature, vocab = 192, 96
     res = {"model": "remote-drafter's tiny test drafter (hidden 64, 4/2 heads, vocab 96, float32)"}

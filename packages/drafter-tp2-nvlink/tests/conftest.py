@@ -18,5 +18,5 @@ def models(tmp_path_factory):
 def lock_dir(tmp_path, monkeypatch):
     """Every test gets its own lock folder (the ranks inherit it)."""
     folder = str(tmp_path / "locks")
-    monkeypatch.setenv("DRAFTER_TP2_LOCK_DIR", folder)
+    monkeypatch.setenv("REMOTE_DRAFTER_LOCK_DIR", folder)
     return folder

@@ -24,7 +24,7 @@ MAX_REQUESTS = 6
 
 @pytest.fixture(scope="module")
 def pair(models, tmp_path_factory):
-    env = tp2_env(DRAFTER_TP2_LOCK_DIR=str(tmp_path_factory.mktemp("locks")))
+    env = tp2_env(REMOTE_DRAFTER_LOCK_DIR=str(tmp_path_factory.mktemp("locks")))
     w = PairProcess(worker_args(models, "cpu:0,cpu:1", "--max-requests", str(MAX_REQUESTS)), env)
     yield w
     w.stop()

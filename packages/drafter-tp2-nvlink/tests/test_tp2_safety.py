@@ -1,17 +1,18 @@
 """Pair safety and lifetime device locks: refusals with their reasons, a held device
-refused, a dead holder's lock cleared, the lock released only at the end."""
+refused (by another pair or by a one-card worker, both ways), the locks released only at
+the end. The lock itself (dead holders, exclusion) is tested in remote-drafter, whose
+module both kinds of worker use."""
 
 import subprocess
 import sys
-import time
 
-import pytest
 from tp2_support import PairProcess, RankPair, drafter_tp2, tp2_env, worker_args
 
 from drafter_tp2.launcher import free_master
-from drafter_tp2.locks import DeviceBusy, DeviceLock
-from drafter_tp2.pair import device_key, refusals
+from drafter_tp2.pair import refusals
+from remote_drafter.device_lock import DeviceLock, device_key
 from remote_drafter.drafters.dspark import DSparkDrafter
+from remote_drafter.worker import spawn_worker
 
 
 def run_worker(args, env) -> tuple[int, str]:
@@ -81,37 +82,22 @@ def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
         lock.release()
 
 
-def test_a_dead_holders_lock_is_cleared(lock_dir):
-    key = device_key("cpu:7")
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from drafter_tp2.locks import DeviceLock; "
-        f"DeviceLock({key!r}, {lock_dir!r}).acquire(); print('held', flush=True); time.sleep(60)")],
-        stdout=subprocess.PIPE, text=True)
+def test_one_card_and_tp2_workers_exclude_each_other(models, lock_dir):
+    one_card = ["--drafter", models["dspark"], "--target", models["target"], "--listen", "127.0.0.1:0"]
+    env = tp2_env(REMOTE_DRAFTER_DEVICE_LOCK="1")  # lock CPU 'devices' as auto locks GPUs
+    pair = PairProcess(worker_args(models, "cpu:0,cpu:1"), env)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(DeviceBusy, match=f"locked by pid {holder.pid}"):
-            DeviceLock(key, lock_dir).acquire()
+        refused = subprocess.run([sys.executable, "-m", "remote_drafter.cli", "worker", *one_card,
+                                  "--device", "cpu:1"], capture_output=True, text=True, env=env,
+                                 timeout=90)
+        assert refused.returncode == 2, refused
+        assert f"locked by pid {pair.rank_pids[1]}" in refused.stderr, refused.stderr
     finally:
-        holder.kill()
-        holder.wait()
-    lock = DeviceLock(key, lock_dir).acquire()  # the kernel dropped the dead holder's flock
+        pair.stop()
+    single, _ = spawn_worker([*one_card, "--device", "cpu:1"], env=env)
     try:
-        assert lock.cleared is not None and lock.cleared["pid"] == holder.pid
-        with pytest.raises(DeviceBusy):  # and now it is this process's, exclusively
-            DeviceLock(key, lock_dir).acquire()
+        code, text = run_worker(worker_args(models, "cpu:0,cpu:1"), env)
+        assert code == 2 and f"locked by pid {single.pid}" in text, text
     finally:
-        lock.release()
-
-
-def test_locks_of_one_process_exclude_each_other_and_name_the_holder(lock_dir):
-    a = DeviceLock("GPU-1234", lock_dir).acquire()
-    try:
-        with pytest.raises(DeviceBusy) as refused:
-            DeviceLock("GPU-1234", lock_dir).acquire()
-        assert "device GPU-1234 is in use" in str(refused.value)
-        DeviceLock("GPU-5678", lock_dir).acquire().release()  # another card is free
-    finally:
-        a.release()
-    started = time.monotonic()
-    DeviceLock("GPU-1234", lock_dir).acquire().release()
-    assert time.monotonic() - started < 1
+        single.terminate()
+        single.wait(timeout=30)

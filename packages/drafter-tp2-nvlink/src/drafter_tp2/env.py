@@ -1,20 +1,14 @@
 """Every environment variable drafter_tp2 reads, with its default and what it does.
 
 Read when a worker rank or the supervisor starts; changing one while a worker runs does
-nothing until it restarts. Rollback to the one-card worker: README, "Rollback".
+nothing until it restarts. Rollback to the one-card worker: README, "Rollback". The device locks (shared with the
+one-card worker) are configured by remote_drafter.env: REMOTE_DRAFTER_LOCK_DIR.
 """
 
 from __future__ import annotations
 
-import os
-
 from ofl.env import EnvVar
 
-DRAFTER_TP2_LOCK_DIR = EnvVar(
-    "DRAFTER_TP2_LOCK_DIR", "",
-    "Folder of the lifetime device locks (one file per GPU UUID); empty = $XDG_RUNTIME_DIR, "
-    "else /run/lock if writable, else the temp folder. Every worker on the host must use "
-    "the same folder for the locks to exclude each other.")
 DRAFTER_TP2_MASTER = EnvVar(
     "DRAFTER_TP2_MASTER", "127.0.0.1:0",
     "HOST:PORT where the two ranks meet (torch.distributed TCP store); port 0 = a free one "
@@ -49,17 +43,8 @@ DRAFTER_TP2_RESTARTS = EnvVar(
 DRAFTER_TP2_RESTART_WINDOW_S = EnvVar(
     "DRAFTER_TP2_RESTART_WINDOW_S", "300", "Supervisor: the window of the restart bound.")
 
-ALL = [DRAFTER_TP2_LOCK_DIR, DRAFTER_TP2_MASTER, DRAFTER_TP2_START_TIMEOUT_S,
+ALL = [DRAFTER_TP2_MASTER, DRAFTER_TP2_START_TIMEOUT_S,
        DRAFTER_TP2_TIMEOUT_S, DRAFTER_TP2_HEARTBEAT_S, DRAFTER_TP2_REQUIRE_P2P,
        DRAFTER_TP2_CUDA_GRAPHS, DRAFTER_TP2_GRAPH_BATCHES, DRAFTER_TP2_RESTARTS,
        DRAFTER_TP2_RESTART_WINDOW_S]
 
-
-def lock_dir() -> str:
-    chosen = DRAFTER_TP2_LOCK_DIR.get() or os.environ.get("XDG_RUNTIME_DIR", "")
-    if chosen:
-        return chosen
-    if os.access("/run/lock", os.W_OK):
-        return "/run/lock"
-    import tempfile
-    return tempfile.gettempdir()

@@ -10,15 +10,7 @@ import subprocess
 
 import torch
 
-
-def device_key(device: str) -> str:
-    """The identity a device lock and the distinctness check use: the GPU's UUID (the same
-    card under any index or CUDA_VISIBLE_DEVICES); on CPU a stable key per given index
-    ('cpu:0' and 'cpu:1' stand for two devices in tests)."""
-    d = torch.device(device)
-    if d.type == "cuda":
-        return f"GPU-{torch.cuda.get_device_properties(d).uuid}"
-    return f"{socket.gethostname()}-cpu{d.index or 0}"
+from remote_drafter.device_lock import device_key
 
 
 def torch_device(device: str) -> str:

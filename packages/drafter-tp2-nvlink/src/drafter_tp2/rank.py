@@ -15,15 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remote_drafter.device_lock import DeviceBusy, DeviceLock, device_key, lock_dir
 from remote_drafter.drafters.dspark import DSparkDrafter
 from remote_drafter.service import ServiceConfig
 from remote_drafter.worker import Worker
 
-from . import env
 from .capture import Rounds
 from .channel import Channel
-from .locks import DeviceBusy, DeviceLock
-from .pair import describe_rank, device_key, refusals, torch_device
+from .pair import describe_rank, refusals, torch_device
 from .sharding import move, shard_model
 
 log = logging.getLogger("drafter_tp2.rank")
@@ -94,7 +93,7 @@ def run(cfg: RankConfig) -> int:
         _say(cfg.rank, f"refusing to serve: the same device twice: {cfg.devices} are both {keys[0]}")
         return REFUSED
     try:
-        lock = DeviceLock(keys[cfg.rank], env.lock_dir()).acquire()
+        lock = DeviceLock(keys[cfg.rank], lock_dir()).acquire()
     except DeviceBusy as exc:
         _say(cfg.rank, f"refusing to serve: {exc}")
         return REFUSED

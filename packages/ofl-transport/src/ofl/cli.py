@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from . import env, probe
@@ -33,13 +34,20 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def wait_for_shutdown() -> None:
-    """Block until SIGTERM or Ctrl-C (the servers' main thread)."""
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+def shutdown_event() -> threading.Event:
+    """Catch SIGTERM from now on. Servers call it before they print their ready line: a
+    supervisor may stop them the moment it reads that line, and then they stop cleanly."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    return stop
+
+
+def wait_for_shutdown(stop: threading.Event | None = None) -> None:
+    """Block until SIGTERM (caught since `shutdown_event()`) or Ctrl-C (the servers' main thread)."""
+    stop = stop or shutdown_event()
     try:
-        while not stop:
-            time.sleep(0.2)
+        while not stop.wait(0.2):
+            pass
     except KeyboardInterrupt:
         pass
 
@@ -57,6 +65,7 @@ def emit_result(result: dict, out: str | None, as_json: bool, print_table) -> No
 
 
 def cmd_serve(args) -> int:
+    stop = shutdown_event()
     region = Region.allocate(probe.PROBE_REGION, args.size)
     t = time.perf_counter()
     probe.fill(region)
@@ -69,7 +78,7 @@ def cmd_serve(args) -> int:
     addrs = ", ".join("%s:%d" % s.address for s in servers)
     print(f"ofl serve: {args.backend} on {addrs}, region {probe.PROBE_REGION!r} "
           f"{args.size / MiB:.0f} MiB (filled in {time.perf_counter() - t:.1f} s)", flush=True)
-    wait_for_shutdown()
+    wait_for_shutdown(stop)
     for s in servers:
         s.stop()
     region.close()

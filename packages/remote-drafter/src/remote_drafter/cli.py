@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 
-from ofl.cli import emit_result, wait_for_shutdown
+from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
 from . import env
@@ -61,22 +61,36 @@ def cmd_worker(args) -> int:
 
     from ofl.server import parse_address
 
+    from .device_lock import DeviceBusy, worker_lock
     from .drafters import load_drafter
     from .worker import Worker
-    drafter = load_drafter(args.drafter, args.target, args.device)
-    if args.dtype != "float32" and hasattr(drafter, "model"):
-        drafter.model.to(getattr(torch, args.dtype))
-    host, port = parse_address(args.listen, 7480)
-    worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
-    d = worker.service.describe()
-    print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
-          f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
-          f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) on {args.device}, "
-          f"{args.backend} on {worker.address}", flush=True)
+    stop = shutdown_event()
+    try:  # before anything lands on the card: one drafter worker per device, of any kind
+        lock = worker_lock(args.device)
+    except (DeviceBusy, ValueError) as exc:
+        print(f"remote-drafter worker: refusing to start: {exc}", file=sys.stderr)
+        return 2
     try:
-        wait_for_shutdown()
+        drafter = load_drafter(args.drafter, args.target, args.device)
+        if args.dtype != "float32" and hasattr(drafter, "model"):
+            drafter.model.to(getattr(torch, args.dtype))
+        host, port = parse_address(args.listen, 7480)
+        worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
+        d = worker.service.describe()
+        print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
+              f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
+              f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
+              f"on {args.device}{', device locked' if lock else ''}, {args.backend} on {worker.address}",
+              flush=True)
+        try:
+            wait_for_shutdown(stop)
+        finally:
+            worker.stop()
     finally:
-        worker.stop()
+        if lock:
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.synchronize(args.device)  # in-flight GPU work ends before the card is free
+            lock.release()
     return 0
 
 

@@ -43,9 +43,22 @@ REMOTE_DRAFTER_HIDDEN_LAYERS = EnvVar(
     "output of the first decoder layer), or 'auto' = ask the drafter at engine start-up (the "
     "local one, or the worker). A worker reading other layers is refused.")
 
+REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
+    "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
+    "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
+    "before loading anything onto it, so no second drafter worker of any kind (one-card or "
+    "drafter-tp2) can take the card; 1 = lock CPU 'devices' too (tests); 0 = no lock.")
+REMOTE_DRAFTER_LOCK_DIR = EnvVar(
+    "REMOTE_DRAFTER_LOCK_DIR", "",
+    "Folder of the device locks (one file per GPU UUID), shared by the one-card worker and "
+    "drafter-tp2's ranks; empty = $XDG_RUNTIME_DIR, else /run/lock if writable, else the "
+    "temp folder. Every worker on the host must see the same folder for the locks to "
+    "exclude each other.")
+
 ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
-       REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS]
+       REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
+       REMOTE_DRAFTER_DEVICE_LOCK, REMOTE_DRAFTER_LOCK_DIR]
 
 
 def capacity_mode() -> bool:

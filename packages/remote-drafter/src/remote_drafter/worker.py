@@ -44,8 +44,11 @@ class Worker:
             self.service.expire_idle()
 
     def stop(self) -> None:
+        """No new rounds; returns once the round in flight, if any, has finished."""
         self._stop.set()
         self.server.stop()
+        with self.service.device_lock:
+            pass
         self.service.close()
 
     def __enter__(self) -> Worker:

@@ -19,7 +19,7 @@ import time
 
 from tqdm import tqdm
 
-from ofl.cli import wait_for_shutdown
+from ofl.cli import shutdown_event, wait_for_shutdown
 
 from .geometry import V41_VOCAB, EngramGeometry
 
@@ -125,6 +125,7 @@ def shard_paths(folder: str) -> list[str]:
 def cmd_serve(args) -> int:
     from .server import EngramServer
 
+    stop = shutdown_event()
     bars = Bars("row")
     t = time.perf_counter()
     server = EngramServer(shard_paths(args.shards), backend=args.backend, listen=args.listen,
@@ -138,7 +139,7 @@ def cmd_serve(args) -> int:
           f"{h['resident_bytes'] / 2**30:.2f} GiB resident, mlock {set(h['mlock'].values())}, "
           f"loaded in {time.perf_counter() - t:.1f} s; {args.backend} on {', '.join(h['links'])}",
           flush=True)
-    wait_for_shutdown()
+    wait_for_shutdown(stop)
     server.stop()
     return 0
 

@@ -1,5 +1,7 @@
-"""Lifetime device locks: an exclusive flock on <lock dir>/dsv41-device-<key>.lock, keyed by
-the GPU's UUID (on CPU a stable per-rank key), held for the life of the worker rank.
+"""Lifetime device locks, shared by every drafter worker on a host (the one-card
+`remote-drafter worker` and each rank of drafter-tp2): an exclusive flock on
+<lock dir>/dsv41-device-<key>.lock, keyed by the GPU's UUID (on CPU a stable per-index
+key), taken before anything is loaded onto the device and held for the worker's life.
 
 flock belongs to the open file: the kernel drops it when the holder dies, however it dies,
 so a stale lock can never block; the file only keeps the last holder's pid, process start
@@ -14,10 +16,14 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
+import tempfile
 import time
 
-log = logging.getLogger("drafter_tp2.locks")
+from . import env
+
+log = logging.getLogger("remote_drafter.device_lock")
 
 
 class DeviceBusy(RuntimeError):
@@ -85,3 +91,34 @@ class DeviceLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def device_key(device: str) -> str:
+    """The identity a lock and drafter-tp2's distinctness check use: the GPU's UUID (the
+    same card under any index or CUDA_VISIBLE_DEVICES); on CPU a stable key per given
+    index ('cpu:0' and 'cpu:1' stand for two devices in tests)."""
+    import torch
+    d = torch.device(device)
+    if d.type == "cuda":
+        return f"GPU-{torch.cuda.get_device_properties(d).uuid}"
+    return f"{socket.gethostname()}-cpu{d.index or 0}"
+
+
+def lock_dir() -> str:
+    chosen = env.REMOTE_DRAFTER_LOCK_DIR.get() or os.environ.get("XDG_RUNTIME_DIR", "")
+    if chosen:
+        return chosen
+    return "/run/lock" if os.access("/run/lock", os.W_OK) else tempfile.gettempdir()
+
+
+def worker_lock(device: str) -> DeviceLock | None:
+    """The one-card worker's lock on its device, as REMOTE_DRAFTER_DEVICE_LOCK says (auto:
+    GPUs only), or None; raises DeviceBusy while another worker holds it."""
+    import torch
+    mode = env.REMOTE_DRAFTER_DEVICE_LOCK.get()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"REMOTE_DRAFTER_DEVICE_LOCK={mode!r}: expected auto, 1 or 0")
+    if mode == "0" or (mode == "auto" and torch.device(device).type != "cuda"):
+        return None
+    return DeviceLock(device_key(device), lock_dir()).acquire()
+
