@@ -2,6 +2,7 @@
 
   async-handoff selftest --adapter async_handoff.adapters:OflMessageAdapter \\
       --adapter-config '{"address": "10.0.0.2:7490", "backend": "tcp"}' --rounds 2048
+  async-handoff counters --listen 127.0.0.1:9496   # a running engine's handoff counters
   async-handoff env
 """
 
@@ -45,6 +46,17 @@ def cmd_selftest(args) -> int:
     return 0 if failed == 0 and c["watchdog_fires"] == 0 else 1
 
 
+def cmd_counters(args) -> int:
+    from .exposition import read
+    try:
+        print(json.dumps(read(args.listen), indent=2))
+    except OSError as exc:
+        print(f"async-handoff counters: nothing answers at {args.listen} ({exc}); is the engine "
+              "running with ASYNC_HANDOFF_METRICS_LISTEN set to it?", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="async-handoff", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +66,12 @@ def main(argv=None) -> int:
     s.add_argument("--adapter-config", default="{}")
     s.add_argument("--rounds", type=int, default=2048)
     s.set_defaults(func=cmd_selftest)
+    c = sub.add_parser("counters", help="a running Handoff's counters (ASYNC_HANDOFF_METRICS_LISTEN)",
+                       description="Read the counters an engine's Handoff serves on "
+                       "ASYNC_HANDOFF_METRICS_LISTEN: rounds ok/failed/timed out/bad, stale "
+                       "replies, watchdog fires, respawns, enabled, mlocked (JSON).")
+    c.add_argument("--listen", required=True, help="HOST:PORT of ASYNC_HANDOFF_METRICS_LISTEN")
+    c.set_defaults(func=cmd_counters)
     e = sub.add_parser("env", help="the environment variables read, with defaults")
     e.set_defaults(func=lambda a: print(describe(env.ALL)) or 0)
     args = p.parse_args(argv)

@@ -45,6 +45,7 @@ class HandoffConfig:
     startup_timeout_s: float = 30
     watchdog_interval_s: float = 0.05
     proxy_env: dict = field(default_factory=dict)  # extra environment for the proxy
+    metrics_listen: str = ""  # HOST:PORT serving the counters to other processes (exposition)
 
     @classmethod
     def from_env(cls) -> HandoffConfig:
@@ -56,7 +57,8 @@ class HandoffConfig:
                    heartbeat_timeout_ms=env.ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS.get_float(),
                    respawn_max=env.ASYNC_HANDOFF_RESPAWN_MAX.get_int(),
                    respawn_window_s=env.ASYNC_HANDOFF_RESPAWN_WINDOW_S.get_float(),
-                   startup_timeout_s=env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S.get_float())
+                   startup_timeout_s=env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S.get_float(),
+                   metrics_listen=env.ASYNC_HANDOFF_METRICS_LISTEN.get())
 
 
 class Metrics:
@@ -109,6 +111,7 @@ class Handoff:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._http = None  # the counters' HTTP server (config.metrics_listen)
         self._mode = WAIT_MODES[config.mode]
         self._spin_ns = int(config.spin_us * 1000)
 
@@ -123,6 +126,12 @@ class Handoff:
         self._spawn()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="handoff-watchdog")
         self._watchdog.start()
+        if self.config.metrics_listen:
+            from .exposition import serve
+            try:
+                self._http = serve(self.prometheus, self.config.metrics_listen)
+            except OSError as exc:  # the counters stay unreadable; rounds are unaffected
+                log.error("async handoff counters not served on %s: %s", self.config.metrics_listen, exc)
         return self
 
     def _spawn(self) -> bool:
@@ -209,6 +218,10 @@ class Handoff:
 
     def close(self) -> None:
         self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
         if self._watchdog is not None:
             self._watchdog.join(timeout=5)
         with self._lock:
