@@ -1,7 +1,7 @@
 """remote-drafter: create a drafter, serve it, check it.
 
   remote-drafter init      --target DIR --out DIR [--target-layers 2,15,29 | --token-only]
-  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0]
+  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0] [--kernels native]
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
@@ -74,6 +74,8 @@ def cmd_worker(args) -> int:
         drafter = load_drafter(args.drafter, args.target, args.device)
         if args.dtype != "float32" and hasattr(drafter, "model"):
             drafter.model.to(getattr(torch, args.dtype))
+        if args.kernels == "native":
+            drafter = native_kernels(drafter, args.device)
         host, port = parse_address(args.listen, 7480)
         worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
         d = worker.service.describe()
@@ -92,6 +94,17 @@ def cmd_worker(args) -> int:
                 torch.cuda.synchronize(args.device)  # in-flight GPU work ends before the card is free
             lock.release()
     return 0
+
+
+def native_kernels(drafter, device: str):
+    """The drafter's round on native-drafter's gated kernels (an optional install, imported
+    only here); ValueError with the reason when they are absent or not gated on this GPU."""
+    try:
+        from native_drafter.backend import load_native
+    except ImportError as exc:
+        raise ValueError(f"--kernels native needs the dsv41-native-drafter package and Triton "
+                         f"(pip install packages/native-drafter): {exc}") from exc
+    return load_native(drafter, device)
 
 
 def cmd_identity(args) -> int:
@@ -188,6 +201,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
+    p.add_argument("--kernels", default="torch", choices=["torch", "native"],
+                   help="what computes the drafter's round: torch, or native-drafter's Triton "
+                        "kernels (DSpark, float32; refused unless `native-drafter gate` passed "
+                        "on this GPU). Not --backend: that names the ofl transport")
     p.add_argument("--max-requests", type=int, default=256,
                    help="requests held at once; more opens are refused with a clear reply")
     p.add_argument("--idle-timeout-s", type=float, default=600,
