@@ -6,6 +6,8 @@ measure its acceptance.
   native-drafter identity  --target DIR                               digests a checkpoint records
   native-drafter train     --tokens DIR --identity JSON --out DIR [--minutes 7] [--device cuda]
   native-drafter evaluate  --checkpoint DIR --tokens DIR --out JSON [--target DIR | --gguf F]
+  native-drafter states    --checkpoint DIR --target DIR --out FILE [--tokens DIR]   real round starts
+  native-drafter gate      --checkpoint DIR --target DIR [--states FILE] [--device cuda]  kernel gate
   native-drafter env
 """
 
@@ -183,6 +185,69 @@ def print_table(result: dict) -> None:
         print(f"{m:<9}{d:<11}{k:<21}{n:>7}{length:>9.3f}  {acc}")
 
 
+def cmd_states(args) -> int:
+    import torch
+
+    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.target import TargetLM
+
+    from .corpus import load_tokens
+    from .states import make_states
+    drafter = DSparkDrafter.load(args.checkpoint, args.target)
+    tokens, offsets, _ = load_tokens(args.tokens, args.split)
+    states = make_states(TargetLM.load(args.target), tokens, offsets, drafter.hidden_layers,
+                         drafter.window, args.requests, args.seed)
+    torch.save(states, args.out)
+    print(f"native-drafter states: {args.requests} round starts ({args.split} documents {states['docs']}) "
+          f"-> {args.out}")
+    return 0
+
+
+def cmd_gate(args) -> int:
+    import torch
+
+    from remote_drafter.drafters.dspark import DSparkDrafter
+
+    from . import passes
+    from .gate import merge, write
+    from .kernel_gate import random_case, real_case, run_case, stage_table
+    from .native import with_width
+    from .states import requests_from
+    torch.backends.cuda.matmul.allow_tf32 = False
+    drafter = DSparkDrafter.load(args.checkpoint, args.target, device=args.device)
+    c = drafter.config
+    reports, seed = [], args.seed
+    for b in _ints(args.batches):
+        for w in _ints(args.widths):
+            case = random_case(c, b, w, seed, args.device)
+            seed += 1
+            reports.append(run_case(case, args.device))
+            print(f"  {case.name}: {'ok' if reports[-1].passed else 'FAIL'}", flush=True)
+    if args.states:
+        requests = requests_from(torch.load(args.states), drafter)
+        case = real_case(with_width(drafter.model, c.block_size), requests)
+        reports.append(run_case(case, args.device))
+        print(f"  {case.name}: {'ok' if reports[-1].passed else 'FAIL'}", flush=True)
+    report = merge(reports)
+    print(stage_table(report, c.num_layers))
+    ident = passes.device_identity(args.device)
+    if args.out:
+        write(report, args.out, device=ident, kernels=passes.kernel_digest(), checkpoint=args.checkpoint,
+              real_states=args.states)
+    if not report.passed:
+        print(f"native-drafter gate: FAILED on {ident['name']}: the native kernels stay refused", file=sys.stderr)
+        return 1
+    if not args.no_record:
+        where = passes.record(args.device, {"checks": len(report.checks), "checkpoint": args.checkpoint,
+                                            "real_states": bool(args.states)}, args.state_dir)
+        print(f"native-drafter gate: passed on {ident['name']} ({ident['uuid']}); recorded in {where}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def cmd_env(args) -> int:
     from ofl.env import describe
     print(describe(env.ALL))
@@ -245,6 +310,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-exact", action="store_true", help="only the measured loop")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_evaluate)
+
+    s = sub.add_parser("states", help="real drafter states (round starts of validation text) for the gate")
+    s.add_argument("--checkpoint", required=True, help="the drafter (its target layers and window)")
+    s.add_argument("--target", required=True, help="the target folder (runs on the CPU)")
+    s.add_argument("--tokens", default=_artifacts("corpus", "tokens"))
+    s.add_argument("--split", default="validation")
+    s.add_argument("--requests", type=int, default=16)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", required=True, help="a torch file (hidden rows in bfloat16)")
+    s.set_defaults(fn=cmd_states)
+
+    s = sub.add_parser("gate", help="the native kernels vs the float64 reference, stage by stage; "
+                       "records a pass for this GPU (the worker's --kernels native needs one)")
+    s.add_argument("--checkpoint", required=True, help="a DSpark checkpoint: its config shapes the "
+                   "random cases, its weights run the real states")
+    s.add_argument("--target", required=True, help="the target folder the checkpoint was built for")
+    s.add_argument("--states", default=None, help="real states from `native-drafter states`")
+    s.add_argument("--device", default="cuda")
+    s.add_argument("--batches", default="1,4,16", help="random cases: batch sizes")
+    s.add_argument("--widths", default="3,5,8", help="random cases: block widths W")
+    s.add_argument("--seed", type=int, default=0, help="first random case's seed (one more per case)")
+    s.add_argument("--out", default=None, help="write every check as JSON here")
+    s.add_argument("--state-dir", default=None, help="where passes are recorded (default NATIVE_DRAFTER_STATE)")
+    s.add_argument("--no-record", action="store_true", help="check only; record no pass")
+    s.set_defaults(fn=cmd_gate)
 
     s = sub.add_parser("env", help="the environment variables read, with defaults")
     s.set_defaults(fn=cmd_env)

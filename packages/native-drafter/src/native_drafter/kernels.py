@@ -5,10 +5,9 @@ over 128 + W keys and a vocabulary-wide reduction; Triton expresses each as one 
 with fused prologues/epilogues, runs on the H200 (triton 3.6) and, for the CI tests, in its
 CPU interpreter (TRITON_INTERPRET=1), so the same source is checked on both.
 
-Arithmetic: activations are float32 everywhere. Float32 weights multiply in IEEE float32
-(`input_precision="ieee"`, never TF32); bfloat16 weights multiply bf16 operands with
-float32 accumulation. Every logit that decides a draft token (head, Markov correction,
-argmax) is float32. Nothing here reads a value back to the host, so a round is one
+Arithmetic: float32 weights and activations, products in IEEE float32
+(`input_precision="ieee"`, never TF32), as the worker's default torch back end computes;
+every logit that decides a draft token (head, Markov correction, argmax) is float32. Nothing here reads a value back to the host, so a round is one
 CUDA-graph capture.
 """
 
@@ -26,7 +25,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
                    NORM: tl.constexpr, RESID: tl.constexpr, SWIGLU: tl.constexpr,
-                   BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ w[N, K]^T (+ r), where f is RMSNorm(x) * g when NORM, and the
     product is silu(x w^T) * (x w2^T) when SWIGLU (the norm folded into the operand load:
     the normed rows never touch memory)."""
@@ -51,16 +50,10 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
             x = (x * inv[:, None]) * g[None, :]
         wmask = km[:, None] & nm[None, :]
         w = tl.load(w_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=wmask, other=0.0)
-        if BF16:
-            acc += tl.dot(x.to(tl.bfloat16), w)
-        else:
-            acc += tl.dot(x, w, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision="ieee")
         if SWIGLU:
             w2 = tl.load(w2_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=wmask, other=0.0)
-            if BF16:
-                acc2 += tl.dot(x.to(tl.bfloat16), w2)
-            else:
-                acc2 += tl.dot(x, w2, input_precision="ieee")
+            acc2 += tl.dot(x, w2, input_precision="ieee")
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc2
     out = rm[:, None] * N + rn[None, :]
@@ -73,7 +66,7 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
 def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Tensor | None = None,
            eps: float = 0.0, resid: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
     """y = [RMSNorm_norm](x) @ w^T [+ resid]; with w2: silu(. @ w^T) * (. @ w2^T). x, y, resid
-    contiguous float32 [M, *]; w, w2 [N, K] float32 or bfloat16."""
+    contiguous float32 [M, *]; w, w2 [N, K] float32."""
     m, k = x.shape
     n = w.shape[0]
     bm = min(64 if w2 is not None else 128, _pow2(m))
@@ -82,7 +75,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Ten
     _linear_kernel[grid](x, w, w2 if w2 is not None else w, norm if norm is not None else w,
                          resid if resid is not None else y, y, m, n, k, eps,
                          NORM=norm is not None, RESID=resid is not None, SWIGLU=w2 is not None,
-                         BF16=w.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
+                         BM=bm, BN=bn, BK=bk,
                          num_warps=8 if bm >= 64 else 4)
     return y
 
@@ -214,6 +207,10 @@ def _markov_kernel(z_ptr, prev_ptr, prev_stride, w1_ptr, w2_ptr, out_ptr, best_v
     logit = tl.where(vm, logit, float("-inf"))
     best = tl.max(logit, 0)
     first = tl.min(tl.where(logit == best, rv, V), 0)
+    # a NaN logit makes the tile win with an impossible index (max() may skip NaN)
+    broken = tl.max(tl.where(logit != logit, 1, 0), 0) > 0
+    best = tl.where(broken, float("inf"), best)
+    first = tl.where(broken, V, first)
     nt = tl.num_programs(1)
     tl.store(best_v_ptr + b * nt + t, best)
     tl.store(best_i_ptr + b * nt + t, first)
@@ -221,8 +218,8 @@ def _markov_kernel(z_ptr, prev_ptr, prev_stride, w1_ptr, w2_ptr, out_ptr, best_v
 
 @triton.jit
 def _argmax_kernel(best_v_ptr, best_i_ptr, tok_ptr, tok_stride, NT, V, NTP: tl.constexpr):
-    """token[b] = the first index of the largest logit (torch.argmax's choice); NaN logits
-    give V, an impossible token the gate reports."""
+    """token[b] = the first index of the largest logit (torch.argmax's choice); a NaN logit
+    gives V, an impossible token the gate reports."""
     b = tl.program_id(0)
     rt = tl.arange(0, NTP)
     tm = rt < NT

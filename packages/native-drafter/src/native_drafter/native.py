@@ -61,6 +61,10 @@ class NativeRound:
     """DSparkModel's round (block_logits, then the greedy Markov chain) on the kernels."""
 
     def __init__(self, model: DSparkModel):
+        dtypes = {p.dtype for p in model.parameters()} | {model.embed.dtype, model.head.dtype}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"the native kernels compute float32 drafters (the worker's default "
+                             f"--dtype); this one holds {sorted(map(str, dtypes))}")
         c = self.config = model.config
         self.device = model.embed.device
         self.eps, self.theta = c.rms_norm_eps, c.rope_theta
@@ -79,7 +83,6 @@ class NativeRound:
                 "wd": w(mlp.down_proj.weight), "in_norm": w(layer.input_layernorm.weight),
                 "post_norm": w(layer.post_attention_layernorm.weight)})
         self.w1, self.w2 = w(model.markov.w1.weight), w(model.markov.w2.weight)
-        self.dtype = self.wc.dtype
         self.unit = torch.cat([torch.ones(self.head_dim // 2), torch.zeros(self.head_dim // 2)]).to(self.device)
 
     def workspace(self, batch: int, width: int | None = None, probs: bool = False) -> Workspace:
@@ -90,7 +93,8 @@ class NativeRound:
         n, r, v = c.window, batch * (width or c.block_size), c.vocab_size
         f32 = dict(device=dev, dtype=torch.float32)
         qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        b = {"in_ctx": torch.zeros(batch, n, c.feature or c.hidden_size, **f32),
+        b = {"in_ctx": (torch.zeros(batch, n, c.feature, **f32) if c.feature   # hidden rows
+                        else torch.zeros(batch, n, device=dev, dtype=torch.long)),  # token ids
              "in_ctx_valid": torch.zeros(batch, n, device=dev, dtype=torch.bool),
              "in_ctx_pos": torch.zeros(batch, n, device=dev, dtype=torch.long),
              "in_anchor": torch.zeros(batch, device=dev, dtype=torch.long),
@@ -121,7 +125,7 @@ class NativeRound:
         """z [B*W, V] float32 from the workspace's inputs (DSparkModel.block_logits)."""
         c, b, wd = self.config, ws.batch, ws.width
         n = c.window
-        ctx_in = ws.in_ctx if c.feature else self.embed[ws.in_ctx.long()]
+        ctx_in = ws.in_ctx if c.feature else self.embed[ws.in_ctx]
         K.linear(ctx_in.reshape(b * n, -1), self.wc, ws.ctx)
         block_pos = ws.in_anchor_pos[:, None] + torch.arange(wd, device=self.device)
         for pos, cos, sin in ((ws.in_ctx_pos, ws.cos_c, ws.sin_c), (block_pos, ws.cos_b, ws.sin_b)):
