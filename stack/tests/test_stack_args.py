@@ -20,11 +20,26 @@ def filled(tmp_path: Path, name: str) -> Path:
     return path
 
 
+def delta(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "delta.env"
+    path.write_text(text)
+    return str(path)
+
+
+def production(t: Path, *more: str) -> list[str]:
+    """production-D + the async delta, both filled in, then `more` arguments."""
+    return ["--env", str(filled(t, "production-D")), "--env", str(filled(t, "production-async")), *more]
+
+
 CASES = {
     "local-all": lambda t: ["--env", str(template_path("local"))],
     "production-offload-host": lambda t: ["--env", str(filled(t, "production-D")), "--role", "offload-host"],
-    "production-async-engine": lambda t: ["--env", str(filled(t, "production-D")),
-                                          "--env", str(filled(t, "production-async")), "--role", "engine"],
+    # the two Sparks: rank 0 the API server, rank 1 vLLM's headless worker
+    "production-async-engine": lambda t: production(t, "--role", "engine"),
+    "production-async-engine-rank1": lambda t: production(t, "--role", "engine", "--rank", "1"),
+    # the offload host with the two-card worker
+    "production-offload-host-tp2": lambda t: ["--env", str(filled(t, "production-D")), "--env",
+                                              delta(t, "STACK_DRAFTER_TP2=1\n"), "--role", "offload-host"],
 }
 
 
@@ -59,3 +74,84 @@ def test_up_refuses_what_is_missing_before_starting_anything(tmp_path, capsys):
     assert main(["up", "--env", str(template_path("local")), "--env", str(here)]) == 2
     assert "engram-server: no shards in STACK_ENGRAM_SHARDS" in capsys.readouterr().err
     assert not (tmp_path / "pids").exists() or not any((tmp_path / "pids").iterdir())
+
+
+def engine_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "vllm.entrypoints" in line]
+
+
+def test_one_node_is_the_engine_as_before(tmp_path, capsys):
+    """STACK_ENGINE_NODES=1 (the default): the same engine with none of the multi-node
+    flags, and a --rank other than 0 refused."""
+    one = delta(tmp_path, "STACK_ENGINE_NODES=1\n")
+    assert main(["args", *production(tmp_path, "--env", one, "--role", "engine")]) == 0
+    (single,) = engine_lines(capsys.readouterr().out)
+    two = engine_lines((GOLDEN / "production-async-engine.txt").read_text())[0]
+    assert two == single + " --nnodes 2 --node-rank 0 --master-addr " \
+        "X-rank-0-ip-on-the-Spark-to-Spark-link --master-port 29501"
+    for flag in ("--nnodes", "--node-rank", "--master-addr", "--headless"):
+        assert flag not in single
+    assert main(["args", *production(tmp_path, "--env", one, "--role", "engine", "--rank", "1")]) == 2
+    assert "--rank 1: the engine has ranks 0..0 (STACK_ENGINE_NODES=1)" in capsys.readouterr().err
+
+
+def test_rank_1_is_rank_0s_engine_headless_with_its_own_metrics_ports(tmp_path, capsys):
+    main(["args", *production(tmp_path, "--role", "engine", "--rank", "0")])
+    zero = capsys.readouterr().out
+    main(["args", *production(tmp_path, "--role", "engine", "--rank", "1")])
+    one = capsys.readouterr().out
+    (cmd0,), (cmd1,) = engine_lines(zero), engine_lines(one)
+    head0, args0 = cmd0.split(" -m vllm.entrypoints.openai.api_server ")
+    head1, args1 = cmd1.split(" -m vllm.entrypoints.cli.main serve ")
+    assert head0 == head1  # the same interpreter, the same engine arguments but the API's
+    assert args1 == args0.replace(" --host X-host --port 8000", "").replace(
+        "--node-rank 0", "--node-rank 1") + " --headless"
+    assert "ENGRAM_REMOTE=X-offload-host-link-0-ip:7480,X-offload-host-link-1-ip:7480" in one  # the overlay picks by rank
+    assert "ASYNC_HANDOFF_METRICS_LISTEN=127.0.0.1:9496" in zero
+    assert "ASYNC_HANDOFF_METRICS_LISTEN=127.0.0.1:9497" in one
+    assert one.startswith("# engine-rank1\n")
+
+
+@pytest.mark.parametrize("text, args, why", [
+    ("STACK_ENGINE_NODES=2\nSTACK_ENGINE_MASTER=\n", ["--role", "engine", "--rank", "1"],
+     "STACK_ENGINE_NODES=2 needs STACK_ENGINE_MASTER=HOST:PORT on rank 0's host"),
+    ("STACK_ENGINE_NODES=2\n", ["--role", "engine", "--rank", "2"], "--rank 2: the engine has ranks 0..1"),
+    ("STACK_ENGINE_NODES=3\n", ["--role", "engine"], "STACK_ENGINE_NODES=3 must be at least 1 and "
+     "divide STACK_TP=2"),
+    ("", ["--role", "offload-host", "--rank", "1"], "--rank goes with --role engine"),
+    ("STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_DEVICES=cuda:0,cuda:0\n", ["--role", "offload-host"],
+     "needs two distinct devices in STACK_DRAFTER_DEVICES"),
+    ("STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_DEVICES=cuda:0\n", ["--role", "offload-host"],
+     "needs two distinct devices in STACK_DRAFTER_DEVICES"),
+    ("STACK_DRAFTER_TP2=1\nSTACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
+     "drafter-tp2 has none"),
+    ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2 is 0 or 1"),
+])
+def test_configurations_refused_with_the_reason(tmp_path, capsys, text, args, why):
+    assert main(["args", *production(tmp_path, "--env", delta(tmp_path, text), *args)]) == 2
+    assert why in capsys.readouterr().err
+
+
+def worker_line(out: str) -> str:
+    return next(line for line in out.splitlines() if " --drafter " in line)
+
+
+def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp_path, capsys):
+    env = ["--env", str(filled(tmp_path, "production-D")), "--env", delta(tmp_path, "STACK_DRAFTER_TP2=1\n")]
+    main(["args", *env, "--role", "drafter-worker"])
+    tp2 = worker_line(capsys.readouterr().out)
+    rolled = tmp_path / "rolled.env"
+    assert main(["rollback", "tp2-worker", *env, "--write", str(rolled)]) == 0
+    said = capsys.readouterr().out
+    assert "Nothing changes until the offload host's drafter worker restarts" in said
+    assert "down --role drafter-worker" in said and "--role engine" not in said
+    text = rolled.read_text()
+    assert "STACK_DRAFTER_TP2=0" in text and "STACK_DRAFTER_DEVICE=cuda:0" in text
+    main(["args", "--env", str(rolled), "--role", "drafter-worker"])
+    one = worker_line(capsys.readouterr().out)
+    assert " -m remote_drafter.cli worker " in one and " -m drafter_tp2.cli " in tp2
+    for flag in ("--drafter", "--target", "--listen", "--backend"):  # identities and address
+        assert tp2.split(flag + " ")[1].split()[0] == one.split(flag + " ")[1].split()[0]
+    assert "--device cuda:0" in one
+    assert main(["rollback", "tp2-worker", "--env", str(rolled), "--write", str(tmp_path / "x")]) == 2
+    assert "the one-card worker already serves" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import json
 import resource
 import shutil
 import socket
+import subprocess
 
 import pytest
 
@@ -120,3 +121,73 @@ def test_the_drafter_workers_identity(ready, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def closed_port() -> str:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1:%d" % s.getsockname()[1]
+
+
+def test_the_two_card_worker_on_a_cpu_pair(ready):
+    cfg = ready[0].with_values(STACK_DRAFTER_TP2="1", STACK_DRAFTER_DEVICES="cpu:0,cpu:1")
+    checks = {c.name: c for c in preflight.run(cfg, "offload-host")}
+    assert all(c.ok for c in checks.values()), preflight.report(list(checks.values()))
+    assert "a CPU pair (gloo)" in checks["drafter tp2 devices"].detail
+    assert checks["version dsv41-drafter-tp2-nvlink"].detail == "0.1.0 (pinned 0.1.0)"
+    assert not [n for n in checks if n.startswith("gpu")]
+
+
+def test_the_two_card_worker_without_gpus_says_the_comparison_is_skipped(ready, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = ready[0].with_values(STACK_DRAFTER_TP2="1", STACK_DRAFTER_DEVICES="cuda:0,cuda:1")
+    checks = {c.name: c for c in preflight.run(cfg, "offload-host")}
+    pair = checks["drafter tp2 devices"]
+    assert pair.ok and pair.warn and "UUID comparison skipped: no nvidia-smi" in pair.detail
+    assert failed(cfg, "offload-host") == {f"gpu cuda:{i}": "no nvidia-smi: no NVIDIA driver on "
+                                           "this machine" for i in (0, 1)}
+    assert "WARN  drafter tp2 devices" in preflight.report(list(checks.values()))
+
+
+@pytest.mark.parametrize("uuids, ok", [(("GPU-a", "GPU-b"), True), (("GPU-a", "GPU-a"), False)])
+def test_the_two_card_worker_on_one_card_twice_fails(ready, monkeypatch, uuids, ok):
+    """nvidia-smi (faked) names the UUID behind each index: the same card twice fails."""
+    def nvidia_smi(cmd, **kw):
+        text = ("0, %s\n1, %s\n" % uuids) if "--query-gpu=index,uuid" in cmd else "RTX 3090, 0, 10\n"
+        return subprocess.CompletedProcess(cmd, 0, text, "")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", nvidia_smi)
+    cfg = ready[0].with_values(STACK_DRAFTER_TP2="1", STACK_DRAFTER_DEVICES="cuda:0,cuda:1")
+    checks = {c.name: c for c in preflight.run(cfg, "offload-host")}
+    assert checks["drafter tp2 devices"].ok is ok, checks["drafter tp2 devices"].detail
+    assert checks["gpu cuda:0"].ok and checks["gpu cuda:1"].ok
+    if not ok:
+        assert "the pair needs two distinct cards" in checks["drafter tp2 devices"].detail
+
+
+def test_an_engine_across_two_hosts(ready, tmp_path, capsys):
+    """Rank 1 checks its own link only, and rank 0 not up yet is a WARN there (it starts
+    first); rank 0 needs the master port free (it opens the rendezvous)."""
+    links = f"{closed_port()},{closed_port()}"
+    cfg = ready[0].with_values(STACK_TP="2", STACK_ENGINE_NODES="2", STACK_ENGINE_MASTER=closed_port(),
+                               ENGRAM_REMOTE=links)
+    one = {c.name: c for c in preflight.run(cfg, "engine", 1)}
+    assert {n for n, c in one.items() if not c.ok} == {"link engram rank 1"}  # not rank 0's link
+    assert "port engine" not in one  # a headless rank serves no API
+    master = one["link engine master"]
+    assert master.ok and master.warn and "expected while rank 0 is not up yet" in master.detail
+    zero = {c.name: c for c in preflight.run(cfg, "engine", 0)}
+    assert {n for n, c in zero.items() if not c.ok} == {"link engram rank 0"}
+    assert zero["port engine master"].ok and not zero["port engine master"].warn
+    with socket.socket() as s:  # rank 1 sees rank 0's rendezvous: a plain PASS
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        up = cfg.with_values(STACK_ENGINE_MASTER="127.0.0.1:%d" % s.getsockname()[1])
+        answered = {c.name: c for c in preflight.run(up, "engine", 1)}["link engine master"]
+        assert answered.ok and not answered.warn
+        assert "in use" in failed(up, "engine")["port engine master"]  # rank 0: taken
+    env = tmp_path / "two.env"
+    env.write_text("\n".join(f"{k}={v}" for k, v in cfg.with_values(ENGRAM_REMOTE=None).values.items()))
+    assert main(["preflight", "--env", str(env), "--role", "engine", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "WARN  link engine master" in out and "1 warnings, 0 failed" in out

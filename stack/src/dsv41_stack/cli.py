@@ -6,7 +6,11 @@
   dsv41-stack status | logs engine | canary | down   (each with --env)
   dsv41-stack rollback remote-engram --env F --write F.rollback   # then restart the engine
   dsv41-stack args --env production-D.env --role offload-host
-  dsv41-stack args --env production-D.env --env production-async.env --role engine
+  dsv41-stack args --env production-D.env --env production-async.env --role engine --rank 1
+
+An engine across two hosts (STACK_ENGINE_NODES=2): on the second Spark `up --role engine
+--rank 1` first (vLLM's headless worker: it waits for rank 0), then on the first `up --role
+engine --rank 0` (the API; it waits until both ranks serve, then runs the canary).
   dsv41-stack template production-D > production-D.env   # then replace every <placeholder>
   dsv41-stack env                                    # every STACK_ setting, default, meaning
 
@@ -28,6 +32,11 @@ from .roles import roles
 from .settings import SETTINGS
 
 TEMPLATES = ("local", "production-D", "production-async")
+ROLES = ["offload-host", "engine", "engram-server", "drafter-worker"]
+ROLE_HELP = ("offload-host (its engram-server and drafter-worker, or one of them) or engine "
+             "(with --rank); default: every role")
+RANK_HELP = ("with --role engine: this host's node rank when the engine spans STACK_ENGINE_NODES "
+             "hosts (0: the API server, default; 1: vLLM's headless worker on the second host)")
 
 
 def templates_dir() -> Path:
@@ -54,7 +63,7 @@ def cmd_template(args) -> int:
 
 def cmd_args(args) -> int:
     cfg = StackConfig.load(args.env)
-    for role in roles(cfg, args.role):
+    for role in roles(cfg, args.role, args.rank):
         print(f"# {role.name}")
         for key, value in sorted(role.env.items()):
             print(f"{key}={shlex.quote(value)}")
@@ -65,10 +74,12 @@ def cmd_args(args) -> int:
 def cmd_preflight(args) -> int:
     from .preflight import report, run
 
-    checks = run(StackConfig.load(args.env), args.role)
+    checks = run(StackConfig.load(args.env), args.role, args.rank)
     print(report(checks))
     failed = [c for c in checks if not c.ok]
-    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    warned = [c for c in checks if c.ok and c.warn]
+    print(f"{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warnings, "
+          f"{len(failed)} failed")
     return 1 if failed else 0
 
 
@@ -76,8 +87,8 @@ def cmd_up(args) -> int:
     from .deployment import Deployment
 
     deployment = Deployment(StackConfig.load(args.env))
-    deployment.up(args.role)
-    if args.role in (None, "engine"):
+    deployment.up(args.role, rank=args.rank)
+    if args.role in (None, "engine") and not args.rank:  # rank 0 serves the API
         return report_canary(deployment.canary(record=args.record_canary))
     return 0
 
@@ -85,14 +96,14 @@ def cmd_up(args) -> int:
 def cmd_down(args) -> int:
     from .deployment import Deployment
 
-    Deployment(StackConfig.load(args.env)).down(args.role)
+    Deployment(StackConfig.load(args.env)).down(args.role, rank=args.rank)
     return 0
 
 
 def cmd_status(args) -> int:
     from .deployment import Deployment
 
-    status = Deployment(StackConfig.load(args.env)).status()
+    status = Deployment(StackConfig.load(args.env)).status(args.role, args.rank)
     print(json.dumps(status, indent=2))
     return 0 if all(s["running"] for s in status.values()) else 1
 
@@ -116,6 +127,10 @@ def report_canary(result: dict) -> int:
         print(f"canary: DEGRADED: {'; '.join(result['degraded'])}")
     elif result["ok"]:
         print("canary: ok, counters fresh (drafts made, no Engram fallback)")
+        if moved := result.get("handoff"):
+            print(f"canary: async proxy ok: {moved['rounds_ok']:.0f} rounds answered, "
+                  f"{moved['rounds_failed']:.0f} failed, {moved['watchdog_fires']:.0f} watchdog "
+                  f"fires, {moved['respawns']:.0f} respawns")
     return 0 if result["ok"] else 1
 
 
@@ -126,21 +141,21 @@ def cmd_canary(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from .rollback import LEVERS, rollback, write_env
+    from .rollback import LEVERS, RESTART, rollback, write_env
 
     cfg = rollback(StackConfig.load(args.env), args.lever)
+    who, how = RESTART.get(args.lever, RESTART["engine"])
     write_env(cfg, Path(args.write), f"dsv41-stack rollback {args.lever} of {', '.join(args.env)}\n"
-              f"after an engine restart: {LEVERS[args.lever]}")
-    print(f"wrote {args.write}: {LEVERS[args.lever]}.\nNothing changes until the engine restarts "
-          f"with it: dsv41-stack down --role engine --env ... && dsv41-stack up --role engine "
-          f"--env {args.write}")
+              f"after a restart of {who}: {LEVERS[args.lever]}")
+    print(f"wrote {args.write}: {LEVERS[args.lever]}.\nNothing changes until {who} restarts "
+          f"with it: {how.format(out=args.write)}")
     return 0
 
 
 def cmd_systemd(args) -> int:
     from .systemd import write_units
 
-    paths = write_units(StackConfig.load(args.env), args.env, args.role, Path(args.out))
+    paths = write_units(StackConfig.load(args.env), args.env, args.role, Path(args.out), args.rank)
     print("\n".join(f"wrote {p}" for p in paths))
     print(f"install: cp {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && "
           "systemctl enable --now dsv41-watchdog.timer " + " ".join(
@@ -152,7 +167,7 @@ def cmd_watchdog(args) -> int:
     from .systemd import watchdog
 
     cfg = StackConfig.load(args.env)
-    said = watchdog(cfg, args.role, Path(cfg["STACK_RUN_DIR"]) / "watchdog.json")
+    said = watchdog(cfg, args.role, Path(cfg["STACK_RUN_DIR"]) / "watchdog.json", rank=args.rank)
     print("\n".join(said) or "every role serves")
     return 1 if any("left down" in line for line in said) else 0
 
@@ -183,49 +198,64 @@ def main(argv=None) -> int:
     t.set_defaults(func=cmd_template)
     a = sub.add_parser("args", help="dry run: each process's environment and command line")
     a.add_argument("--env", action="append", required=True, help="env file (repeatable)")
-    a.add_argument("--role", choices=["offload-host", "engine"], help="default: every role")
+    a.add_argument("--role", choices=ROLES, help=ROLE_HELP)
+    a.add_argument("--rank", type=int, help=RANK_HELP)
     a.set_defaults(func=cmd_args)
     for name, func, text in (("preflight", cmd_preflight, "is this machine ready for its roles: "
                                "versions, shards, ports, memory, mlock, links, qualify, GPUs"),
                              ("up", cmd_up, "start this machine's roles in the reference order, "
                                "each waited for; then the canary"),
                               ("down", cmd_down, "stop this machine's roles (the engine first)"),
-                              ("status", cmd_status, "each role's process and the engine's "
-                               "spec-decode counters (exit 1 if one is down)")):
+                              ("status", cmd_status, "each role's process and what it says of "
+                               "itself: the engine's spec-decode, Engram and async proxy "
+                               "counters, the Engram server's health, the worker's counters "
+                               "(exit 1 if one is down)")):
         c = sub.add_parser(name, help=text)
         c.add_argument("--env", action="append", required=True, help="env file (repeatable)")
-        c.add_argument("--role", choices=["offload-host", "engine"], help="default: every role")
+        c.add_argument("--role", choices=ROLES, help=ROLE_HELP)
+        c.add_argument("--rank", type=int, help=RANK_HELP)
         if name == "up":
             c.add_argument("--record-canary", action="store_true",
                            help="record this start's fingerprint as the canary's reference")
         c.set_defaults(func=func)
     g = sub.add_parser("logs", help="the last lines of a role's log")
-    g.add_argument("role", choices=["engram-server", "drafter-worker", "engine"])
+    g.add_argument("role", choices=["engram-server", "drafter-worker", "engine", "engine-rank1"])
     g.add_argument("--env", action="append", required=True)
     g.add_argument("-n", "--lines", type=int, default=40)
     g.set_defaults(func=cmd_logs)
-    c = sub.add_parser("canary", help="greedy fingerprint of fixed prompts vs the recorded one")
+    c = sub.add_parser("canary", help="greedy fingerprint of fixed prompts vs the recorded one, "
+                       "and fresh counters (drafts, Engram, the async proxy's rounds)",
+                       description="Asks rank 0's API (STACK_ENGINE_LISTEN). Exit 1 if the "
+                       "fingerprint differs or a counter is not fresh (DEGRADED): no drafts, an "
+                       "Engram fallback, or with VLLM_DSPARK_REMOTE_ASYNC on, the async proxy "
+                       "answered no round, failed one, or its watchdog fired "
+                       "(ASYNC_HANDOFF_METRICS_LISTEN).")
     c.add_argument("--env", action="append", required=True)
     c.add_argument("--record", action="store_true", help="record it as the reference")
     c.set_defaults(func=cmd_canary)
     r = sub.add_parser("rollback", help="write the env file of a lever's reference rollback",
                        description="async: synchronous rounds; remote-drafter: the drafter in "
                        "the engine with the baseline KV budget; remote-engram: the local shard "
-                       "reader. Takes effect when the engine restarts with the written file.")
-    r.add_argument("lever", choices=["async", "remote-drafter", "remote-engram"])
+                       "reader: each takes effect when the engine restarts with the written "
+                       "file. tp2-worker: the one-card worker with the same drafter, target and "
+                       "listener: takes effect when the offload host's drafter worker restarts "
+                       "with it (the engines keep running and reconnect).")
+    r.add_argument("lever", choices=["async", "remote-drafter", "remote-engram", "tp2-worker"])
     r.add_argument("--env", action="append", required=True)
     r.add_argument("--write", required=True, help="the env file to write")
     r.set_defaults(func=cmd_rollback)
     u = sub.add_parser("systemd", help="write systemd units for this machine's roles and the "
                        "watchdog timer")
     u.add_argument("--env", action="append", required=True)
-    u.add_argument("--role", choices=["offload-host", "engine"])
+    u.add_argument("--role", choices=ROLES, help=ROLE_HELP)
+    u.add_argument("--rank", type=int, help=RANK_HELP)
     u.add_argument("--out", required=True, help="folder for the unit files")
     u.set_defaults(func=cmd_systemd)
     w = sub.add_parser("watchdog", help="one pass: restart (bounded) a role that runs but does "
                        "not serve (the timer runs it every 30 s)")
     w.add_argument("--env", action="append", required=True)
-    w.add_argument("--role", choices=["offload-host", "engine"])
+    w.add_argument("--role", choices=ROLES, help=ROLE_HELP)
+    w.add_argument("--rank", type=int, help=RANK_HELP)
     w.set_defaults(func=cmd_watchdog)
     d = sub.add_parser("demo", help="the deployment in miniature on this machine (A, B, D, D-async)",
                        description="Builds the SmolLM2-with-Engram target if needed, starts the "

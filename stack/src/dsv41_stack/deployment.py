@@ -1,7 +1,9 @@
 """This machine's roles as long-lived processes (`up`, `down`, `status`, `logs`, `canary`):
 detached, with pid files and logs under STACK_RUN_DIR, brought up in the reference order —
 offload host first (Engram server, drafter worker), then the engine — each waited for until
-it serves; the engine's canary last."""
+it serves; the engine's canary last. An engine across hosts: rank R > 0 first (it waits for
+rank 0 in vLLM's rendezvous), then rank 0, whose API answers once all ranks joined; status
+and canary are answered by rank 0 (its API, its Engram and async handoff counters)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ from pathlib import Path
 
 from .config import StackConfig
 from .processes import Running, role_env
-from .roles import SERVED_NAME, Role, roles, speculative_config
+from .roles import SERVED_NAME, Role, engine, rank_address, roles, speculative_config
+
+# The async proxy's counters that must not move during the canary (rounds timed out are not
+# among them: a round abandoned when its request ends counts as timed out).
+HANDOFF_FAILURES = ("rounds_failed", "rounds_bad", "watchdog_fires", "respawns")
 
 
 class Deployment:
@@ -33,24 +39,31 @@ class Deployment:
             return None
         pid = int(path.read_text())
         try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child has ended (up and down
+                path.unlink()                           # in one process): reaped, not a zombie
+                return None
+        except ChildProcessError:
+            pass  # started by another process
+        try:
             os.kill(pid, 0)
             return pid
         except ProcessLookupError:
             path.unlink()
             return None
 
-    def up(self, role_filter: str | None = None, say=print, timeout_s: float = 900) -> None:
+    def up(self, role_filter: str | None = None, say=print, timeout_s: float = 900,
+           rank: int | None = None) -> None:
         self.pids.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        for role in roles(self.cfg, role_filter):
+        for role in roles(self.cfg, role_filter, rank):
             missing = self.missing_input(role)
             if missing:
                 raise FileNotFoundError(f"{role.name}: {missing}")
         started = []
         try:
-            for role in roles(self.cfg, role_filter):
-                if role.name == "engine":
-                    self.check_offload_host(say)
+            for role in roles(self.cfg, role_filter, rank):
+                if role.rank is not None:
+                    self.check_offload_host(say, role.rank)
                 if self.pid(role):
                     say(f"{role.name}: already running (pid {self.pid(role)})")
                     continue
@@ -61,17 +74,22 @@ class Deployment:
                 (self.pids / f"{role.name}.pid").write_text(str(proc.pid))
                 started.append(role)
                 took = Running(role, proc, log).wait_ready(timeout_s)
-                say(f"{role.name}: ready in {took:.1f} s (pid {proc.pid}, log {log})")
+                if role.rank:
+                    say(f"{role.name}: started in {took:.1f} s (pid {proc.pid}, log {log}); it "
+                        f"waits for rank 0 at {self.cfg['STACK_ENGINE_MASTER']} (vLLM's rendezvous): "
+                        "start rank 0 now (up --role engine --rank 0); the canary runs there")
+                else:
+                    say(f"{role.name}: ready in {took:.1f} s (pid {proc.pid}, log {log})")
         except BaseException:
             for role in reversed(started):  # nothing half up
                 self.stop(role)
             raise
 
-    def check_offload_host(self, say) -> None:
+    def check_offload_host(self, say, rank: int = 0) -> None:
         """Reference order: the engine starts only once the rows it will read are qualified
         and the worker's identities match."""
         from .preflight import offload_links, report
-        checks = offload_links(self.cfg)
+        checks = offload_links(self.cfg, rank)
         if checks:
             say(report(checks))
         if not all(c.ok for c in checks):
@@ -80,7 +98,7 @@ class Deployment:
 
     def missing_input(self, role: Role) -> str | None:
         """What a role needs on disk before it can start, if it is not there."""
-        if role.name == "engine" and not (Path(self.cfg["STACK_MODEL"]) / "config.json").exists():
+        if role.rank is not None and not (Path(self.cfg["STACK_MODEL"]) / "config.json").exists():
             return f"no checkpoint at STACK_MODEL={self.cfg['STACK_MODEL']!r}"
         if role.name == "engram-server" and not any(Path(self.cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin")):
             return f"no shards in STACK_ENGRAM_SHARDS={self.cfg['STACK_ENGRAM_SHARDS']!r}"
@@ -92,28 +110,29 @@ class Deployment:
             return False
         os.killpg(pid, signal.SIGTERM)  # its own session: vLLM's workers go with it
         deadline = time.monotonic() + timeout_s
-        while self.pid(role) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if self.pid(role):
+        while (self.pid(role) or group_alive(pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until its children (vLLM's workers, a TP2 pair's ranks) are gone too
+        if self.pid(role) or group_alive(pid):
             os.killpg(pid, signal.SIGKILL)
             time.sleep(0.5)
         (self.pids / f"{role.name}.pid").unlink(missing_ok=True)
         return True
 
-    def down(self, role_filter: str | None = None, say=print) -> None:
-        for role in reversed(roles(self.cfg, role_filter)):  # the engine first
+    def down(self, role_filter: str | None = None, say=print, rank: int | None = None) -> None:
+        for role in reversed(roles(self.cfg, role_filter, rank)):  # the engine first
             say(f"{role.name}: {'stopped' if self.stop(role) else 'not running'}")
 
     # -- looking at it ---------------------------------------------------------------------
     def engine_url(self) -> str:
         return f"http://{self.cfg['STACK_ENGINE_LISTEN']}"
 
-    def status(self) -> dict:
+    def status(self, role_filter: str | None = None, rank: int | None = None) -> dict:
         """Each role's process and what it says of itself: the engine its spec-decode and
-        Engram counters, the Engram server its health (tables resident, mlock, links), the
-        drafter worker its counters."""
+        Engram counters and the async proxy's (when the handoff is on), a headless rank its
+        own Engram and proxy counters, the Engram server its health (tables resident, mlock,
+        links), the drafter worker its counters."""
         out = {}
-        for role in roles(self.cfg):
+        for role in roles(self.cfg, role_filter, rank):
             pid = self.pid(role)
             entry = {"pid": pid, "running": pid is not None}
             if pid:
@@ -125,8 +144,14 @@ class Deployment:
         return out
 
     def health(self, role: Role) -> dict:
-        if role.name == "engine":
-            return {"counters": self.counters()}
+        if role.rank is not None:
+            out = {"counters": self.counters()} if role.rank == 0 else {}
+            if role.rank and (listen := self.cfg.values.get("ENGRAM_METRICS_LISTEN")):
+                from remote_engram.client import served_counters
+                out["engram"] = served_counters(rank_address(listen, role.rank), timeout_s=5)
+            if self.async_on():
+                out["handoff"] = self.handoff_counters(role.rank)
+            return out
         listen = role.command[role.command.index("--listen") + 1]
         if role.name == "engram-server":
             from ofl import Connection
@@ -137,8 +162,10 @@ class Deployment:
         return {"counters": worker_stats(listen, self.cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp"))}
 
     def canary(self, record: bool = False) -> dict:
-        """Greedy fingerprint of fixed prompts vs the recorded reference, and fresh counters
-        over those requests: drafts made when a drafter is configured, no Engram fallback."""
+        """Greedy fingerprint of fixed prompts vs the recorded reference (rank 0's API), and
+        fresh counters over those requests: drafts made when a drafter is configured, no
+        Engram fallback, and with the async handoff on, the proxy's (rank 0's): rounds
+        answered, none failed or bad, no watchdog fire or respawn, still enabled."""
         import httpx
 
         from longctx_bench.runner import RunConfig, fingerprint
@@ -147,24 +174,48 @@ class Deployment:
             async with httpx.AsyncClient() as client:
                 return await fingerprint(client, RunConfig(self.engine_url(), SERVED_NAME, [], []))
 
-        before = self.counters()
+        before, handoff_before = self.counters(), self.handoff_counters()
         got = asyncio.run(measure())
-        after = self.counters()
+        after, handoff_after = self.counters(), self.handoff_counters()
         moved = {k: after[k] - before.get(k, 0.0) for k in after}
         degraded = []
         if speculative_config(self.cfg) and not moved.get("num_drafts"):
             degraded.append("no drafts made")
         degraded += [f"Engram {k} +{v:.0f}" for k, v in moved.items()
                      if k in ("fallbacks", "remote_failures") and v]
+        handoff = None
+        if self.async_on():
+            handoff = handoff_moved(handoff_before, handoff_after)
+            degraded += handoff_degraded(handoff, handoff_after, self.handoff_listen())
+        common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff}
         path = self.run / "canary-reference.json"
         if record or not path.exists():
             path.write_text(json.dumps(got, indent=2))
-            return {"ok": not degraded, "recorded": True, "fingerprint": got["all"],
-                    "degraded": degraded}
+            return {"ok": not degraded, "recorded": True, **common}
         want = json.loads(path.read_text())
         return {"ok": got["all"] == want["all"] and not degraded, "recorded": False,
-                "fingerprint": got["all"], "reference": want["all"], "degraded": degraded,
-                "differs": [k for k in want if got.get(k) != want[k]]}
+                "reference": want["all"], "differs": [k for k in want if got.get(k) != want[k]],
+                **common}
+
+    def async_on(self) -> bool:
+        """Draft rounds go through the async proxy: a remote drafter, speculation, and
+        VLLM_DSPARK_REMOTE_ASYNC set (as async_handoff reads it)."""
+        return bool(speculative_config(self.cfg) and self.cfg.values.get("REMOTE_DRAFTER_ADDRESS")
+                    and self.cfg.values.get("VLLM_DSPARK_REMOTE_ASYNC", "") not in ("", "0"))
+
+    def handoff_listen(self, rank: int = 0) -> str:
+        """Where engine rank `rank` serves its async proxy counters ('' = nowhere)."""
+        return engine(self.cfg, rank).env.get("ASYNC_HANDOFF_METRICS_LISTEN", "")
+
+    def handoff_counters(self, rank: int = 0) -> dict | None:
+        """The async proxy's counters of engine rank `rank` (async_handoff.exposition), or
+        None when they cannot be read (not configured, or nothing answers)."""
+        from async_handoff.exposition import read
+        listen = self.handoff_listen(rank)
+        try:
+            return read(listen) if listen else None
+        except OSError:
+            return None
 
     def counters(self) -> dict:
         """The engine's spec-decode counters and, where its overlay serves metrics
@@ -177,6 +228,37 @@ class Deployment:
             except OSError:
                 pass
         return {k: v for k, v in out.items() if isinstance(v, float)}
+
+
+def group_alive(pgid: int) -> bool:
+    """Is any process of this process group still there?"""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def handoff_moved(before: dict | None, after: dict | None) -> dict | None:
+    """How far the async proxy's counters moved (None when either reading is missing)."""
+    if before is None or after is None:
+        return None
+    return {k: after.get(k, 0.0) - before.get(k, 0.0)
+            for k in ("rounds_ok", "rounds_timed_out", *HANDOFF_FAILURES)}
+
+
+def handoff_degraded(moved: dict | None, after: dict | None, listen: str) -> list[str]:
+    """What the async proxy's counters over the canary say is wrong: unreadable, no round
+    answered, any failed or bad round, watchdog fire or respawn, or the handoff disabled."""
+    if not listen:
+        return ["async proxy counters not served: set ASYNC_HANDOFF_METRICS_LISTEN"]
+    if moved is None or after is None:
+        return [f"async proxy counters unreadable at {listen}"]
+    out = [] if moved["rounds_ok"] > 0 else ["async proxy answered no rounds"]
+    out += [f"async proxy {k.replace('_', ' ')} +{moved[k]:.0f}" for k in HANDOFF_FAILURES if moved[k]]
+    if after.get("enabled") == 0:
+        out.append("async proxy disabled")
+    return out
 
 
 def engine_counters(url: str) -> dict:

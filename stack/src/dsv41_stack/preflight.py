@@ -1,6 +1,8 @@
-"""`dsv41-stack preflight`: is this machine ready for its roles? Each check prints PASS or
-FAIL with the reason; any FAIL exits non-zero. Run it on the offload host first, then on
-each engine host (the links and the qualify sample need the offload host serving)."""
+"""`dsv41-stack preflight`: is this machine ready for its roles? Each check prints PASS,
+WARN or FAIL with the reason; any FAIL exits non-zero (a WARN does not). Run it on the
+offload host first, then on each engine host (the links and the qualify sample need the
+offload host serving); an engine across hosts: rank 1's host before rank 0 is up (rank 0's
+rendezvous not answering yet is a WARN there), then rank 0's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import StackConfig
-from .roles import roles
+from .roles import engine_nodes, roles, tp2_devices
 
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
 
@@ -24,6 +26,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    warn: bool = False  # passed, but with something the operator should know (not a FAIL)
 
 
 def pins() -> dict[str, str]:
@@ -90,6 +93,41 @@ def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Chec
                  + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
 
 
+def check_master(address: str, rank: int) -> Check:
+    """Rank 0 opens vLLM's rendezvous at STACK_ENGINE_MASTER (the port must be free there);
+    another rank connects to it, and waits for it when rank 0 is not up yet (a WARN: the
+    order is rank 1 first, then rank 0)."""
+    if rank == 0:
+        check = check_port_free(address, "engine master")
+        return Check(check.name, check.ok, check.detail + " (rank 0 opens vLLM's rendezvous here)")
+    check = check_reachable(address, "engine master")
+    if check.ok:
+        return check
+    return Check(check.name, True, f"{check.detail}: expected while rank 0 is not up yet (rank "
+                 f"{rank} starts first and waits for it); start rank 0 next", warn=True)
+
+
+def check_tp2_pair(devices: list[str]) -> Check:
+    """The two-card worker's devices are two distinct cards: on CUDA, their GPU UUIDs differ
+    (the same card under two indices is caught); on CPU a gloo pair, nothing to compare."""
+    name = "drafter tp2 devices"
+    if not all(d.startswith("cuda") for d in devices):
+        return Check(name, True, f"{', '.join(devices)}: a CPU pair (gloo), no GPUs to compare")
+    if not shutil.which("nvidia-smi"):
+        return Check(name, True, f"{', '.join(devices)}: two distinct names; UUID comparison "
+                     "skipped: no nvidia-smi (no GPUs on this machine)", warn=True)
+    indices = [d.partition(":")[2] or "0" for d in devices]
+    query = subprocess.run(["nvidia-smi", "-i", ",".join(indices), "--query-gpu=index,uuid",
+                            "--format=csv,noheader"], capture_output=True, text=True)
+    if query.returncode:
+        return Check(name, False, query.stderr.strip() or "nvidia-smi failed")
+    uuids = dict(line.split(", ", 1) for line in query.stdout.strip().splitlines())
+    found = [uuids.get(i, "") for i in indices]
+    ok = len(found) == 2 and all(found) and found[0] != found[1]
+    return Check(name, ok, ", ".join(f"{d} = {u or 'not found'}" for d, u in zip(devices, found))
+                 + ("" if ok else " (the pair needs two distinct cards)"))
+
+
 def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
     """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
     engine expects (REMOTE_DRAFTER_TARGET / _MANIFEST): the handshake the engine will make."""
@@ -150,13 +188,18 @@ def check_gpu(device: str) -> Check:
                  f"{name}: {busy}% busy, {used} MiB used (a worker wants it idle)")
 
 
-def run(cfg: StackConfig, role: str | None) -> list[Check]:
-    names = {r.name for r in roles(cfg, role)}
+def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Check]:
+    mine = roles(cfg, role, rank)
+    names = {r.name for r in mine}
+    engines = [r for r in mine if r.rank is not None]
+    tp2 = cfg["STACK_DRAFTER_TP2"] == "1"
     checks: list[Check] = []
     wanted = {"ofl-transport", "dsv41-async-handoff", "dsv41-remote-engram", "dsv41-longctx-bench",
               "dsv41-acceptance-ceiling"}
-    if names & {"drafter-worker", "engine"}:
+    if "drafter-worker" in names or engines:
         wanted.add("dsv41-remote-drafter")
+    if "drafter-worker" in names and tp2:
+        wanted.add("dsv41-drafter-tp2-nvlink")
     checks += check_versions(wanted)
     if "engram-server" in names:
         shards = list(Path(cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin"))
@@ -167,29 +210,37 @@ def run(cfg: StackConfig, role: str | None) -> list[Check]:
         checks += [check_memory(total, "for the tables"), check_mlock(total), check_hugepages()]
     if "drafter-worker" in names:
         checks.append(check_port_free(cfg["STACK_DRAFTER_LISTEN"], "drafter-worker"))
-        if cfg["STACK_DRAFTER_DEVICE"].startswith("cuda"):
-            checks.append(check_gpu(cfg["STACK_DRAFTER_DEVICE"]))
-    if "engine" in names:
+        devices = tp2_devices(cfg) if tp2 else [cfg["STACK_DRAFTER_DEVICE"]]
+        if tp2:
+            checks.append(check_tp2_pair(devices))
+        checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
+    for engine in engines:
         model = Path(cfg["STACK_MODEL"])
         checks.append(Check("target checkpoint", (model / "config.json").exists(), str(model)))
-        checks.append(check_port_free(cfg["STACK_ENGINE_LISTEN"], "engine"))
+        if engine.rank == 0:  # the API server (a headless rank serves none)
+            checks.append(check_port_free(cfg["STACK_ENGINE_LISTEN"], "engine"))
+        if engine_nodes(cfg) > 1:
+            checks.append(check_master(cfg["STACK_ENGINE_MASTER"], engine.rank))
         checks.append(check_memory(cfg.int("STACK_KV_BYTES"), "for the KV pool"))
         if role == "engine":  # the offload host serves by now (reference order)
-            checks += offload_links(cfg)
+            checks += offload_links(cfg, engine.rank)
     return checks
 
 
-def offload_links(cfg: StackConfig) -> list[Check]:
-    """What an engine needs of the offload host before it starts: each Engram link answers
-    and its rows equal the local shards (a sample); the drafter worker answers with the
-    identities this engine expects."""
+def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
+    """What an engine needs of the offload host before it starts: each Engram link of this
+    host's ranks (all of them on one host; with STACK_ENGINE_NODES > 1 rank `rank`'s only)
+    answers and its rows equal the local shards (a sample); the drafter worker answers with
+    the identities this engine expects."""
     checks = []
     backend = cfg.values.get("ENGRAM_BACKEND", "verbs")
-    for rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
-        checks.append(reachable := check_reachable(address, f"engram rank {rank}"))
+    for link_rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
+        if engine_nodes(cfg) > 1 and link_rank != rank:
+            continue  # another host's link
+        checks.append(reachable := check_reachable(address, f"engram rank {link_rank}"))
         shard_dir = cfg.values.get("ENGRAM_SHARD_DIR", "")
         if reachable.ok and shard_dir:
-            checks.append(check_qualify(address, shard_dir, rank, backend))
+            checks.append(check_qualify(address, shard_dir, link_rank, backend))
     if address := cfg.values.get("REMOTE_DRAFTER_ADDRESS"):
         checks.append(reachable := check_reachable(address, "drafter worker"))
         if reachable.ok:
@@ -198,5 +249,6 @@ def offload_links(cfg: StackConfig) -> list[Check]:
 
 
 def report(checks: list[Check]) -> str:
-    return "\n".join(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}" for c in checks)
+    return "\n".join(f"{'FAIL' if not c.ok else 'WARN' if c.warn else 'PASS'}  {c.name}: {c.detail}"
+                     for c in checks)
 

@@ -1,7 +1,21 @@
 """The processes of the deployment, each as the exact command line and environment it gets
 (`dsv41-stack args` prints them; the demo runs them). The offload host has the Engram
-server and the drafter worker; each engine host has vLLM with the overlays, configured by
-the component variables of the env file (the overlays read them; no flags of ours)."""
+server and the drafter worker (one card, or drafter-tp2's pair); each engine host has vLLM
+with the overlays, configured by the component variables of the env file (the overlays
+read them; no flags of ours).
+
+An engine across STACK_ENGINE_NODES hosts is vLLM's multi-node launch without Ray (vLLM
+0.33: `--nnodes N --node-rank R --master-addr A --master-port P`, the same engine arguments
+on every host): rank 0 is the OpenAI server, rank R > 0 `vllm serve ... --headless`, which
+serves no API and runs that host's worker. Each rank's workers join torch.distributed at
+A:P (rank 0's worker opens the store there; the others connect and wait for it up to the
+distributed timeout, torch's default 600 s for NCCL), so either may start first; rank 0's
+API answers only once every rank has joined and loaded. `up` therefore starts rank R > 0
+first (ready when it has launched its executor and waits for rank 0) and then rank 0,
+which it waits for until it serves. Each rank picks its own entry of ENGRAM_REMOTE (the
+overlay takes entry = TP rank), serves its Engram counters on ENGRAM_METRICS_LISTEN's port
++ rank (the overlay), and its async handoff counters on ASYNC_HANDOFF_METRICS_LISTEN's
+port + rank (set here, per rank)."""
 
 from __future__ import annotations
 
@@ -11,9 +25,11 @@ from dataclasses import dataclass, field
 
 from longctx_bench.launch import vllm_command
 
-from .config import StackConfig
+from .config import ConfigError, StackConfig
+from .settings import ENGINE_PREFIXES
 
 SERVED_NAME = "dsv41"
+HEADLESS_READY = "headless multiproc executor"  # vLLM 0.33's line once rank R > 0 waits for rank 0
 
 
 @dataclass
@@ -23,6 +39,7 @@ class Role:
     env: dict[str, str] = field(default_factory=dict)  # what the env file gives it
     ready_line: str | None = None  # a stdout line that says it serves
     ready_url: str | None = None   # or a URL that answers 200 once it serves
+    rank: int | None = None        # an engine's node rank (None: not an engine)
 
 
 def engram_server(cfg: StackConfig) -> Role | None:
@@ -38,14 +55,35 @@ def engram_server(cfg: StackConfig) -> Role | None:
     return Role("engram-server", cmd, cfg.components("OFL_"), ready_line="remote-engram serve:")
 
 
+def tp2_devices(cfg: StackConfig) -> list[str]:
+    """The pair's two devices (STACK_DRAFTER_DEVICES), or a ConfigError saying why not."""
+    devices = [d.strip() for d in cfg["STACK_DRAFTER_DEVICES"].split(",") if d.strip()]
+    if len(devices) != 2 or devices[0] == devices[1]:
+        raise ConfigError(f"STACK_DRAFTER_TP2=1 needs two distinct devices in "
+                          f"STACK_DRAFTER_DEVICES, rank 0's first; got {cfg['STACK_DRAFTER_DEVICES']!r}")
+    return devices
+
+
 def drafter_worker(cfg: StackConfig) -> Role | None:
+    """The one-card worker, or with STACK_DRAFTER_TP2=1 drafter-tp2's supervised pair: the
+    same drafter, target, listener and backend, so engines see the same identities."""
     if not cfg["STACK_DRAFTER"]:
         return None
-    cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", "--drafter", cfg["STACK_DRAFTER"],
-           "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
-           "--listen", cfg["STACK_DRAFTER_LISTEN"],
-           "--device", cfg["STACK_DRAFTER_DEVICE"],
-           "--backend", cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp")]
+    same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
+            "--listen", cfg["STACK_DRAFTER_LISTEN"]]
+    backend = ["--backend", cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp")]
+    if cfg["STACK_DRAFTER_TP2"] == "1":
+        if cfg.int("STACK_INJECT_DELAY_MS"):
+            raise ConfigError("STACK_INJECT_DELAY_MS is the one-card worker's (the miniature's "
+                              "slow link); drafter-tp2 has none: set it to 0 with STACK_DRAFTER_TP2=1")
+        cmd = [sys.executable, "-m", "drafter_tp2.cli", "supervise", "--", *same,
+               "--devices", ",".join(tp2_devices(cfg)), *backend]
+        return Role("drafter-worker", cmd, cfg.components("OFL_", "DRAFTER_TP2_"),
+                    ready_line="drafter-tp2 worker:")
+    if cfg["STACK_DRAFTER_TP2"] != "0":
+        raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
+    cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", *same,
+           "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]
     return Role("drafter-worker", cmd, cfg.components("OFL_"), ready_line="remote-drafter worker:")
@@ -61,7 +99,32 @@ def speculative_config(cfg: StackConfig) -> str | None:
                        "num_speculative_tokens": k})
 
 
-def engine(cfg: StackConfig) -> Role:
+def engine_nodes(cfg: StackConfig) -> int:
+    """STACK_ENGINE_NODES, checked against STACK_TP and STACK_ENGINE_MASTER."""
+    nodes, tp = cfg.int("STACK_ENGINE_NODES"), cfg.int("STACK_TP")
+    if nodes < 1 or tp % nodes:
+        raise ConfigError(f"STACK_ENGINE_NODES={nodes} must be at least 1 and divide STACK_TP={tp} "
+                          "(vLLM gives each host the same number of ranks)")
+    if nodes > 1:
+        host, _, port = cfg["STACK_ENGINE_MASTER"].rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"STACK_ENGINE_NODES={nodes} needs STACK_ENGINE_MASTER=HOST:PORT on "
+                              f"rank 0's host, where the ranks meet; got {cfg['STACK_ENGINE_MASTER']!r}")
+    return nodes
+
+
+def rank_address(listen: str, rank: int) -> str:
+    """HOST:PORT + rank: where rank `rank` serves a per-rank listener (as the Engram overlay)."""
+    host, _, port = listen.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
+def engine(cfg: StackConfig, rank: int = 0) -> Role:
+    """vLLM with the overlays; with STACK_ENGINE_NODES > 1 node rank `rank` of it."""
+    nodes = engine_nodes(cfg)
+    if not 0 <= rank < nodes:
+        raise ConfigError(f"--rank {rank}: the engine has ranks 0..{nodes - 1} "
+                          f"(STACK_ENGINE_NODES={nodes})")
     host, _, port = cfg["STACK_ENGINE_LISTEN"].rpartition(":")
     cmd = vllm_command(cfg["STACK_VLLM_PYTHON"], cfg["STACK_MODEL"], int(port),
                        speculative_config(cfg), cfg.int("STACK_KV_BYTES"), SERVED_NAME,
@@ -69,15 +132,37 @@ def engine(cfg: StackConfig) -> Role:
                        eager=cfg["STACK_ENFORCE_EAGER"] == "1", host=host,
                        extra=["--tensor-parallel-size", cfg["STACK_TP"],
                               "--max-num-seqs", cfg["STACK_MAX_NUM_SEQS"]])
-    return Role("engine", cmd, {"HF_HUB_OFFLINE": "1", **cfg.components()},
-                ready_url=f"http://{host}:{port}/v1/models")
+    env = {"HF_HUB_OFFLINE": "1", **cfg.components(*ENGINE_PREFIXES)}
+    if nodes == 1:
+        return Role("engine", cmd, env, ready_url=f"http://{host}:{port}/v1/models", rank=0)
+    master_host, _, master_port = cfg["STACK_ENGINE_MASTER"].rpartition(":")
+    cmd += ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", master_host,
+            "--master-port", master_port]
+    if listen := env.get("ASYNC_HANDOFF_METRICS_LISTEN"):
+        env["ASYNC_HANDOFF_METRICS_LISTEN"] = rank_address(listen, rank)
+    if rank == 0:
+        return Role("engine", cmd, env, ready_url=f"http://{host}:{port}/v1/models", rank=0)
+    # `vllm serve --headless` (the OpenAI module ignores --headless); no API, so no host/port
+    serve = [cmd[0], "-m", "vllm.entrypoints.cli.main", "serve"]
+    args = cmd[3:]
+    for flag in ("--host", "--port"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    return Role(f"engine-rank{rank}", [*serve, *args, "--headless"], env,
+                ready_line=HEADLESS_READY, rank=rank)
 
 
-def roles(cfg: StackConfig, role: str | None = None) -> list[Role]:
-    """This machine's roles: `offload-host`, `engine`, or both (None)."""
+def roles(cfg: StackConfig, role: str | None = None, rank: int | None = None) -> list[Role]:
+    """This machine's roles: `offload-host` (or one of its roles, `engram-server`,
+    `drafter-worker`), `engine` (rank `rank`, default 0), or all of them (None: every
+    engine rank too, ranks > 0 first, the order vLLM needs)."""
+    if rank is not None and role != "engine":
+        raise ConfigError("--rank goes with --role engine")
     host = [r for r in (engram_server(cfg), drafter_worker(cfg)) if r is not None]
     if role == "offload-host":
         return host
+    if role in ("engram-server", "drafter-worker"):
+        return [r for r in host if r.name == role]
     if role == "engine":
-        return [engine(cfg)]
-    return host + [engine(cfg)]
+        return [engine(cfg, rank or 0)]
+    return host + [engine(cfg, r) for r in [*range(1, engine_nodes(cfg)), 0]]

@@ -1,18 +1,31 @@
 """The reference rollbacks (DESIGN 4.4) as env-file changes. Each writes a new env file;
-nothing changes until the engine restarts with it (a running engine keeps the variables it
-started with)."""
+nothing changes until the process that reads it restarts with it (a running process keeps
+the variables it started with): the engine for async, remote-drafter and remote-engram, the
+offload host's drafter worker for tp2-worker."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .config import StackConfig
+from .roles import tp2_devices
 
 LEVERS = {
     "async": "synchronous remote rounds (VLLM_DSPARK_REMOTE_ASYNC unset)",
     "remote-drafter": "the drafter inside the engine (REMOTE_DRAFTER_DRAFTER), the remote "
                       "settings removed, the baseline KV budget restored",
     "remote-engram": "the local shard reader (ENGRAM_REMOTE unset, ENGRAM_SHARD_DIR kept)",
+    "tp2-worker": "the known-good one-card worker (STACK_DRAFTER_TP2=0) on STACK_DRAFTER_DEVICE, "
+                  "with the same drafter, target and listener, hence the same identities",
+}
+# Who restarts for a lever to take effect, and how ({out}: the written env file).
+RESTART = {
+    "engine": ("the engine", "dsv41-stack down --role engine --env ... && dsv41-stack up "
+               "--role engine --env {out} (each engine host, its --rank)"),
+    "tp2-worker": ("the offload host's drafter worker", "dsv41-stack down --role drafter-worker "
+                   "--env ... && dsv41-stack up --role drafter-worker --env {out} (the Engram "
+                   "server and the engines keep running: no drafts meanwhile, target-only "
+                   "decoding; clients reconnect when the worker is ready)"),
 }
 
 
@@ -32,6 +45,13 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
             raise ValueError("rollback remote-engram needs ENGRAM_SHARD_DIR: the local shards "
                              "that will serve the rows")
         return cfg.with_values(ENGRAM_REMOTE=None)
+    if lever == "tp2-worker":
+        if cfg["STACK_DRAFTER_TP2"] != "1":
+            raise ValueError("rollback tp2-worker: STACK_DRAFTER_TP2 is not 1 in these env files; "
+                             "the one-card worker already serves")
+        # the one-card worker on the card it names, else on the pair's rank 0 card
+        device = cfg.values.get("STACK_DRAFTER_DEVICE") or tp2_devices(cfg)[0]
+        return cfg.with_values(STACK_DRAFTER_TP2="0", STACK_DRAFTER_DEVICE=device)
     raise ValueError(f"unknown lever {lever!r}: {', '.join(LEVERS)}")
 
 

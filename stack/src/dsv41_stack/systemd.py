@@ -57,9 +57,11 @@ WantedBy=multi-user.target
 """
 
 
-def watchdog_units(env_files: list[str], role: str | None, workdir: str) -> dict[str, str]:
+def watchdog_units(env_files: list[str], role: str | None, workdir: str,
+                   rank: int | None = None) -> dict[str, str]:
     args = " ".join(f"--env {shlex.quote(str(Path(f).resolve()))}" for f in env_files)
     args += f" --role {role}" if role else ""
+    args += f" --rank {rank}" if rank is not None else ""
     return {
         "dsv41-watchdog.service": f"""[Unit]
 Description=DSV41 offload stack: restart a role that runs but does not serve
@@ -82,11 +84,12 @@ WantedBy=timers.target
     }
 
 
-def write_units(cfg: StackConfig, env_files: list[str], role: str | None, out: Path) -> list[Path]:
+def write_units(cfg: StackConfig, env_files: list[str], role: str | None, out: Path,
+                rank: int | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     workdir = os.getcwd()
-    files = {unit_name(r): service_unit(r, workdir) for r in roles(cfg, role)}
-    files.update(watchdog_units(env_files, role, workdir))
+    files = {unit_name(r): service_unit(r, workdir) for r in roles(cfg, role, rank)}
+    files.update(watchdog_units(env_files, role, workdir, rank))
     for name, text in files.items():
         (out / name).write_text(text)
     return [out / name for name in files]
@@ -94,11 +97,15 @@ def write_units(cfg: StackConfig, env_files: list[str], role: str | None, out: P
 
 def serving(role: Role) -> bool:
     """Does the role answer? The engine on its HTTP readiness URL, the servers on their
-    first listener."""
+    first listener. A headless engine rank answers nothing: it counts as serving (systemd
+    restarts it when it exits, which it does when its group breaks; rank 0's probe covers
+    the group)."""
     try:
         if role.ready_url:
             with urllib.request.urlopen(role.ready_url, timeout=5) as r:
                 return r.status == 200
+        if "--listen" not in role.command:
+            return True
         host, _, port = role.command[role.command.index("--listen") + 1].rpartition(":")
         with socket.create_connection((host, int(port)), timeout=2):
             return True
@@ -108,13 +115,13 @@ def serving(role: Role) -> bool:
 
 def watchdog(cfg: StackConfig, role: str | None, state_path: Path, probe=serving,
              restart=lambda unit: subprocess.run(["systemctl", "restart", unit], check=True),
-             now=time.time) -> list[str]:
+             now=time.time, rank: int | None = None) -> list[str]:
     """One watchdog pass: a role missing WATCHDOG_MISSES probes in a row is restarted, at
     most RESTART_BURST times per RESTART_WINDOW_S; past that it is left to the operator
     (reported). Returns what it did, one line per role that needed anything."""
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     said = []
-    for r in roles(cfg, role):
+    for r in roles(cfg, role, rank):
         entry = state.setdefault(r.name, {"misses": 0, "restarts": []})
         if probe(r):
             entry["misses"] = 0

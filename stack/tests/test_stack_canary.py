@@ -1,0 +1,88 @@
+"""The canary's and status's view of the async proxy (unit tier): its counters read from
+where each engine rank serves them, and judged over the canary — rounds answered, none
+failed or bad, no watchdog fire or respawn, still enabled; DEGRADED otherwise."""
+
+import socket
+
+import pytest
+
+from async_handoff.exposition import serve
+from dsv41_stack.cli import report_canary
+from dsv41_stack.config import StackConfig
+from dsv41_stack.deployment import Deployment, handoff_degraded, handoff_moved
+
+LISTEN = "127.0.0.1:9496"
+CLEAN = {"rounds_ok": 10.0, "rounds_failed": 0.0, "rounds_bad": 0.0, "rounds_timed_out": 0.0,
+         "watchdog_fires": 0.0, "respawns": 0.0, "enabled": 1.0}
+
+
+def moved_by(**changes) -> tuple[dict, dict]:
+    after = {**CLEAN, **{k: CLEAN[k] + v for k, v in changes.items()}}
+    return handoff_moved(CLEAN, after), after
+
+
+@pytest.mark.parametrize("changes, degraded", [
+    ({"rounds_ok": 5}, []),
+    ({"rounds_ok": 5, "rounds_timed_out": 2}, []),  # abandoned at a request's end: not a failure
+    ({}, ["async proxy answered no rounds"]),
+    ({"rounds_ok": 5, "rounds_failed": 1}, ["async proxy rounds failed +1"]),
+    ({"rounds_ok": 5, "rounds_bad": 2}, ["async proxy rounds bad +2"]),
+    ({"rounds_ok": 5, "watchdog_fires": 1, "respawns": 1},
+     ["async proxy watchdog fires +1", "async proxy respawns +1"]),
+    ({"rounds_ok": 5, "enabled": -1}, ["async proxy disabled"]),
+])
+def test_the_proxy_counters_judged_over_the_canary(changes, degraded):
+    moved, after = moved_by(**changes)
+    assert handoff_degraded(moved, after, LISTEN) == degraded
+
+
+def test_unserved_or_unreadable_counters_are_degraded():
+    assert handoff_degraded(None, None, "") == [
+        "async proxy counters not served: set ASYNC_HANDOFF_METRICS_LISTEN"]
+    assert handoff_moved(None, CLEAN) is None
+    assert handoff_degraded(None, CLEAN, LISTEN) == [f"async proxy counters unreadable at {LISTEN}"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exposition(counters: dict) -> str:
+    kinds = {"enabled": "gauge"}
+    return "".join(f"# TYPE async_handoff_{k}{'' if k in kinds else '_total'} {kinds.get(k, 'counter')}\n"
+                   f"async_handoff_{k}{'' if k in kinds else '_total'} {v}\n" for k, v in counters.items())
+
+
+def test_each_rank_is_read_where_it_serves():
+    """One host: rank 0 at the address; two hosts: rank r at the port + r (its own host)."""
+    port = free_port()
+    servers = [serve(lambda r=r: exposition({**CLEAN, "rounds_ok": 100.0 + r}), f"127.0.0.1:{port + r}")
+               for r in (0, 1)]
+    base = {"ASYNC_HANDOFF_METRICS_LISTEN": f"127.0.0.1:{port}", "VLLM_DSPARK_REMOTE_ASYNC": "1",
+            "REMOTE_DRAFTER_ADDRESS": "127.0.0.1:1", "STACK_NUM_SPEC_TOKENS": "3"}
+    try:
+        one = Deployment(StackConfig(base))
+        assert one.async_on() and one.handoff_counters() == {**CLEAN, "rounds_ok": 100.0}
+        two = Deployment(StackConfig({**base, "STACK_TP": "2", "STACK_ENGINE_NODES": "2",
+                                      "STACK_ENGINE_MASTER": "127.0.0.1:29501"}))
+        assert two.handoff_counters(1)["rounds_ok"] == 101.0
+        assert two.handoff_listen(1) == f"127.0.0.1:{port + 1}"
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    assert one.handoff_counters() is None  # nothing answers: None (the canary: unreadable)
+    assert not Deployment(StackConfig({**base, "VLLM_DSPARK_REMOTE_ASYNC": "0"})).async_on()
+
+
+def test_the_canary_report_names_the_proxy(capsys):
+    result = {"ok": True, "recorded": False, "fingerprint": "a" * 64, "reference": "a" * 64,
+              "degraded": [], "handoff": moved_by(rounds_ok=7)[0]}
+    assert report_canary(result) == 0
+    assert "canary: async proxy ok: 7 rounds answered, 0 failed, 0 watchdog fires, 0 respawns" \
+        in capsys.readouterr().out
+    result.update(ok=False, degraded=["async proxy watchdog fires +1"])
+    assert report_canary(result) == 1
+    assert "canary: DEGRADED: async proxy watchdog fires +1" in capsys.readouterr().out
