@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Ten
                          resid if resid is not None else y, y, m, n, k, eps,
                          NORM=norm is not None, RESID=resid is not None, SWIGLU=w2 is not None,
                          BM=bm, BN=bn, BK=bk,
-                         num_warps=8 if bm >= 64 else 4)
+                         num_warps=8 if bm >= 64 else 4, num_stages=2)
     return y
 
 
