@@ -183,3 +183,28 @@ def test_clients_sharing_a_worker_keep_their_own_requests(models):
     drift = send(1, P.Entry(1, P.OP_CONTINUE, np.array([5], np.int32), None, 2, length=9))[0]
     assert drift.status == P.STATUS_UNKNOWN and "out of step" in drift.message
     assert svc.stats()["out_of_step"] == 1 and svc.stats()["open_requests"] == 1
+
+
+def test_continues_left_out_of_a_full_round_stay_continues(models):
+    """Rounds with room for three opens and two continues: the opens spread over steps, and
+    a continue left out waits as a continue (not a window-sized re-open, which would keep
+    the round full of re-opens and never draft every request in one step)."""
+    drafter = load_drafter(models["dspark"], models["target"])
+    transport = LocalTransport(DraftService(drafter))
+    f, n, rng = drafter.feature, 8, np.random.default_rng(0)
+    tokens, rows = np.zeros(40, np.int32), np.zeros((drafter.window, f), np.float32)
+    opened = P.entry_bytes(P.Entry(0, P.OP_OPEN, tokens, rows), "float32")
+    continued = P.entry_bytes(P.Entry(0, P.OP_CONTINUE, tokens[:1], rows[:1]), "float32")
+    transport.max_round_bytes = P.REQUEST_HEADER.itemsize + 3 * opened + 2 * continued
+    client = DrafterClient(transport, "64:5")
+    for rid in range(n):
+        client.add_request(rid, rng.integers(0, drafter.vocab_size - 1, 40),
+                           rng.standard_normal((39, f)).astype(np.float32))
+    drafted = []
+    for _ in range(12):
+        drafted.append(len(client.propose()))
+        for rid in range(n):
+            client.commit(rid, [int(rng.integers(0, drafter.vocab_size - 1))],
+                          rng.standard_normal((1, f)).astype(np.float32))
+    assert drafted[0] < n and drafted[-4:] == [n] * 4, drafted
+    assert client.counters()["opens_too_large"] == 0

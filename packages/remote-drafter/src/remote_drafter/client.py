@@ -200,7 +200,10 @@ class DrafterClient:
         """This step's entries, within the link's message size both ways. Requests left out
         before go first (oldest first, so a large open cannot starve), then continues, then
         new opens; an entry whose request does not fit waits for a later step (counted), one
-        whose drafts would not fit the reply just records its tokens (k = 0, counted)."""
+        whose drafts would not fit the reply just records its tokens (k = 0, counted). A
+        continue left out stays a continue (its tokens and rows wait, and it goes first next
+        step): turning it into a re-open would make it a window's rows larger, and with
+        large opens in flight that churns, each step re-opening what the last one left out."""
         entries = [P.Entry(rid, P.OP_RELEASE) for rid in self.releases]
         self.releases = []
         limit = self.transport.max_round_bytes
@@ -216,7 +219,8 @@ class DrafterClient:
             e = self._entry(rid, r, k, info)
             size = P.entry_bytes(e, self.row_dtype)
             if size > room:
-                r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
+                if r.needs_open or size > limit - P.REQUEST_HEADER.itemsize:
+                    r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
                 r.deferred = r.deferred or next(self._deferrals)
                 self.metrics.inc("opens_deferred")
                 if size > limit - P.REQUEST_HEADER.itemsize and not r.too_large_logged:
