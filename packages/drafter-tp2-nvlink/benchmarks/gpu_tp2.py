@@ -211,12 +211,14 @@ def main() -> int:
     # width, over ofl's 4 MiB default message (workers inherit this; the engine side of a
     # deployment at that width needs the same setting).
     os.environ.setdefault("OFL_MAX_MESSAGE_BYTES", str(32 << 20))
+    results = []
     with tempfile.TemporaryDirectory() as base:
-        results = [measure(name, base, args.rounds) for name in args.widths.split(",")]
-    print_table(results)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        for name in args.widths.split(","):  # each width's figures kept as soon as they exist
+            results.append(measure(name, base, args.rounds))
+            print_table(results[-1:])
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     return 0
 
 
