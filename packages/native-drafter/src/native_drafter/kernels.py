@@ -5,8 +5,9 @@ over 128 + W keys and a vocabulary-wide reduction; Triton expresses each as one 
 with fused prologues/epilogues, runs on the H200 (triton 3.6) and, for the CI tests, in its
 CPU interpreter (TRITON_INTERPRET=1), so the same source is checked on both.
 
-Arithmetic: float32 weights and activations, products in IEEE float32
-(`input_precision="ieee"`, never TF32), as the worker's default torch back end computes;
+Arithmetic: float32 weights and activations, as the worker's default torch back end
+computes; projections multiply by 3xTF32 (float32-grade, ~1e-6; never plain TF32), the
+attention's small products in IEEE float32;
 every logit that decides a draft token (head, Markov correction, argmax) is float32. Nothing here reads a value back to the host, so a round is one
 CUDA-graph capture.
 """
@@ -23,7 +24,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
+def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, PRECISION: tl.constexpr,
                    NORM: tl.constexpr, RESID: tl.constexpr, SWIGLU: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[M, N] = f(x)[M, K] @ w[N, K]^T (+ r), where f is RMSNorm(x) * g when NORM, and the
@@ -50,10 +51,10 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
             x = (x * inv[:, None]) * g[None, :]
         wmask = km[:, None] & nm[None, :]
         w = tl.load(w_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=wmask, other=0.0)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision=PRECISION)
         if SWIGLU:
             w2 = tl.load(w2_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=wmask, other=0.0)
-            acc2 += tl.dot(x, w2, input_precision="ieee")
+            acc2 += tl.dot(x, w2, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc2
     out = rm[:, None] * N + rn[None, :]
@@ -61,6 +62,12 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps,
     if RESID:
         acc += tl.load(r_ptr + out, mask=om, other=0.0)
     tl.store(y_ptr + out, acc, mask=om)
+
+
+# The projections' products: 3xTF32 (each float32 operand split into two TF32 parts, three
+# tensor-core products, float32 accumulation: ~1e-6 relative, float32-grade). The first H200
+# run used "ieee" (CUDA-core FMA): correct but 1.5-3.6 ms a round, slower than torch.
+LINEAR_PRECISION = "tf32x3"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Tensor | None = None,
@@ -73,7 +80,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Ten
     bn, bk = 64, min(64, _pow2(k))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _linear_kernel[grid](x, w, w2 if w2 is not None else w, norm if norm is not None else w,
-                         resid if resid is not None else y, y, m, n, k, eps,
+                         resid if resid is not None else y, y, m, n, k, eps, LINEAR_PRECISION,
                          NORM=norm is not None, RESID=resid is not None, SWIGLU=w2 is not None,
                          BM=bm, BN=bn, BK=bk,
                          num_warps=8 if bm >= 64 else 4, num_stages=2)
@@ -155,22 +162,23 @@ def _attention_kernel(qkv_ptr, kv_ptr, cos_c_ptr, sin_c_ptr, cos_b_ptr, sin_b_pt
     m = m_new
     tl.store(o_ptr + qrow * (H * D) + h * D + rd[None, :], acc / denom[:, None], mask=wm[:, None])
     if PROBS:  # second pass over the keys with the final max and sum: [B, H, W, C + W]
+        # (own names: a loop-carried variable may not change shape in the compiled kernel)
         prow = ((b * H + h) * W + rw)[:, None] * (C + W)
-        for c0 in range(0, C, BC):
-            rc = c0 + tl.arange(0, BC)
-            cm = rc < C
-            ok = tl.load(valid_ptr + b * C + rc, mask=cm, other=0) != 0
-            krow = (b * C + rc)[:, None]
-            k1 = tl.load(kv_ptr + krow * KV2 + g * D + rh[None, :], mask=cm[:, None], other=0.0)
-            k2 = tl.load(kv_ptr + krow * KV2 + g * D + D2 + rh[None, :], mask=cm[:, None], other=0.0)
-            ck = tl.load(cos_c_ptr + krow * D2 + rh[None, :], mask=cm[:, None], other=0.0)
-            sk = tl.load(sin_c_ptr + krow * D2 + rh[None, :], mask=cm[:, None], other=0.0)
-            k1, k2 = _rope(k1, k2, ck, sk)
-            s = (tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                 + tl.dot(q2, tl.trans(k2), input_precision="ieee")) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            tl.store(p_ptr + prow + rc[None, :], tl.exp(s - m[:, None]) / denom[:, None],
-                     mask=wm[:, None] & cm[None, :])
+        for p0 in range(0, C, BC):
+            pc = p0 + tl.arange(0, BC)
+            pm = pc < C
+            pok = tl.load(valid_ptr + b * C + pc, mask=pm, other=0) != 0
+            prc = (b * C + pc)[:, None]
+            pk1 = tl.load(kv_ptr + prc * KV2 + g * D + rh[None, :], mask=pm[:, None], other=0.0)
+            pk2 = tl.load(kv_ptr + prc * KV2 + g * D + D2 + rh[None, :], mask=pm[:, None], other=0.0)
+            pcos = tl.load(cos_c_ptr + prc * D2 + rh[None, :], mask=pm[:, None], other=0.0)
+            psin = tl.load(sin_c_ptr + prc * D2 + rh[None, :], mask=pm[:, None], other=0.0)
+            pk1, pk2 = _rope(pk1, pk2, pcos, psin)
+            ps = (tl.dot(q1, tl.trans(pk1), input_precision="ieee")
+                  + tl.dot(q2, tl.trans(pk2), input_precision="ieee")) * scale
+            ps = tl.where(pok[None, :], ps, float("-inf"))
+            tl.store(p_ptr + prow + pc[None, :], tl.exp(ps - m[:, None]) / denom[:, None],
+                     mask=wm[:, None] & pm[None, :])
         tl.store(p_ptr + prow + C + kr[None, :], tl.exp(sb - m[:, None]) / denom[:, None],
                  mask=wm[:, None] & km[None, :])
 
