@@ -69,8 +69,9 @@ def test_rank_1_killed_or_hung_mid_serve_stops_rank_0(models, target, lock_dir, 
     assert code0 == 3, err0
     assert "drafter-tp2 rank 0: stopped serving:" in err0 and "failed" in err0, err0
     assert "clients get no drafts" in err0
-    # a death is seen at once (connection closed); a hang when the 3 s deadline passes
-    assert took < (3 if fault == "kill" else 3 + 5), took
+    # a death is seen at once (connection closed: about 1 s here, up to 3.4 s on a loaded
+    # 2-core machine); a hang when the 3 s deadline passes
+    assert took < (3 + 2 if fault == "kill" else 3 + 5), took
     assert counters["rounds_failed"] + counters["entries_failed"] > 0, counters
 
 

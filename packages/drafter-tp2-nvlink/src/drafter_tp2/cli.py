@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ofl.env import describe
@@ -72,7 +73,15 @@ def worker_argv(args) -> list[str]:
 
 def cmd_rank(args) -> int:
     from .rank import run
-    return run(rank_config(args))
+    code = run(rank_config(args))
+    if code:
+        # After a peer died, tearing down the broken process group at interpreter exit can
+        # abort (seen: SIGABRT in rank 1 once rank 0 was killed), hiding the exit code
+        # that says why this rank stopped: leave without finalizers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_worker(args) -> int:
