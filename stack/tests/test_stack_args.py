@@ -155,3 +155,21 @@ def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp
     assert "--device cuda:0" in one
     assert main(["rollback", "tp2-worker", "--env", str(rolled), "--write", str(tmp_path / "x")]) == 2
     assert "the one-card worker already serves" in capsys.readouterr().err
+
+
+def test_the_pinned_vllm_wheel_has_what_the_two_host_engine_uses():
+    """vLLM 0.33's source (the wheel the engine extra pins, when it is here): the multi-node
+    flags, --headless handled by `serve` only, and the line rank 1's `up` waits for."""
+    import zipfile
+    wheels = sorted((Path(__file__).resolve().parents[2] / ".artifacts/wheels").glob("vllm-0.33.0-*.whl"))
+    if not wheels:
+        pytest.skip("no vLLM 0.33.0 wheel in .artifacts/wheels")
+    from dsv41_stack.roles import HEADLESS_READY
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        arg_utils = wheel.read("vllm/engine/arg_utils.py").decode()
+        serve = wheel.read("vllm/entrypoints/cli/serve.py").decode()
+        api_server = wheel.read("vllm/entrypoints/launchers/api_server/entry.py").decode()
+    for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port"):
+        assert f'"{flag}"' in arg_utils
+    assert "run_headless(args)" in serve and f"Launching vLLM (v%s) {HEADLESS_READY}" in serve
+    assert "headless" not in api_server  # the OpenAI module ignores --headless: rank 1 uses serve

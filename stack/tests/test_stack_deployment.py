@@ -1,6 +1,7 @@
 """`up`, `canary`, `status`, `rollback`, `down` of the miniature in real vLLM (the vLLM CPU
 tier; tools/test sets LONGCTX_VLLM_PYTHON, elsewhere skipped): configuration D-async comes
-up in the reference order and records its canary; each lever's rollback in turn (async,
+up in the reference order and records its canary, whose counters include the async
+proxy's (rounds answered, none failed, no watchdog fire); each lever's rollback in turn (async,
 remote Engram, remote drafter), applied by restarting the engine with the written env file,
 keeps the fingerprint with fresh counters; the offload host stopped
 under a serving engine leaves it serving the same output (Engram from disk, target-only
@@ -36,10 +37,16 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     env = ["--env", str(template_path("local")), "--env", str(here)]
     try:
         assert main(["up", *env, "--record-canary"]) == 0
+        capsys.readouterr()
         assert main(["canary", *env]) == 0
+        out = capsys.readouterr().out  # the async proxy's counters, fresh over the canary
+        assert "canary: async proxy ok: " in out and " 0 failed, 0 watchdog fires, 0 respawns" in out, out
         assert main(["status", *env]) == 0
         status = Deployment(StackConfig.load(env[1::2])).status()
         assert status["engine"]["counters"]["num_drafts"] > 0  # the remote drafter drafted
+        handoff = status["engine"]["handoff"]  # ... through the proxy, read where it serves them
+        assert handoff["rounds_ok"] > 0 and handoff["enabled"] == 1, handoff
+        assert handoff["rounds_failed"] == handoff["watchdog_fires"] == handoff["respawns"] == 0, handoff
         assert status["engram-server"]["health"]["resident_bytes"] > 0
         assert "error" not in status["drafter-worker"], status["drafter-worker"]
         for lever in ("async", "remote-engram", "remote-drafter"):
@@ -49,6 +56,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
             assert main(["up", "--env", str(rolled), "--role", "engine"]) == 0  # canary inside
             out = capsys.readouterr().out
             assert "canary: output ok" in out and "canary: ok, counters fresh" in out, out
+            assert "async proxy" not in out, out  # synchronous rounds from the first rollback on
             env = ["--env", str(rolled)]
         # drill: the offload host goes away under a serving engine (back on D-async)
         assert main(["down", "--env", str(template_path("local")), "--env", str(here),
@@ -60,6 +68,7 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         assert main(["canary", *env]) == 1  # same output (Engram from disk, no drafts) ...
         out = capsys.readouterr().out
         assert "canary: output ok" in out and "DEGRADED: no drafts made; Engram fallbacks" in out, out
+        assert "; async proxy " in out, out  # no round answered (or rounds failed): not fresh
         assert main(["status", *env]) == 1  # ... and the degradation shows
         with __import__("urllib.request").request.urlopen("http://127.0.0.1:17495/metrics") as r:
             assert "engram_client_fallbacks_total" in r.read().decode()
