@@ -10,9 +10,12 @@ from remote_drafter.identity import expectation
 from remote_drafter.transport import RemoteTransport
 from remote_drafter.worker import spawn_worker
 
+ROUNDS = 16  # rounds per batch before a request without drafts counts as not drafted
+
 
 def drafts_from_worker(address: str, target: str, requests, depth: int, batch: int) -> tuple[list, dict]:
-    """Each request's draft tokens (None where the worker gave none), `batch` per round."""
+    """Each request's draft tokens (None where the worker gave none), `batch` requests per
+    client; no commits between its rounds, so a request's drafts stay the same."""
     out, described = [], {}
     for lo in range(0, len(requests), batch):
         client = DrafterClient(RemoteTransport(address, "tcp", expectation(target, None)),
@@ -21,8 +24,13 @@ def drafts_from_worker(address: str, target: str, requests, depth: int, batch: i
             chunk = requests[lo:lo + batch]
             for i, r in enumerate(chunk):
                 client.add_request(i, r.history.tokens, r.history.rows, r.temperature, r.seed)
-            got = client.propose()
-            out += [got[i].tokens.tolist() if i in got else None for i in range(len(chunk))]
+            drafts: dict[int, list] = {}
+            for _ in range(ROUNDS):  # a round carries what fits the link: later opens wait a round
+                got = client.propose()
+                drafts.update({i: d.tokens.tolist() for i, d in got.items() if i not in drafts})
+                if len(drafts) == len(chunk):
+                    break
+            out += [drafts.get(i) for i in range(len(chunk))]
             described = client.transport.info(120).described["drafter"]
         finally:
             client.close()
