@@ -88,9 +88,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Ten
 
 
 @triton.jit
-def _rope(x1, x2, cos, sin):
-    """remote_drafter.layers.rotate on the two halves of a head: (x1 c - x2 s, x2 c + x1 s)."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+def _rotated(x_ptr, rows, stride, col, cos_ptr, sin_ptr, mask, D2: tl.constexpr):
+    """One head's vectors at `rows` (columns col .. col+2*D2 of a row-major buffer), rotated
+    as remote_drafter.layers.rotate does: halves (x1 c - x2 s, x2 c + x1 s), tables by row."""
+    rh = tl.arange(0, D2)
+    m = mask[:, None]
+    x1 = tl.load(x_ptr + rows * stride + col + rh[None, :], mask=m, other=0.0)
+    x2 = tl.load(x_ptr + rows * stride + col + D2 + rh[None, :], mask=m, other=0.0)
+    c = tl.load(cos_ptr + rows * D2 + rh[None, :], mask=m, other=0.0)
+    s = tl.load(sin_ptr + rows * D2 + rh[None, :], mask=m, other=0.0)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _scores(q1, q2, k1, k2, scale):
+    return (tl.dot(q1, tl.trans(k1), input_precision="ieee")
+            + tl.dot(q2, tl.trans(k2), input_precision="ieee")) * scale
+
+
+@triton.jit
+def _context_scores(q1, q2, kv_ptr, cos_c_ptr, sin_c_ptr, valid_ptr, b, g, c0, C, scale,
+                    KV2: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Scores of the (rotated) queries against context keys c0 .. c0+BC of kv head g, -inf
+    where a position is not valid; also the tile's row offsets (for its values)."""
+    rc = c0 + tl.arange(0, BC)
+    cm = rc < C
+    ok = tl.load(valid_ptr + b * C + rc, mask=cm, other=0) != 0
+    rows = (b * C + rc)[:, None]
+    k1, k2 = _rotated(kv_ptr, rows, KV2, g * D, cos_c_ptr, sin_c_ptr, cm, D // 2)
+    s = _scores(q1, q2, k1, k2, scale)
+    return tl.where(ok[None, :], s, float("-inf")), rows, cm
 
 
 @triton.jit
@@ -110,30 +137,15 @@ def _attention_kernel(qkv_ptr, kv_ptr, cos_c_ptr, sin_c_ptr, cos_b_ptr, sin_b_pt
     KV2: tl.constexpr = 2 * KVH * D
     rw = tl.arange(0, WP)
     wm = rw < W
-    rh = tl.arange(0, D2)
     rd = tl.arange(0, D)
     qrow = (b * W + rw)[:, None]
-    q1 = tl.load(qkv_ptr + qrow * QKV + h * D + rh[None, :], mask=wm[:, None], other=0.0)
-    q2 = tl.load(qkv_ptr + qrow * QKV + h * D + D2 + rh[None, :], mask=wm[:, None], other=0.0)
-    cq = tl.load(cos_b_ptr + qrow * D2 + rh[None, :], mask=wm[:, None], other=0.0)
-    sq = tl.load(sin_b_ptr + qrow * D2 + rh[None, :], mask=wm[:, None], other=0.0)
-    q1, q2 = _rope(q1, q2, cq, sq)
+    q1, q2 = _rotated(qkv_ptr, qrow, QKV, h * D, cos_b_ptr, sin_b_ptr, wm, D2)
     m = tl.full([WP], -1.0e30, tl.float32)  # finite: a fully masked tile must not give inf - inf
     denom = tl.zeros([WP], tl.float32)
     acc = tl.zeros([WP, D], tl.float32)
     for c0 in range(0, C, BC):
-        rc = c0 + tl.arange(0, BC)
-        cm = rc < C
-        ok = tl.load(valid_ptr + b * C + rc, mask=cm, other=0) != 0
-        krow = (b * C + rc)[:, None]
-        k1 = tl.load(kv_ptr + krow * KV2 + g * D + rh[None, :], mask=cm[:, None], other=0.0)
-        k2 = tl.load(kv_ptr + krow * KV2 + g * D + D2 + rh[None, :], mask=cm[:, None], other=0.0)
-        ck = tl.load(cos_c_ptr + krow * D2 + rh[None, :], mask=cm[:, None], other=0.0)
-        sk = tl.load(sin_c_ptr + krow * D2 + rh[None, :], mask=cm[:, None], other=0.0)
-        k1, k2 = _rope(k1, k2, ck, sk)
-        s = (tl.dot(q1, tl.trans(k1), input_precision="ieee")
-             + tl.dot(q2, tl.trans(k2), input_precision="ieee")) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s, krow, cm = _context_scores(q1, q2, kv_ptr, cos_c_ptr, sin_c_ptr, valid_ptr, b, g, c0, C, scale,
+                                      KV2, D, BC)
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -145,13 +157,8 @@ def _attention_kernel(qkv_ptr, kv_ptr, cos_c_ptr, sin_c_ptr, cos_b_ptr, sin_b_pt
     kr = tl.arange(0, WP)
     km = kr < W
     krow = (b * W + kr)[:, None]
-    k1 = tl.load(qkv_ptr + krow * QKV + H * D + g * D + rh[None, :], mask=km[:, None], other=0.0)
-    k2 = tl.load(qkv_ptr + krow * QKV + H * D + g * D + D2 + rh[None, :], mask=km[:, None], other=0.0)
-    ck = tl.load(cos_b_ptr + krow * D2 + rh[None, :], mask=km[:, None], other=0.0)
-    sk = tl.load(sin_b_ptr + krow * D2 + rh[None, :], mask=km[:, None], other=0.0)
-    k1, k2 = _rope(k1, k2, ck, sk)
-    sb = (tl.dot(q1, tl.trans(k1), input_precision="ieee")
-          + tl.dot(q2, tl.trans(k2), input_precision="ieee")) * scale
+    k1, k2 = _rotated(qkv_ptr, krow, QKV, H * D + g * D, cos_b_ptr, sin_b_ptr, km, D2)
+    sb = _scores(q1, q2, k1, k2, scale)
     sb = tl.where(km[None, :], sb, float("-inf"))
     m_new = tl.maximum(m, tl.max(sb, 1))
     p = tl.exp(sb - m_new[:, None])
@@ -165,18 +172,9 @@ def _attention_kernel(qkv_ptr, kv_ptr, cos_c_ptr, sin_c_ptr, cos_b_ptr, sin_b_pt
         # (own names: a loop-carried variable may not change shape in the compiled kernel)
         prow = ((b * H + h) * W + rw)[:, None] * (C + W)
         for p0 in range(0, C, BC):
+            ps, _, pm = _context_scores(q1, q2, kv_ptr, cos_c_ptr, sin_c_ptr, valid_ptr, b, g, p0, C, scale,
+                                        KV2, D, BC)
             pc = p0 + tl.arange(0, BC)
-            pm = pc < C
-            pok = tl.load(valid_ptr + b * C + pc, mask=pm, other=0) != 0
-            prc = (b * C + pc)[:, None]
-            pk1 = tl.load(kv_ptr + prc * KV2 + g * D + rh[None, :], mask=pm[:, None], other=0.0)
-            pk2 = tl.load(kv_ptr + prc * KV2 + g * D + D2 + rh[None, :], mask=pm[:, None], other=0.0)
-            pcos = tl.load(cos_c_ptr + prc * D2 + rh[None, :], mask=pm[:, None], other=0.0)
-            psin = tl.load(sin_c_ptr + prc * D2 + rh[None, :], mask=pm[:, None], other=0.0)
-            pk1, pk2 = _rope(pk1, pk2, pcos, psin)
-            ps = (tl.dot(q1, tl.trans(pk1), input_precision="ieee")
-                  + tl.dot(q2, tl.trans(pk2), input_precision="ieee")) * scale
-            ps = tl.where(pok[None, :], ps, float("-inf"))
             tl.store(p_ptr + prow + pc[None, :], tl.exp(ps - m[:, None]) / denom[:, None],
                      mask=wm[:, None] & pm[None, :])
         tl.store(p_ptr + prow + C + kr[None, :], tl.exp(sb - m[:, None]) / denom[:, None],
