@@ -79,10 +79,27 @@ def test_each_rank_is_read_where_it_serves():
 
 def test_the_canary_report_names_the_proxy(capsys):
     result = {"ok": True, "recorded": False, "fingerprint": "a" * 64, "reference": "a" * 64,
-              "degraded": [], "handoff": moved_by(rounds_ok=7)[0]}
+              "degraded": [], "handoff": moved_by(rounds_ok=7)[0], "checked": ["drafts made"]}
+    assert report_canary(result) == 0
+    assert "canary: ok, counters fresh (drafts made)" in capsys.readouterr().out
     assert report_canary(result) == 0
     assert "canary: async proxy ok: 7 rounds answered, 0 failed, 0 watchdog fires, 0 respawns" \
         in capsys.readouterr().out
     result.update(ok=False, degraded=["async proxy watchdog fires +1"])
     assert report_canary(result) == 1
     assert "canary: DEGRADED: async proxy watchdog fires +1" in capsys.readouterr().out
+
+
+def test_prompts_answered_with_errors_or_nothing_are_not_a_fingerprint(capsys):
+    from dsv41_stack.deployment import EMPTY_DIGEST, answer_errors
+    good = "ab" * 32
+    got = {"p1": good, "p2": 'HTTP 500: {"error": "EngineCore encountered an issue"}',
+           "p3": EMPTY_DIGEST, "all": "cd" * 32}
+    assert answer_errors(got) == {"p2": got["p2"], "p3": "no output"}
+    assert answer_errors({"p1": good, "all": good}) == {}
+    result = {"ok": False, "recorded": False, "fingerprint": "cd" * 32, "degraded": [],
+              "handoff": None, "errors": answer_errors(got)}
+    assert report_canary(result) == 1
+    out = capsys.readouterr().out
+    assert "canary: FAILED, 2 prompts not answered (nothing recorded); 'p2': HTTP 500" in out
+    assert "recorded the reference" not in out and "counters fresh" not in out

@@ -116,7 +116,11 @@ def cmd_logs(args) -> int:
 
 
 def report_canary(result: dict) -> int:
-    if result["recorded"]:
+    if errors := result.get("errors"):
+        first = next(iter(errors.items()))
+        print(f"canary: FAILED, {len(errors)} prompts not answered (nothing recorded); "
+              f"{first[0]!r}: {first[1][:300]}")
+    elif result["recorded"]:
         print(f"canary: recorded the reference fingerprint {result['fingerprint'][:16]}")
     elif result["fingerprint"] == result["reference"]:
         print(f"canary: output ok, fingerprint {result['fingerprint'][:16]} = the reference")
@@ -125,8 +129,8 @@ def report_canary(result: dict) -> int:
               f"{result['reference'][:16]} (prompts differing: {result['differs']})")
     if result["degraded"]:
         print(f"canary: DEGRADED: {'; '.join(result['degraded'])}")
-    elif result["ok"]:
-        print("canary: ok, counters fresh (drafts made, no Engram fallback)")
+    elif result["ok"] and result.get("checked"):
+        print(f"canary: ok, counters fresh ({', '.join(result['checked'])})")
         if moved := result.get("handoff"):
             print(f"canary: async proxy ok: {moved['rounds_ok']:.0f} rounds answered, "
                   f"{moved['rounds_failed']:.0f} failed, {moved['watchdog_fires']:.0f} watchdog "

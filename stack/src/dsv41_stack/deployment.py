@@ -8,8 +8,10 @@ and canary are answered by rank 0 (its API, its Engram and async handoff counter
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -187,7 +189,12 @@ class Deployment:
         if self.async_on():
             handoff = handoff_moved(handoff_before, handoff_after)
             degraded += handoff_degraded(handoff, handoff_after, self.handoff_listen())
-        common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff}
+        checked = (["drafts made"] if speculative_config(self.cfg) else []) + \
+            (["no Engram fallback"] if self.cfg.values.get("ENGRAM_METRICS_LISTEN") else [])
+        common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff,
+                  "checked": checked}
+        if errors := answer_errors(got):  # never recorded, never equal to a reference
+            return {"ok": False, "recorded": False, "errors": errors, **common}
         path = self.run / "canary-reference.json"
         if record or not path.exists():
             path.write_text(json.dumps(got, indent=2))
@@ -228,6 +235,16 @@ class Deployment:
             except OSError:
                 pass
         return {k: v for k, v in out.items() if isinstance(v, float)}
+
+
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def answer_errors(got: dict) -> dict:
+    """The canary prompts the engine did not answer: an error (longctx-bench's fingerprint
+    keeps it in place of the digest) or no output at all."""
+    return {prompt: "no output" if value == EMPTY_DIGEST else value for prompt, value in got.items()
+            if prompt != "all" and (value == EMPTY_DIGEST or not re.fullmatch(r"[0-9a-f]{64}", value))}
 
 
 def group_alive(pgid: int) -> bool:
