@@ -114,7 +114,8 @@ def torch_round(model, ctx, valid, pos, anchor, anchor_pos):
 
 
 def graphed(fn, warmup: int = 3):
-    """fn captured in a CUDA graph (static inputs and outputs); returns replay."""
+    """fn captured in a CUDA graph (static inputs and outputs); returns replay. (The torch
+    variants; the native round has its own, NativeRound.capture, the same steps.)"""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -158,7 +159,7 @@ def time_shape(base, batch: int, width: int, bench, bandwidth: float, compile_it
         return native.run(ws)
 
     variants = {"torch eager": eager, "torch eager+graph": graphed(eager),
-                "native": run_native, "native+graph": graphed(run_native)}
+                "native": run_native, "native+graph": native.capture(ws).replay}
     drafts = {"native": run_native}
     compile_s = None
     if compile_it:
