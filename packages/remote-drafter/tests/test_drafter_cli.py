@@ -36,6 +36,17 @@ def test_init_identity_status_shadow(models, tmp_path):
         worker.stop()
 
 
+def test_a_bfloat16_worker_casts_its_checkpoint_and_says_so(models):
+    worker = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--dtype", "bfloat16")
+    try:
+        shadow = cli("shadow", "--worker", worker.address, "--drafter", models["dspark"], "--target",
+                     models["target"], "--requests", "2", "--tokens", "8", "--json", check=False)
+        assert "the worker runs bfloat16 weights" in shadow.stderr, shadow.stderr
+        assert json.loads(shadow.stdout)["rounds_compared"] > 0
+    finally:
+        worker.stop()
+
+
 def test_env_lists_every_variable():
     text = cli("env").stdout
     for name in ("REMOTE_DRAFTER_ADDRESS", "REMOTE_DRAFTER_CAPACITY_MODE", "REMOTE_DRAFTER_DEPTH"):

@@ -80,7 +80,7 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", **op
         return LMDrafter.from_folder(target, device=device, **options)
     if os.path.isdir(spec):
         from .dspark import DSparkDrafter
-        return DSparkDrafter.load(spec, target, device=device)
+        return DSparkDrafter.load(spec, target, device=device, **options)
     if ":" in spec:
         module, _, name = spec.partition(":")
         return getattr(importlib.import_module(module), name)(target, device, **options)
