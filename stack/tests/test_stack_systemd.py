@@ -62,3 +62,20 @@ def test_the_watchdog_restarts_a_silent_role_with_a_bound(tmp_path):
     clock[0] += 3600  # the window has passed: the role still silent is restarted at once
     assert "restarted (1/" in one_pass(False)[0] and len(restarted) == RESTART_BURST + 1
     assert json.loads(state.read_text())["engine"]["misses"] == 0
+
+
+def test_rank_1s_unit_and_its_watchdog(tmp_path):
+    """The second Spark: its own unit running `vllm serve --headless`, and a watchdog that
+    leaves it to systemd (it answers nothing; it exits when its group breaks)."""
+    env = tmp_path / "two.env"
+    env.write_text("STACK_TP=2\nSTACK_ENGINE_NODES=2\nSTACK_ENGINE_MASTER=10.0.0.1:29501\n")
+    out = tmp_path / "units"
+    assert main(["systemd", "--env", str(env), "--role", "engine", "--rank", "1", "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {"dsv41-engine-rank1.service", "dsv41-watchdog.service",
+                                               "dsv41-watchdog.timer"}
+    assert "serve --model" in (out / "dsv41-engine-rank1.service").read_text()
+    assert "--role engine --rank 1" in (out / "dsv41-watchdog.service").read_text()
+    restarted = []
+    said = watchdog(StackConfig.load([env]), "engine", tmp_path / "w.json", restart=restarted.append,
+                    rank=1)
+    assert said == [] and restarted == []  # serving() on a headless rank: nothing to probe
