@@ -26,15 +26,16 @@ def described(address: str) -> dict:
         transport.close()
 
 
-def test_two_card_worker_up_and_rolled_back_to_one_card(tmp_path, monkeypatch):
-    for name in ("REMOTE_DRAFTER_LOCK_DIR", "DRAFTER_TP2_LOCK_DIR"):  # the pair's locks: ours
-        monkeypatch.setenv(name, str(tmp_path / "locks"))
+def test_two_card_worker_up_and_rolled_back_to_one_card(tmp_path):
     models = make_models(str(tmp_path / "models"))
     address = f"127.0.0.1:{free_port()}"
     cfg = StackConfig({"STACK_RUN_DIR": str(tmp_path / "run"), "STACK_DRAFTER": models["dspark"],
                        "STACK_DRAFTER_TARGET": models["target"], "STACK_DRAFTER_LISTEN": address,
                        "STACK_DRAFTER_TP2": "1", "STACK_DRAFTER_DEVICES": "cpu:0,cpu:1",
-                       "REMOTE_DRAFTER_BACKEND": "tcp", "REMOTE_DRAFTER_TARGET": models["target"]})
+                       "REMOTE_DRAFTER_BACKEND": "tcp", "REMOTE_DRAFTER_TARGET": models["target"],
+                       # the CPU pair's device locks in a folder of this test's (the env file
+                       # reaches the worker, not only the engine)
+                       "REMOTE_DRAFTER_LOCK_DIR": str(tmp_path / "locks")})
     said = []
     pair = Deployment(cfg)
     try:
@@ -43,6 +44,7 @@ def test_two_card_worker_up_and_rolled_back_to_one_card(tmp_path, monkeypatch):
         assert two["drafter"]["topology"]["tp"] == 2, two["drafter"]
         assert check_drafter_identity(address, cfg).ok  # what an engine expects
         assert "error" not in pair.status("drafter-worker")["drafter-worker"]
+        assert list((tmp_path / "locks").iterdir())  # the pair's locks, where the env file says
         one_card = Deployment(rollback(cfg, "tp2-worker"))
         pair.down("drafter-worker", say=said.append)  # the worker alone restarts
         one_card.up("drafter-worker", say=said.append, timeout_s=180)

@@ -29,6 +29,9 @@ from .config import ConfigError, StackConfig
 from .settings import ENGINE_PREFIXES
 
 SERVED_NAME = "dsv41"
+# What the drafter worker reads of the env file: ofl, and remote_drafter's worker-side device
+# locks (every kind of worker); the TP2 pair also its own DRAFTER_TP2_* variables.
+WORKER_PREFIXES = ("OFL_", "REMOTE_DRAFTER_DEVICE_LOCK", "REMOTE_DRAFTER_LOCK_DIR")
 HEADLESS_READY = "headless multiproc executor"  # vLLM 0.33's line once rank R > 0 waits for rank 0
 
 
@@ -78,7 +81,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
                               "slow link); drafter-tp2 has none: set it to 0 with STACK_DRAFTER_TP2=1")
         cmd = [sys.executable, "-m", "drafter_tp2.cli", "supervise", "--", *same,
                "--devices", ",".join(tp2_devices(cfg)), *backend]
-        return Role("drafter-worker", cmd, cfg.components("OFL_", "DRAFTER_TP2_"),
+        return Role("drafter-worker", cmd, cfg.components(*WORKER_PREFIXES, "DRAFTER_TP2_"),
                     ready_line="drafter-tp2 worker:")
     if cfg["STACK_DRAFTER_TP2"] != "0":
         raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
@@ -86,7 +89,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
            "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]
-    return Role("drafter-worker", cmd, cfg.components("OFL_"), ready_line="remote-drafter worker:")
+    return Role("drafter-worker", cmd, cfg.components(*WORKER_PREFIXES), ready_line="remote-drafter worker:")
 
 
 def speculative_config(cfg: StackConfig) -> str | None:
