@@ -126,6 +126,8 @@ def test_rank_1_is_rank_0s_engine_headless_with_its_own_metrics_ports(tmp_path, 
     ("STACK_DRAFTER_TP2=1\nSTACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
      "drafter-tp2 has none"),
     ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2 is 0 or 1"),
+    ("STACK_DRAFTER_DTYPE=bf16\n", ["--role", "offload-host"],
+     "STACK_DRAFTER_DTYPE is one of float32, bfloat16, float16, not 'bf16'"),
 ])
 def test_configurations_refused_with_the_reason(tmp_path, capsys, text, args, why):
     assert main(["args", *production(tmp_path, "--env", delta(tmp_path, text), *args)]) == 2
@@ -150,7 +152,7 @@ def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp
     main(["args", "--env", str(rolled), "--role", "drafter-worker"])
     one = worker_line(capsys.readouterr().out)
     assert " -m remote_drafter.cli worker " in one and " -m drafter_tp2.cli " in tp2
-    for flag in ("--drafter", "--target", "--listen", "--backend"):  # identities and address
+    for flag in ("--drafter", "--target", "--listen", "--backend", "--dtype"):  # identities, address, weights
         assert tp2.split(flag + " ")[1].split()[0] == one.split(flag + " ")[1].split()[0]
     assert "--device cuda:0" in one
     assert main(["rollback", "tp2-worker", "--env", str(rolled), "--write", str(tmp_path / "x")]) == 2

@@ -67,13 +67,19 @@ def tp2_devices(cfg: StackConfig) -> list[str]:
     return devices
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what both workers' --dtype takes
+
+
 def drafter_worker(cfg: StackConfig) -> Role | None:
     """The one-card worker, or with STACK_DRAFTER_TP2=1 drafter-tp2's supervised pair: the
     same drafter, target, listener and backend, so engines see the same identities."""
     if not cfg["STACK_DRAFTER"]:
         return None
+    if cfg["STACK_DRAFTER_DTYPE"] not in DTYPES:
+        raise ConfigError(f"STACK_DRAFTER_DTYPE is one of {', '.join(DTYPES)}, not "
+                          f"{cfg['STACK_DRAFTER_DTYPE']!r}")
     same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
-            "--listen", cfg["STACK_DRAFTER_LISTEN"]]
+            "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
     backend = ["--backend", cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp")]
     if cfg["STACK_DRAFTER_TP2"] == "1":
         if cfg.int("STACK_INJECT_DELAY_MS"):

@@ -48,6 +48,9 @@ SETTINGS = [
             "for (its embedding, head and identity); empty = STACK_MODEL."),
     Setting("STACK_DRAFTER_LISTEN", "", "Offload host: HOST:PORT of the drafter worker."),
     Setting("STACK_DRAFTER_DEVICE", "cpu", "Offload host: the worker's device (cuda:0 on the 3090)."),
+    Setting("STACK_DRAFTER_DTYPE", "float32", "Offload host: the weights' type on the worker's "
+            "card(s): float32, bfloat16 or float16 (both kinds of worker; the identities do not "
+            "change, `remote-drafter shadow` notes the difference)."),
     Setting("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
             "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
             "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
