@@ -56,8 +56,9 @@ def test_context_is_a_sliding_window(models):
     h.rows = h.rows[-d.window:]
     assert np.array_equal(signature(d.draft([DraftRequest(h, 5)], True)[0]), signature(full))
     r2 = copy.deepcopy(r)
-    r2.history.rows = r2.history.rows.copy()
-    r2.history.rows[-1] += 1.0
+    rows = r2.history.rows.copy()  # rows are read-only: a change is an assignment
+    rows[-1] += 1.0
+    r2.history.rows = rows
     assert not np.array_equal(signature(d.draft([r2], True)[0]), signature(full))
     assert len(r.history.rows) == d.window  # memory per request is bounded by the window
 

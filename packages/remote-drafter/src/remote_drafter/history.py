@@ -2,23 +2,55 @@
 of all but the newest token (the lag of one: the newest token's row comes from the next
 verification pass). Both sides keep one: the worker drafts from it, the client re-opens a
 request from it after the worker lost state, so drafts after a re-open equal drafts
-without one. Torch-free."""
+without one. Torch-free; not thread-safe (the service changes histories under its lock).
+
+Rows are appended in amortised O(new rows): a buffer of up to 2 x window rows is written
+past its newest row and moved to a fresh one only when full. Rows once handed out (`rows`,
+read-only) are never rewritten, so a shallow copy is a snapshot (what the service drafts
+from outside its lock). `lineage` and `rows_added` let a drafter keep its own copy of the
+rows (on its device) and fetch only the rows added since it last looked."""
 
 from __future__ import annotations
 
 import numpy as np
 
 
+class Lineage:
+    """One sequence of rows: histories sharing it (a history and its shallow copies) hold
+    prefixes of the same rows. `count` is how many rows the furthest of them added; a
+    history behind it that appends diverges and takes a new lineage."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class History:
     def __init__(self, max_tokens: int, window: int, feature: int):
         self.max_tokens, self.window, self.feature = max_tokens, window, feature
         self.tokens = np.zeros(0, np.int32)
-        self.rows = np.zeros((0, feature), np.float32) if feature else None
         self.length = 0  # committed tokens ever (positions), not just those kept
+        self.rows = np.zeros((0, feature), np.float32) if feature else None
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """The last <= window hidden rows (float32 [n, feature]); None for a token-only
+        drafter. Read-only: assign to replace them (that starts a new lineage)."""
+        if not self.feature:
+            return None
+        view = self._buf[self._start:self._end]
+        view.flags.writeable = False
+        return view
+
+    @rows.setter
+    def rows(self, rows: np.ndarray | None) -> None:
+        self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
+        self._buf, self._start, self._end = np.zeros((0, self.feature), np.float32), 0, 0
+        if self.feature and rows is not None and len(rows):
+            self._append(np.asarray(rows, np.float32))
 
     @property
     def nbytes_max(self) -> int:
-        return 4 * self.max_tokens + (4 * self.window * self.feature if self.feature else 0)
+        return 4 * self.max_tokens + (8 * self.window * self.feature if self.feature else 0)
 
     def check(self, tokens: np.ndarray, rows: np.ndarray | None, opening: bool) -> str | None:
         """Why (tokens, rows) cannot extend this history, or None."""
@@ -42,8 +74,8 @@ class History:
 
     def reset(self, tokens: np.ndarray, rows: np.ndarray | None, length: int | None = None) -> None:
         self.tokens = np.zeros(0, np.int32)
-        self.rows = np.zeros((0, self.feature), np.float32) if self.feature else None
         self.length = 0
+        self.rows = None
         self.extend(tokens, rows)
         if length is not None:
             self.length = length
@@ -51,8 +83,33 @@ class History:
     def extend(self, tokens: np.ndarray, rows: np.ndarray | None) -> None:
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int32)])[-self.max_tokens:]
         if self.feature and rows is not None and len(rows):
-            self.rows = np.concatenate([self.rows, np.asarray(rows, np.float32)])[-self.window:]
+            self._append(np.asarray(rows, np.float32))
         self.length += len(tokens)
+
+    def _append(self, rows: np.ndarray) -> None:
+        k, n = len(rows), self.window
+        if self.rows_added != self.lineage.count:  # a copy went further: our rows differ from here
+            self.lineage = Lineage()
+            self.lineage.count = self.rows_added
+        elif self._end + k <= len(self._buf):  # the buffer's tail is ours: write past what we handed out
+            self._buf[self._end:self._end + k] = rows
+            self._end += k
+            self._start = max(self._start, self._end - n)
+            self._added(k)
+            return
+        # A fresh buffer (never write where a copy may still read), twice what it keeps:
+        # moving the kept rows costs at most one copy per row appended since the last move.
+        kept = self._buf[max(self._start, self._end - max(n - k, 0)):self._end]
+        rows = rows[max(len(rows) - n, 0):]
+        buf = np.empty((min(2 * n, 2 * (len(kept) + len(rows))), self.feature), np.float32)
+        buf[:len(kept)] = kept
+        buf[len(kept):len(kept) + len(rows)] = rows
+        self._buf, self._start, self._end = buf, 0, len(kept) + len(rows)
+        self._added(k)
+
+    def _added(self, k: int) -> None:
+        self.rows_added += k
+        self.lineage.count = self.rows_added
 
     def open_payload(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """(tokens, rows, length) that recreate this history on the other side."""

@@ -211,8 +211,8 @@ class DraftService:
                 self.cache.forget(key)
             return P.Reply(rid), None
         depth = min(e.k + 1, self.drafter.max_depth) if cached else e.k
-        # A snapshot (History replaces its arrays, never writes into them): the batch drafts
-        # outside the state lock.
+        # A snapshot (History never rewrites rows it has handed out: appends go past them):
+        # the batch drafts outside the state lock.
         request = DraftRequest(copy.copy(session.history), depth, session.temperature, session.seed)
         if not cached and self.cache is not None:
             self.cache.forget(key)
