@@ -20,13 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "packages/remote-engram/tests"))
-from engram_support import EngramServeProcess  # noqa: E402
+from longctx_bench.launch import VllmServer, free_port
+from remote_engram.client import served_counters
+from remote_engram.testing import EngramServeProcess
+from remote_engram.vllm.build_miniature import build
 
-from longctx_bench.launch import VllmServer, free_port  # noqa: E402
-from remote_engram.client import served_counters  # noqa: E402
-from remote_engram.miniature import build  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
 
 PROMPTS = ["The capital of Germany is", "def add(a, b):\n    return", "Once upon a time"]
 

@@ -1,7 +1,7 @@
 import pytest
-from engram_support import SMALL, EngramServeProcess
 
 from remote_engram.synth import write_shards
+from remote_engram.testing import SMALL, EngramServeProcess
 
 
 @pytest.fixture(scope="session")

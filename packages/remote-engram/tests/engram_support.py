@@ -1,33 +1,4 @@
-"""Shared by the remote-engram tests: a small table geometry and a real server process."""
+"""Only a re-export for test_engram_vllm.py until it imports remote_engram.testing itself;
+then this file goes."""
 
-import subprocess
-import sys
-
-from ofl.testing import ChildProcess
-from remote_engram.geometry import EngramGeometry
-
-# A small table with the real structure: layers 1 and 14, orders 2-4, 8 heads, primes > 1000.
-SMALL = EngramGeometry(layers=(1, 14), vocab=500, prime_start=1000)
-
-
-class EngramServeProcess(ChildProcess):
-    """A real `remote-engram serve` process on 127.0.0.1."""
-
-    def __init__(self, shard_dir: str, backend: str, port: int = 0, links: int = 1,
-                 delay_ms: float = 0.0):
-        self.shard_dir, self.backend = shard_dir, backend
-        listen = [arg for i in range(links) for arg in ("--listen", f"127.0.0.1:{port if not i else 0}")]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remote_engram.cli", "serve", "--shards", shard_dir,
-             "--backend", backend, "--inject-delay-ms", str(delay_ms), *listen],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if "remote-engram serve:" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r}")
-        self.addresses = line.rsplit(" on ", 1)[1].strip().split(", ")
-        self.address = self.addresses[0]
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
+from remote_engram.testing import EngramServeProcess  # noqa: F401

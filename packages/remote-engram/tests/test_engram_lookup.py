@@ -8,12 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="engine side; the torch-free venv skips it, .venv runs it")
 
-from engram_support import SMALL  # noqa: E402
-
 from remote_engram import env  # noqa: E402
 from remote_engram.client import EngramClient  # noqa: E402
 from remote_engram.dequant import dequantize  # noqa: E402
 from remote_engram.synth import synthetic_rows, write_shards  # noqa: E402
+from remote_engram.testing import SMALL  # noqa: E402
 from remote_engram.vllm.lookup import HeadRange, table_rows, write_rows  # noqa: E402
 from remote_engram.vllm.overlay import RemoteRows  # noqa: E402
 

@@ -46,3 +46,22 @@ def test_geometry_cli_json(capsys):
     assert out["layers"]["1"]["rows"] == 384_006_168
     assert out["layers"]["14"]["rows"] == 384_016_682
     assert out["layers"]["14"]["multipliers"][0] == 67716810739261
+
+
+def test_env_cli_lists_every_variable(capsys):
+    from remote_engram import env
+
+    assert main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == [v.name for v in env.ALL]
+    assert "ENGRAM_BACKEND (default 'verbs'): ofl backend" in lines[1]
+
+
+def test_backend_flags_default_to_engram_backend(monkeypatch):
+    from remote_engram import cli
+
+    seen = []
+    monkeypatch.setenv("ENGRAM_BACKEND", "shm")
+    monkeypatch.setattr(cli, "cmd_qualify", lambda args: seen.append(args.backend) or 0)
+    assert main(["qualify", "--connect", "h:1", "--shards", "d"]) == 0
+    assert seen == ["shm"]

@@ -98,7 +98,7 @@ def test_rejects_ids_outside_the_map():
 def test_torch_equals_numpy_on_random_inputs():
     torch = pytest.importorskip("torch", reason="torch is not in this venv (the torch-free "
                                 "check); the main .venv has it and runs this")
-    from remote_engram.hashing_torch import row_ids as row_ids_torch
+    from remote_engram.vllm.hashing import row_ids as row_ids_torch
 
     rng = np.random.default_rng(2)
     from remote_engram.geometry import V41

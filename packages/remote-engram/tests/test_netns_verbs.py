@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from engram_support import SMALL, EngramServeProcess
 
 from ofl.testing import TwoHosts, netns_unavailable
+from remote_engram.testing import SMALL, EngramServeProcess
 
 NETNS = netns_unavailable()
 

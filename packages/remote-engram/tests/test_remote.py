@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-from engram_support import SMALL, EngramServeProcess
 
 from ofl import Connection, RemoteError, wire
 from ofl.testing import stop_process
@@ -15,6 +14,7 @@ from remote_engram.cli import main as cli
 from remote_engram.client import EngramClient, EngramUnavailable
 from remote_engram.hashing import row_ids
 from remote_engram.shard import ShardReader, shard_name
+from remote_engram.testing import SMALL, EngramServeProcess
 
 TOKEN_MAP = np.random.default_rng(11).integers(0, SMALL.vocab, 2000)
 

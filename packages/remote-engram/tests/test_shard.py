@@ -4,13 +4,13 @@ import os
 
 import numpy as np
 import pytest
-from engram_support import SMALL
 
 from remote_engram.cli import main as cli
 from remote_engram.dequant import E4M3, dequantize
 from remote_engram.pack import check, pack
 from remote_engram.shard import HEADER_BYTES, MAGIC, ShardHeader, ShardReader, ShardWriter
 from remote_engram.synth import synthetic_rows, write_checkpoint
+from remote_engram.testing import SMALL
 
 
 def test_header_layout_is_six_le_u64():

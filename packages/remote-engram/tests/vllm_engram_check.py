@@ -28,9 +28,9 @@ from torch import nn  # noqa: E402
 from vllm.models.deepseek_v41.common import engram as E  # noqa: E402
 
 from remote_engram.geometry import EngramGeometry  # noqa: E402
-from remote_engram.hashing_torch import row_ids  # noqa: E402
 from remote_engram.synth import synthetic_rows  # noqa: E402
 from remote_engram.vllm import overlay  # noqa: E402
+from remote_engram.vllm.hashing import row_ids  # noqa: E402
 
 LAYERS = (1, 14)
 

@@ -3,8 +3,8 @@ host's RAM over ofl, with the local shard as an exact fallback.
 
 Geometry and hashing (geometry.py, hashing.py), the compressed token map (token_map.py),
 the shard format (shard.py), packing and synthetic tables (pack.py, synth.py), the server
-(server.py), the client (client.py), qualification (qualify.py). Torch-free; torch is
-used only by hashing_torch.py and dequant's bf16 path, when installed.
+(server.py), the client (client.py), qualification (qualify.py), test helpers (testing.py).
+Torch-free; torch is used only by the `vllm` subpackage and dequant's bf16 path.
 """
 
 from .client import EngramClient

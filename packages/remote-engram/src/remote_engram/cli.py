@@ -6,6 +6,7 @@
   remote-engram serve --shards DIR --backend verbs --listen 10.0.0.1:7480 --listen 10.0.1.1:7480
   remote-engram qualify --connect 10.0.0.1:7480 --shards DIR --rank 0 [--all]
   remote-engram miniature --out DIR --tokenizer SMOLLM2_DIR [--base SMOLLM2_DIR]
+  remote-engram env                                     # every variable, default, meaning
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import time
 from tqdm import tqdm
 
 from ofl.cli import shutdown_event, wait_for_shutdown
+from ofl.env import describe
 
+from . import env
 from .geometry import V41_VOCAB, EngramGeometry
 
 
@@ -86,7 +89,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_miniature(args) -> int:
-    from .miniature import build  # needs torch (the [vllm] extra)
+    from .vllm.build_miniature import build  # needs torch and tokenizers
 
     config = build(args.out, args.tokenizer or args.base, base=args.base,
                    layers=tuple(args.layers) if args.layers else None,
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
 
     v = sub.add_parser("serve", help="load shards into RAM and serve them over ofl")
     v.add_argument("--shards", required=True, help="folder with engram-l*-r*of*.bin")
-    v.add_argument("--backend", default=os.environ.get("ENGRAM_BACKEND", "verbs"),
+    v.add_argument("--backend", default=env.ENGRAM_BACKEND.get(),
                    choices=["verbs", "tcp", "shm"])
     v.add_argument("--listen", action="append", required=True,
                    help="HOST:PORT, once per link (binds only there)")
@@ -230,13 +233,16 @@ def main(argv=None) -> int:
     q.add_argument("--connect", action="append", required=True,
                    help="HOST:PORT, once per link; link i checks rank i unless --rank is given")
     q.add_argument("--shards", required=True, help="folder with the local shards")
-    q.add_argument("--backend", default=os.environ.get("ENGRAM_BACKEND", "verbs"),
+    q.add_argument("--backend", default=env.ENGRAM_BACKEND.get(),
                    choices=["verbs", "tcp", "shm"])
     q.add_argument("--rank", type=int)
     q.add_argument("--sample", type=int, default=100_000, help="random rows per shard (100,000)")
     q.add_argument("--all", action="store_true", help="compare every row")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_qualify)
+
+    e = sub.add_parser("env", help="every environment variable, its default and meaning")
+    e.set_defaults(func=lambda a: print(describe(env.ALL)) or 0)
 
     args = p.parse_args(argv)
     return args.func(args)

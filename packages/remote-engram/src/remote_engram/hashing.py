@@ -1,4 +1,4 @@
-"""Engram row ids for a batch of token sequences (numpy; hashing_torch.py mirrors it).
+"""Engram row ids for a batch of token sequences (numpy; vllm/hashing.py mirrors it in torch).
 
 For position t and offset d, s_d = map[token(t - d)]. A position before the sequence start
 or masked out is dead; once a dead position is crossed, s_d = map[pad] for that and every

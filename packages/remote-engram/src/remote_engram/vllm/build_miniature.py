@@ -1,5 +1,5 @@
 """Build the miniature targets of the vLLM tier: a Llama folder whose config names
-`EngramLlamaForCausalLM` (remote_engram.vllm.miniature) with V4.1 Engram tables at two
+`EngramLlamaForCausalLM` (`miniature.py` beside this file) with V4.1 Engram tables at two
 layers, plus the same tables as shards (for the server and the local fallback).
 
 * tiny: a random 4-layer Llama (hidden 128) with Engram at layers 1 and 3, its Engram term
@@ -21,10 +21,10 @@ import torch
 from safetensors import TensorSpec, serialize_file
 from safetensors.torch import load_file
 
-from .dequant import dequantize
-from .geometry import VALUES_PER_ROW, EngramGeometry
-from .hashing import PAD_TOKEN_ID
-from .synth import synthetic_rows, write_shards
+from ..dequant import dequantize
+from ..geometry import VALUES_PER_ROW, EngramGeometry
+from ..hashing import PAD_TOKEN_ID
+from ..synth import synthetic_rows, write_shards
 
 ARCHITECTURE = "EngramLlamaForCausalLM"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -37,7 +37,7 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 def compressed_vocab(tokenizer_dir: str) -> int:
     from tokenizers import Tokenizer
 
-    from .token_map import compressed_token_map
+    from ..token_map import compressed_token_map
 
     return compressed_token_map(Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")))[1]
 

@@ -1,12 +1,12 @@
 """Engram row ids in torch (engine side, on the device the tokens live on); equal to
-hashing.row_ids, which is the reference (tests compare them on random inputs)."""
+remote_engram.hashing.row_ids, the reference (tests compare them on random inputs)."""
 
 from __future__ import annotations
 
 import torch
 
-from .geometry import EngramGeometry
-from .hashing import PAD_TOKEN_ID
+from ..geometry import EngramGeometry
+from ..hashing import PAD_TOKEN_ID
 
 
 def row_ids(geometry: EngramGeometry, layer: int, tokens: torch.Tensor, token_map: torch.Tensor,
