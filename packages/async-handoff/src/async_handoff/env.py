@@ -6,6 +6,8 @@ restarts. Rollback: unset VLLM_DSPARK_REMOTE_ASYNC on both ranks -> synchronous 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ofl.env import EnvVar
 
 VLLM_DSPARK_REMOTE_ASYNC = EnvVar(
@@ -49,5 +51,9 @@ ALL = [VLLM_DSPARK_REMOTE_ASYNC, ASYNC_HANDOFF_WAIT_MODE, ASYNC_HANDOFF_SPIN_US,
        ASYNC_HANDOFF_RESPAWN_WINDOW_S, ASYNC_HANDOFF_STARTUP_TIMEOUT_S, ASYNC_HANDOFF_METRICS_LISTEN]
 
 
-def async_enabled() -> bool:
-    return VLLM_DSPARK_REMOTE_ASYNC.get() not in ("", "0")
+def async_enabled(values: Mapping[str, str] | None = None) -> bool:
+    """Remote rounds go through the proxy: VLLM_DSPARK_REMOTE_ASYNC set in this process's
+    environment, or in `values` (e.g. a launcher's env file, read before the engine starts)."""
+    value = VLLM_DSPARK_REMOTE_ASYNC.get() if values is None else \
+        values.get(VLLM_DSPARK_REMOTE_ASYNC.name, VLLM_DSPARK_REMOTE_ASYNC.default)
+    return value not in ("", "0")

@@ -20,9 +20,11 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ofl.env import EnvVar
 
 from . import env
 from ._hostflags import lib
@@ -31,34 +33,33 @@ from .hostflags import PROXY_FAILED, PROXY_READY, WAIT_MODES, HostFlags, Ticket
 log = logging.getLogger("async_handoff")
 
 
+def env_field(var: EnvVar, kind: type = str):
+    """A field that from_env() reads from `var`; its default is var's declared default, so
+    env.py is the one source of both."""
+    return field(default=kind(var.default), metadata={"env": var, "kind": kind})
+
+
 @dataclass
 class HandoffConfig:
-    mode: str = "nap"
-    spin_us: float = 50
-    slots: int = 4
-    slot_bytes: int = 1 << 20
-    round_deadline_ms: float = 100
-    max_wait_ms: float = 20
-    heartbeat_timeout_ms: float = 1000
-    respawn_max: int = 3
-    respawn_window_s: float = 300
-    startup_timeout_s: float = 30
+    mode: str = env_field(env.ASYNC_HANDOFF_WAIT_MODE)
+    spin_us: float = env_field(env.ASYNC_HANDOFF_SPIN_US, float)
+    slots: int = env_field(env.ASYNC_HANDOFF_SLOTS, int)
+    slot_bytes: int = env_field(env.ASYNC_HANDOFF_SLOT_BYTES, int)
+    round_deadline_ms: float = env_field(env.ASYNC_HANDOFF_ROUND_DEADLINE_MS, float)
+    max_wait_ms: float = env_field(env.ASYNC_HANDOFF_MAX_WAIT_MS, float)
+    heartbeat_timeout_ms: float = env_field(env.ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS, float)
+    respawn_max: int = env_field(env.ASYNC_HANDOFF_RESPAWN_MAX, int)
+    respawn_window_s: float = env_field(env.ASYNC_HANDOFF_RESPAWN_WINDOW_S, float)
+    startup_timeout_s: float = env_field(env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S, float)
     watchdog_interval_s: float = 0.05
     proxy_env: dict = field(default_factory=dict)  # extra environment for the proxy
-    metrics_listen: str = ""  # HOST:PORT serving the counters to other processes (exposition)
+    # HOST:PORT serving the counters to other processes (exposition)
+    metrics_listen: str = env_field(env.ASYNC_HANDOFF_METRICS_LISTEN)
 
     @classmethod
     def from_env(cls) -> HandoffConfig:
-        return cls(mode=env.ASYNC_HANDOFF_WAIT_MODE.get(), spin_us=env.ASYNC_HANDOFF_SPIN_US.get_float(),
-                   slots=env.ASYNC_HANDOFF_SLOTS.get_int(),
-                   slot_bytes=env.ASYNC_HANDOFF_SLOT_BYTES.get_int(),
-                   round_deadline_ms=env.ASYNC_HANDOFF_ROUND_DEADLINE_MS.get_float(),
-                   max_wait_ms=env.ASYNC_HANDOFF_MAX_WAIT_MS.get_float(),
-                   heartbeat_timeout_ms=env.ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS.get_float(),
-                   respawn_max=env.ASYNC_HANDOFF_RESPAWN_MAX.get_int(),
-                   respawn_window_s=env.ASYNC_HANDOFF_RESPAWN_WINDOW_S.get_float(),
-                   startup_timeout_s=env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S.get_float(),
-                   metrics_listen=env.ASYNC_HANDOFF_METRICS_LISTEN.get())
+        return cls(**{f.name: f.metadata["kind"](f.metadata["env"].get())
+                      for f in fields(cls) if "env" in f.metadata})
 
 
 class Metrics:
