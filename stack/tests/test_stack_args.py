@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsv41_stack.cli import main, template_path
+from dsv41_stack.config import StackConfig
+from dsv41_stack.roles import engine
 
 GOLDEN = Path(__file__).with_name("golden")
 
@@ -110,6 +112,17 @@ def test_rank_1_is_rank_0s_engine_headless_with_its_own_metrics_ports(tmp_path, 
     assert "ASYNC_HANDOFF_METRICS_LISTEN=127.0.0.1:9496" in zero
     assert "ASYNC_HANDOFF_METRICS_LISTEN=127.0.0.1:9497" in one
     assert one.startswith("# engine-rank1\n")
+
+
+def test_the_engine_speculates_and_runs_eager_only_when_configured():
+    def command(**values):
+        return engine(StackConfig({"STACK_ENFORCE_EAGER": "0", **values})).command
+    plain = command()
+    assert command(REMOTE_DRAFTER_ADDRESS="10.0.0.3:7490", STACK_NUM_SPEC_TOKENS="0") == plain
+    both = command(STACK_ENFORCE_EAGER="1", REMOTE_DRAFTER_ADDRESS="10.0.0.3:7490")
+    assert [arg for arg in both if arg not in plain] == [
+        "--enforce-eager", "--speculative-config", '{"method": "custom_class", "model": '
+        '"remote_drafter.vllm.RemoteProposer", "num_speculative_tokens": 5}']
 
 
 @pytest.mark.parametrize("text, args, why", [

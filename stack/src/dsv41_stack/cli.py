@@ -12,11 +12,11 @@ An engine across two hosts (STACK_ENGINE_NODES=2): on the second Spark `up --rol
 --rank 1` first (vLLM's headless worker: it waits for rank 0), then on the first `up --role
 engine --rank 0` (the API; it waits until both ranks serve, then runs the canary).
   dsv41-stack template production-D > production-D.env   # then replace every <placeholder>
-  dsv41-stack env                                    # every STACK_ setting, default, meaning
+  dsv41-stack env                                    # every setting and component variable
 
-Env files hold STACK_* settings (`env`) and the components' own variables (ENGRAM_*,
+Env files hold STACK_* settings and the components' own variables (ENGRAM_*,
 REMOTE_DRAFTER_*, VLLM_DSPARK_REMOTE_ASYNC, ASYNC_HANDOFF_*, OFL_*), passed to the processes
-that read them. Later --env files override earlier ones.
+that read them (`env` lists both). Later --env files override earlier ones.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import ConfigError, StackConfig
 from .roles import roles
-from .settings import SETTINGS
+from .settings import COMPONENT_ENVS, SETTINGS
 
 TEMPLATES = ("local", "production-D", "production-async")
 ROLES = ["offload-host", "engine", "engram-server", "drafter-worker"]
@@ -50,9 +50,16 @@ def template_path(name: str) -> Path:
     return folder / (f"{name}.env" if name == "local" else f"{name}.env.example")
 
 
+def print_variables(variables) -> None:
+    for v in variables:
+        print(f"{v.name}={v.default}\n    {v.doc}")
+
+
 def cmd_env(args) -> int:
-    for s in SETTINGS:
-        print(f"{s.name}={s.default}\n    {s.doc}")
+    print_variables(SETTINGS)
+    for module in COMPONENT_ENVS:  # as each component declares them
+        print(f"\n# {module.__name__}")
+        print_variables(module.ALL)
     return 0
 
 
@@ -195,7 +202,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="dsv41-stack", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("env", help="every STACK_ setting with its default and meaning") \
+    sub.add_parser("env", help="every STACK_ setting and the components' variables (ofl, "
+                   "remote_engram, remote_drafter, async_handoff), with default and meaning") \
         .set_defaults(func=cmd_env)
     t = sub.add_parser("template", help="print an env template")
     t.add_argument("name", choices=TEMPLATES)

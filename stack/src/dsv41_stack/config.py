@@ -9,7 +9,9 @@ import re
 import shlex
 from pathlib import Path
 
-from .settings import BY_NAME, COMPONENT_PREFIXES
+from ofl.env import EnvVar
+
+from .settings import BY_NAME, COMPONENT_PREFIXES, declared
 
 PLACEHOLDER = re.compile(r"<[^<>]+>")
 LINE = re.compile(r"^(?:export\s+)?([A-Z][A-Z0-9_]*)=(.*)$")
@@ -47,7 +49,8 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
 
 
 class StackConfig:
-    """The merged env files: STACK_* settings (with defaults) and component variables."""
+    """The merged env files: STACK_* settings and component variables, each with its
+    declared default."""
 
     def __init__(self, values: dict[str, str], sources: list[str] | None = None):
         self.values, self.sources = values, sources or []
@@ -59,11 +62,14 @@ class StackConfig:
             values.update(parse(Path(path).read_text(), str(path)))
         return cls(values, [str(p) for p in paths])
 
-    def __getitem__(self, name: str) -> str:
-        return self.values.get(name, BY_NAME[name].default)
+    def __getitem__(self, setting: str | EnvVar) -> str:
+        """A setting's value in the env files, else its declared default: a STACK_ setting or
+        a component's variable, by name or as the component declares it (its EnvVar)."""
+        var = declared()[setting] if isinstance(setting, str) else setting
+        return self.values.get(var.name, var.default)
 
-    def int(self, name: str) -> int:
-        return int(self[name])
+    def int(self, setting: str | EnvVar) -> int:
+        return int(self[setting])
 
     def components(self, *prefixes: str) -> dict[str, str]:
         """Component variables with these prefixes (all of them when none given)."""

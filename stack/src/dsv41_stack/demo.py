@@ -18,7 +18,10 @@ import json
 import time
 from pathlib import Path
 
+from async_handoff import env as handoff_env
 from longctx_bench.launch import free_port
+from remote_drafter import env as drafter_env
+from remote_engram import env as engram_env
 from remote_engram.geometry import ROW_BYTES
 
 from .config import StackConfig
@@ -53,12 +56,12 @@ def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfi
     remote_engram = setting["engram"] == "remote"
     remote_drafter = setting["drafter"] == "remote"
     return {
-        "ENGRAM_REMOTE": engram_at if remote_engram else None,
-        "ENGRAM_SHARD_DIR": cfg["STACK_ENGRAM_SHARDS"] if remote_engram else None,
-        "REMOTE_DRAFTER_ADDRESS": worker_at if remote_drafter else None,
-        "REMOTE_DRAFTER_DRAFTER": None if remote_drafter else cfg["STACK_DRAFTER"],
-        "REMOTE_DRAFTER_TARGET": cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
-        "VLLM_DSPARK_REMOTE_ASYNC": "1" if setting.get("async") else None,
+        engram_env.ENGRAM_REMOTE.name: engram_at if remote_engram else None,
+        engram_env.ENGRAM_SHARD_DIR.name: cfg["STACK_ENGRAM_SHARDS"] if remote_engram else None,
+        drafter_env.REMOTE_DRAFTER_ADDRESS.name: worker_at if remote_drafter else None,
+        drafter_env.REMOTE_DRAFTER_DRAFTER.name: None if remote_drafter else cfg["STACK_DRAFTER"],
+        drafter_env.REMOTE_DRAFTER_TARGET.name: cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
+        handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: "1" if setting.get("async") else None,
     }
 
 

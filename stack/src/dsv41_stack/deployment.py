@@ -18,6 +18,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from async_handoff import env as handoff_env
+from async_handoff.env import async_enabled
+from remote_drafter import env as drafter_env
+from remote_engram import env as engram_env
+
 from .config import StackConfig
 from .processes import Running, role_env
 from .roles import SERVED_NAME, Role, engine, rank_address, roles, speculative_config
@@ -148,7 +153,7 @@ class Deployment:
     def health(self, role: Role) -> dict:
         if role.rank is not None:
             out = {"counters": self.counters()} if role.rank == 0 else {}
-            if role.rank and (listen := self.cfg.values.get("ENGRAM_METRICS_LISTEN")):
+            if role.rank and (listen := self.cfg[engram_env.ENGRAM_METRICS_LISTEN]):
                 from remote_engram.client import served_counters
                 out["engram"] = served_counters(rank_address(listen, role.rank), timeout_s=5)
             if self.async_on():
@@ -157,11 +162,12 @@ class Deployment:
         listen = role.command[role.command.index("--listen") + 1]
         if role.name == "engram-server":
             from ofl import Connection
-            backend = self.cfg.values.get("ENGRAM_BACKEND", "verbs")
+            backend = self.cfg[engram_env.ENGRAM_BACKEND]
+            # remote_engram has no client call for its server's health op: asked here
             with Connection(listen, backend=backend, identity="dsv41-stack-status") as conn:
                 return {"health": json.loads(conn.request(b'{"op":"health"}'))}
         from remote_drafter.transport import worker_stats
-        return {"counters": worker_stats(listen, self.cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp"))}
+        return {"counters": worker_stats(listen, self.cfg[drafter_env.REMOTE_DRAFTER_BACKEND])}
 
     def canary(self, record: bool = False) -> dict:
         """Greedy fingerprint of fixed prompts vs the recorded reference (rank 0's API), and
@@ -190,7 +196,7 @@ class Deployment:
             handoff = handoff_moved(handoff_before, handoff_after)
             degraded += handoff_degraded(handoff, handoff_after, self.handoff_listen())
         checked = (["drafts made"] if speculative_config(self.cfg) else []) + \
-            (["no Engram fallback"] if self.cfg.values.get("ENGRAM_METRICS_LISTEN") else [])
+            (["no Engram fallback"] if self.cfg[engram_env.ENGRAM_METRICS_LISTEN] else [])
         common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff,
                   "checked": checked}
         if errors := answer_errors(got):  # never recorded, never equal to a reference
@@ -205,14 +211,15 @@ class Deployment:
                 **common}
 
     def async_on(self) -> bool:
-        """Draft rounds go through the async proxy: a remote drafter, speculation, and
-        VLLM_DSPARK_REMOTE_ASYNC set (as async_handoff reads it)."""
-        return bool(speculative_config(self.cfg) and self.cfg.values.get("REMOTE_DRAFTER_ADDRESS")
-                    and self.cfg.values.get("VLLM_DSPARK_REMOTE_ASYNC", "") not in ("", "0"))
+        """Draft rounds go through the async proxy: a remote drafter, speculation, and the
+        async handoff enabled by the env files (as the engine's async_handoff reads it)."""
+        return bool(speculative_config(self.cfg) and self.cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]
+                    and async_enabled(self.cfg.values))
 
     def handoff_listen(self, rank: int = 0) -> str:
         """Where engine rank `rank` serves its async proxy counters ('' = nowhere)."""
-        return engine(self.cfg, rank).env.get("ASYNC_HANDOFF_METRICS_LISTEN", "")
+        metrics = handoff_env.ASYNC_HANDOFF_METRICS_LISTEN
+        return engine(self.cfg, rank).env.get(metrics.name, metrics.default)
 
     def handoff_counters(self, rank: int = 0) -> dict | None:
         """The async proxy's counters of engine rank `rank` (async_handoff.exposition), or
@@ -228,7 +235,7 @@ class Deployment:
         """The engine's spec-decode counters and, where its overlay serves metrics
         (ENGRAM_METRICS_LISTEN), rank 0's Engram client counters."""
         out = engine_counters(self.engine_url())
-        if listen := self.cfg.values.get("ENGRAM_METRICS_LISTEN"):
+        if listen := self.cfg[engram_env.ENGRAM_METRICS_LISTEN]:
             from remote_engram.client import served_counters
             try:
                 out.update(served_counters(listen, timeout_s=5))

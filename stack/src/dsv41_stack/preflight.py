@@ -15,6 +15,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from remote_drafter import env as drafter_env
+from remote_engram import env as engram_env
+
 from .config import StackConfig
 from .roles import engine_nodes, roles, tp2_devices
 
@@ -134,9 +137,9 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
     from remote_drafter.identity import expectation
     from remote_drafter.transport import RemoteTransport
     try:
-        expect = expectation(cfg.values.get("REMOTE_DRAFTER_TARGET"),
-                             cfg.values.get("REMOTE_DRAFTER_MANIFEST"))
-        transport = RemoteTransport(address, cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp"), expect)
+        expect = expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
+                             cfg[drafter_env.REMOTE_DRAFTER_MANIFEST])
+        transport = RemoteTransport(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND], expect)
         try:
             info = transport.info(5.0)
         finally:
@@ -233,15 +236,15 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
     answers and its rows equal the local shards (a sample); the drafter worker answers with
     the identities this engine expects."""
     checks = []
-    backend = cfg.values.get("ENGRAM_BACKEND", "verbs")
-    for link_rank, address in enumerate(endpoints(cfg.values.get("ENGRAM_REMOTE", ""))):
+    backend = cfg[engram_env.ENGRAM_BACKEND]
+    for link_rank, address in enumerate(endpoints(cfg[engram_env.ENGRAM_REMOTE])):
         if engine_nodes(cfg) > 1 and link_rank != rank:
             continue  # another host's link
         checks.append(reachable := check_reachable(address, f"engram rank {link_rank}"))
-        shard_dir = cfg.values.get("ENGRAM_SHARD_DIR", "")
+        shard_dir = cfg[engram_env.ENGRAM_SHARD_DIR]
         if reachable.ok and shard_dir:
             checks.append(check_qualify(address, shard_dir, link_rank, backend))
-    if address := cfg.values.get("REMOTE_DRAFTER_ADDRESS"):
+    if address := cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]:
         checks.append(reachable := check_reachable(address, "drafter worker"))
         if reachable.ok:
             checks.append(check_drafter_identity(address, cfg))

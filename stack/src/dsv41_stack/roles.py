@@ -23,7 +23,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from longctx_bench.launch import vllm_command
+from async_handoff import env as handoff_env
+from remote_drafter import env as drafter_env
+from remote_engram import env as engram_env
 
 from .config import ConfigError, StackConfig
 from .settings import ENGINE_PREFIXES
@@ -31,8 +33,13 @@ from .settings import ENGINE_PREFIXES
 SERVED_NAME = "dsv41"
 # What the drafter worker reads of the env file: ofl, and remote_drafter's worker-side device
 # locks (every kind of worker); the TP2 pair also its own DRAFTER_TP2_* variables.
-WORKER_PREFIXES = ("OFL_", "REMOTE_DRAFTER_DEVICE_LOCK", "REMOTE_DRAFTER_LOCK_DIR")
+WORKER_PREFIXES = ("OFL_", drafter_env.REMOTE_DRAFTER_DEVICE_LOCK.name,
+                   drafter_env.REMOTE_DRAFTER_LOCK_DIR.name)
 HEADLESS_READY = "headless multiproc executor"  # vLLM 0.33's line once rank R > 0 waits for rank 0
+# vLLM's entry points: rank 0's OpenAI server; `vllm serve`, which honours --headless (the
+# OpenAI module ignores it), for ranks > 0
+API_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
+HEADLESS_SERVE = ["-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 @dataclass
@@ -50,7 +57,7 @@ def engram_server(cfg: StackConfig) -> Role | None:
     if not links:
         return None
     cmd = [sys.executable, "-m", "remote_engram.cli", "serve", "--shards",
-           cfg["STACK_ENGRAM_SHARDS"], "--backend", cfg.values.get("ENGRAM_BACKEND", "verbs")]
+           cfg["STACK_ENGRAM_SHARDS"], "--backend", cfg[engram_env.ENGRAM_BACKEND]]
     for link in links:
         cmd += ["--listen", link]
     if cfg.int("STACK_INJECT_DELAY_MS"):
@@ -80,7 +87,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
                           f"{cfg['STACK_DRAFTER_DTYPE']!r}")
     same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
             "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
-    backend = ["--backend", cfg.values.get("REMOTE_DRAFTER_BACKEND", "tcp")]
+    backend = ["--backend", cfg[drafter_env.REMOTE_DRAFTER_BACKEND]]
     if cfg["STACK_DRAFTER_TP2"] == "1":
         if cfg.int("STACK_INJECT_DELAY_MS"):
             raise ConfigError("STACK_INJECT_DELAY_MS is the one-card worker's (the miniature's "
@@ -101,7 +108,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
 def speculative_config(cfg: StackConfig) -> str | None:
     """The remote proposer when a drafter is configured (remote or local), else none."""
     k = cfg.int("STACK_NUM_SPEC_TOKENS")
-    drafter = cfg.values.get("REMOTE_DRAFTER_ADDRESS") or cfg.values.get("REMOTE_DRAFTER_DRAFTER")
+    drafter = cfg[drafter_env.REMOTE_DRAFTER_ADDRESS] or cfg[drafter_env.REMOTE_DRAFTER_DRAFTER]
     if not k or not drafter:
         return None
     return json.dumps({"method": "custom_class", "model": "remote_drafter.vllm.RemoteProposer",
@@ -129,36 +136,37 @@ def rank_address(listen: str, rank: int) -> str:
 
 
 def engine(cfg: StackConfig, rank: int = 0) -> Role:
-    """vLLM with the overlays; with STACK_ENGINE_NODES > 1 node rank `rank` of it."""
+    """vLLM with the overlays; with STACK_ENGINE_NODES > 1 node rank `rank` of it: every rank
+    gets the same engine arguments, rank 0 also the API's address, ranks > 0 --headless."""
     nodes = engine_nodes(cfg)
     if not 0 <= rank < nodes:
         raise ConfigError(f"--rank {rank}: the engine has ranks 0..{nodes - 1} "
                           f"(STACK_ENGINE_NODES={nodes})")
     host, _, port = cfg["STACK_ENGINE_LISTEN"].rpartition(":")
-    cmd = vllm_command(cfg["STACK_VLLM_PYTHON"], cfg["STACK_MODEL"], int(port),
-                       speculative_config(cfg), cfg.int("STACK_KV_BYTES"), SERVED_NAME,
-                       cfg["STACK_DTYPE"], cfg.int("STACK_MAX_MODEL_LEN"),
-                       eager=cfg["STACK_ENFORCE_EAGER"] == "1", host=host,
-                       extra=["--tensor-parallel-size", cfg["STACK_TP"],
-                              "--max-num-seqs", cfg["STACK_MAX_NUM_SEQS"]])
+    # what it serves, where rank 0 serves it, and how every rank runs it
+    served = ["--model", cfg["STACK_MODEL"], "--served-model-name", SERVED_NAME,
+              "--max-model-len", str(cfg.int("STACK_MAX_MODEL_LEN")), "--dtype", cfg["STACK_DTYPE"]]
+    api = ["--host", host, "--port", str(int(port))]
+    spec = speculative_config(cfg)
+    runtime = ["--kv-cache-memory-bytes", str(cfg.int("STACK_KV_BYTES")),
+               *(["--enforce-eager"] if cfg["STACK_ENFORCE_EAGER"] == "1" else []),
+               *(["--speculative-config", spec] if spec else []),
+               "--tensor-parallel-size", cfg["STACK_TP"], "--max-num-seqs", cfg["STACK_MAX_NUM_SEQS"]]
     env = {"HF_HUB_OFFLINE": "1", **cfg.components(*ENGINE_PREFIXES)}
-    if nodes == 1:
-        return Role("engine", cmd, env, ready_url=f"http://{host}:{port}/v1/models", rank=0)
-    master_host, _, master_port = cfg["STACK_ENGINE_MASTER"].rpartition(":")
-    cmd += ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", master_host,
-            "--master-port", master_port]
-    if listen := env.get("ASYNC_HANDOFF_METRICS_LISTEN"):
-        env["ASYNC_HANDOFF_METRICS_LISTEN"] = rank_address(listen, rank)
+    group = []  # vLLM's multi-node settings, none on one host
+    if nodes > 1:
+        master_host, _, master_port = cfg["STACK_ENGINE_MASTER"].rpartition(":")
+        group = ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", master_host,
+                 "--master-port", master_port]
+        metrics = handoff_env.ASYNC_HANDOFF_METRICS_LISTEN.name
+        if listen := env.get(metrics):
+            env[metrics] = rank_address(listen, rank)
+    python = cfg["STACK_VLLM_PYTHON"]
     if rank == 0:
-        return Role("engine", cmd, env, ready_url=f"http://{host}:{port}/v1/models", rank=0)
-    # `vllm serve --headless` (the OpenAI module ignores --headless); no API, so no host/port
-    serve = [cmd[0], "-m", "vllm.entrypoints.cli.main", "serve"]
-    args = cmd[3:]
-    for flag in ("--host", "--port"):
-        i = args.index(flag)
-        del args[i:i + 2]
-    return Role(f"engine-rank{rank}", [*serve, *args, "--headless"], env,
-                ready_line=HEADLESS_READY, rank=rank)
+        return Role("engine", [python, *API_SERVER, *served, *api, *runtime, *group], env,
+                    ready_url=f"http://{host}:{port}/v1/models", rank=0)
+    return Role(f"engine-rank{rank}", [python, *HEADLESS_SERVE, *served, *runtime, *group, "--headless"],
+                env, ready_line=HEADLESS_READY, rank=rank)
 
 
 def roles(cfg: StackConfig, role: str | None = None, rank: int | None = None) -> list[Role]:

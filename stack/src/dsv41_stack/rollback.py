@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from async_handoff import env as handoff_env
+from remote_drafter import env as drafter_env
+from remote_engram import env as engram_env
+
 from .config import StackConfig
 from .roles import tp2_devices
 
@@ -31,20 +35,22 @@ RESTART = {
 
 def rollback(cfg: StackConfig, lever: str) -> StackConfig:
     if lever == "async":
-        return cfg.with_values(VLLM_DSPARK_REMOTE_ASYNC=None)
+        return cfg.with_values(**{handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: None})
     if lever == "remote-drafter":
         if not cfg["STACK_DRAFTER"]:
             raise ValueError("rollback remote-drafter needs STACK_DRAFTER: the drafter the "
                              "engine will run itself")
-        return cfg.with_values(
-            REMOTE_DRAFTER_ADDRESS=None, REMOTE_DRAFTER_CAPACITY_MODE=None,
-            VLLM_DSPARK_REMOTE_ASYNC=None, REMOTE_DRAFTER_DRAFTER=cfg["STACK_DRAFTER"],
+        return cfg.with_values(**{
+            drafter_env.REMOTE_DRAFTER_ADDRESS.name: None,
+            drafter_env.REMOTE_DRAFTER_CAPACITY_MODE.name: None,
+            handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: None,
+            drafter_env.REMOTE_DRAFTER_DRAFTER.name: cfg["STACK_DRAFTER"]},
             STACK_KV_BYTES=cfg["STACK_KV_BYTES_BASELINE"] or None)
     if lever == "remote-engram":
-        if not cfg.values.get("ENGRAM_SHARD_DIR"):
+        if not cfg[engram_env.ENGRAM_SHARD_DIR]:
             raise ValueError("rollback remote-engram needs ENGRAM_SHARD_DIR: the local shards "
                              "that will serve the rows")
-        return cfg.with_values(ENGRAM_REMOTE=None)
+        return cfg.with_values(**{engram_env.ENGRAM_REMOTE.name: None})
     if lever == "tp2-worker":
         if cfg["STACK_DRAFTER_TP2"] != "1":
             raise ValueError("rollback tp2-worker: STACK_DRAFTER_TP2 is not 1 in these env files; "
