@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
 
 
 def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, capsys):
-    from remote_engram.miniature import build
+    from remote_engram.vllm.build_miniature import build
 
     monkeypatch.chdir(ROOT)
     model = tmp_path / "model"

@@ -39,7 +39,7 @@ CONFIGS = [
 def ensure_model(cfg: StackConfig, base: str, say) -> Path:
     model = Path(cfg["STACK_MODEL"])
     if not (model / "config.json").exists():
-        from remote_engram.miniature import build
+        from remote_engram.vllm.build_miniature import build
         say(f"building the miniature target in {model} from {base}")
         build(str(model), base, base=base)
     return model
