@@ -23,7 +23,7 @@ die() {
 # Quiet the console: only kernel emergencies may interleave with CMD's output.
 dmesg -n 1 2>/dev/null || true
 
-# --- RDMA setup (recipe: /work/shared/reference/soft-roce-vm.md) -------------
+# --- RDMA setup (ARCHITECTURE.md § Soft-RoCE guest) ---------------------------
 # crc32_generic must be loaded by hand, or `rdma link add` fails with ENOENT
 # (rxe asks the crypto API for "crc32" and nothing autoloads it).
 for mod in rdma_rxe ib_uverbs rdma_ucm dummy crc32_generic; do

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run a command inside a QEMU guest (software emulation, Debian's stock
 # kernel) that has a real RDMA verbs device: soft-RoCE rxe0 over dummy0.
-# Recipe and background: /work/shared/reference/soft-roce-vm.md
+# Background: ARCHITECTURE.md § Soft-RoCE guest
 set -euo pipefail
 
 usage() {

@@ -54,7 +54,8 @@ def target():
 @NEEDS_TARGET
 def test_recorded_validation_acceptance_reproduces_on_cpu(target):
     """Exact E_1..E_5 (T = 0) at round starts of the GPU evaluation, recomputed here in
-    float32: the same chains, up to near-ties between the CPU and the GPU (DESIGN 7)."""
+    float32: the same chains, up to near-ties between the CPU and the GPU (ARCHITECTURE.md
+    § Exactness)."""
     rounds = json.loads((CKPT / "reproduce.json").read_text())["rounds"]
     prefixes = [np.asarray(r["prefix"], np.int64) for r in rounds]
     tokens = np.concatenate(prefixes)

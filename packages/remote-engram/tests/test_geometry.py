@@ -1,4 +1,4 @@
-"""Exact vectors from DESIGN.md 4.1 and the shape of the rank split."""
+"""Exact vectors of ARCHITECTURE.md § Engram geometry and the shape of the rank split."""
 
 import json
 

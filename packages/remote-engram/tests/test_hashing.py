@@ -1,5 +1,5 @@
 """Row-id hashing: the vectorised numpy version against a literal transcription of
-DESIGN.md 4.1, its properties, and the torch version against numpy."""
+ARCHITECTURE.md § Engram hashing, its properties, and the torch version against numpy."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ TOKEN_MAP = np.random.default_rng(5).integers(0, 50, VOCAB)
 
 
 def reference(geo, layer, seq, valid, token_map, pad=2):
-    """DESIGN 4.1 word for word, one position at a time."""
+    """ARCHITECTURE.md § Engram hashing word for word, one position at a time."""
     out = []
     for t in range(len(seq)):
         s, dead = [], False

@@ -16,7 +16,7 @@ from remote_engram.testing import SMALL
 def test_header_layout_is_six_le_u64():
     raw = ShardHeader(14, 100, 300, 1000).pack()
     assert len(raw) == HEADER_BYTES
-    # DESIGN 4.1 gives the magic as the u64 0x31344E4531565344 and names it "DSV41EN1";
+    # ARCHITECTURE.md § Shard format: the magic is the u64 0x31344E4531565344 ("DSV41EN1");
     # stored little-endian, that value's bytes read "DSV1EN41". The u64 is what readers check.
     assert MAGIC == 0x31344E4531565344 and raw[:8] == b"DSV1EN41"
     words = np.frombuffer(raw[:48], "<u8").tolist()

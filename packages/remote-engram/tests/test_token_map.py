@@ -1,4 +1,4 @@
-"""The compressed token map against DESIGN.md 4.1's rules, on tokenizers built here."""
+"""The compressed token map against ARCHITECTURE.md § Engram token map's rules, on tokenizers built here."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """Next-token distributions as the verifier sees them: temperature and top-p applied on
-both sides; T = 0 is the one-hot argmax (DESIGN 4.2: below 1e-5 both are one-hot)."""
+both sides; T = 0 is the one-hot argmax (ARCHITECTURE.md § DSpark verification: below
+1e-5 both are one-hot)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A reference speculative loop (DSpark chain verification, DESIGN 4.2) over two
+"""A reference speculative loop (DSpark chain verification, ARCHITECTURE.md § DSpark verification) over two
 distribution callables: the measurement the predictions are validated against.
 
 Each round: the drafter proposes up to k tokens left to right; draft i is accepted if

@@ -1,4 +1,4 @@
-"""The measurement definitions (DESIGN.md section 5), as pure functions of the records.
+"""The measurement definitions (ARCHITECTURE.md § Measurements), as pure functions of the records.
 
 * TTFT: request sent -> first content token event.
 * Step time: gaps between consecutive token events of one request; p50 per request.

@@ -1,5 +1,5 @@
 """The training and evaluation corpus, built offline from packages the registries serve
-(reference/offline-corpus.md): English documentation and source code, one document per
+(ARCHITECTURE.md § Miniature): English documentation and source code, one document per
 file, exact duplicates removed, split into train/validation by document, with a manifest
 (sources, versions, licences, sizes, digests). The built corpus stays out of git.
 

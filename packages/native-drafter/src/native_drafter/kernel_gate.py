@@ -4,7 +4,7 @@ of the trained checkpoint, with gate.py's comparison (relative error per stage a
 stated tolerance; non-finite, missing or unstated fails). Before each run every output
 buffer is poisoned (NaN, token -1), so an unwritten element fails as non-finite. The
 greedy draft tokens must all equal the reference's; a difference is reported with the
-reference's top-2 logit gap there (DESIGN 7).
+reference's top-2 logit gap there (ARCHITECTURE.md § Exactness).
 
 Inputs never hold zeros as data: hidden rows are Gaussian, padding positions of the
 context window hold random rows too (they must be masked out, not be harmless), positions

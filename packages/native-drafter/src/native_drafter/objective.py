@@ -9,7 +9,7 @@ layers config.target_layers), the anchor token x_t, and proposes x_{t+1} .. x_{t
 
 Teacher forcing: x_{t+i-1} for i > 1 is the text's token, and the teacher's distribution
 for draft i is the target's next-token distribution at position t+i-1 on the same text,
-p_t(. | x_{<=t+i-1}). The loss (DSpark's public config, reference/dspark.md):
+p_t(. | x_{<=t+i-1}). The loss (DSpark's public config, ARCHITECTURE.md § DSpark drafter):
 
     loss = sum_i w_i (0.1 CE_i + 0.9 TV_i) / sum_i w_i, averaged over anchors,
     w_i  = exp(-(i-1)/gamma), gamma = 4        (early drafts count more: they gate the rest)

@@ -130,6 +130,6 @@ def staged_round(model: DSparkModel, inputs: RoundInputs) -> dict[str, torch.Ten
 
 
 def top2_gap(logits: torch.Tensor) -> np.ndarray:
-    """Top-1 minus top-2 logit per row (what a near tie means, DESIGN 7)."""
+    """Top-1 minus top-2 logit per row (what a near tie means: ARCHITECTURE.md § Exactness)."""
     top = logits.double().topk(2, dim=-1).values
     return (top[..., 0] - top[..., 1]).cpu().numpy()

@@ -51,7 +51,7 @@ class TrainConfig:
 
 def drafter_config(target: TargetLM, layers=TARGET_LAYERS, num_layers: int = 3,
                    markov_rank: int = 32, block: int = 5, window: int = 128) -> DSparkConfig:
-    """The miniature's drafter (DESIGN 4.2): three layers at the target's width and head
+    """The miniature's drafter (ARCHITECTURE.md § DSpark drafter): three layers at the target's width and head
     layout, conditioned on three target layers, W = 5, window 128, Markov rank 32."""
     t = target.config
     return DSparkConfig(

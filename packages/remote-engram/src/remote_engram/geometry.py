@@ -1,4 +1,5 @@
-"""Engram table geometry: primes, row offsets and hash multipliers per layer (DESIGN 4.1).
+"""Engram table geometry: primes, row offsets and hash multipliers per layer
+(ARCHITECTURE.md § Engram geometry).
 
 For each layer in order, for each n-gram order, for each head: the next prime above the
 previous one (starting above prime_start - 1, afresh per layer), never reusing a prime any

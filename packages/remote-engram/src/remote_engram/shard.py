@@ -20,7 +20,8 @@ from ofl.gather import gather_into
 
 from .geometry import ROW_BYTES
 
-# DESIGN 4.1's u64 (named "DSV41EN1" there; little-endian on disk its bytes read "DSV1EN41").
+# The u64 of the format named "DSV41EN1" (ARCHITECTURE.md § Shard format); little-endian on
+# disk its bytes read "DSV1EN41".
 MAGIC = 0x31344E4531565344
 HEADER_BYTES = 4096
 HEADER = struct.Struct("<6Q")

@@ -1,4 +1,5 @@
-"""The compressed token map: raw tokenizer ids -> Engram ids (DESIGN 4.1).
+"""The compressed token map: raw tokenizer ids -> Engram ids (ARCHITECTURE.md
+§ Engram token map).
 
 Each token id is decoded alone. Text holding U+FFFD (a partial UTF-8 sequence) is keyed by
 the raw token string; other text by its normalized form (NFKC, NFD, strip accents,

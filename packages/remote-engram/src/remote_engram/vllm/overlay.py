@@ -1,5 +1,5 @@
 """The remote Engram overlay: vLLM's Engram tables read through EngramClient instead of
-device or host memory (DESIGN 4.1).
+device or host memory (ARCHITECTURE.md § Engram in vLLM).
 
 Switched on by ENGRAM_REMOTE (the offload host, one link per tensor-parallel rank) and/or
 ENGRAM_SHARD_DIR (the exact local fallback; alone it is the local shard reader); inert when
