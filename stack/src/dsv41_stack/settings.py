@@ -16,49 +16,49 @@ from remote_engram import env as engram_env
 
 SETTINGS = [
     EnvVar("STACK_RUN_DIR", ".artifacts/stack",
-            "Logs, pid files and results of this machine's roles."),
+           "Logs, pid files and results of this machine's roles."),
     EnvVar("STACK_MODEL", "", "The target checkpoint folder (the engine serves it; the drafter's "
-            "identity is checked against it)."),
+           "identity is checked against it)."),
     EnvVar("STACK_VLLM_PYTHON", "python3", "The interpreter that has vLLM and the overlays."),
     EnvVar("STACK_ENGINE_LISTEN", "127.0.0.1:8000", "HOST:PORT of rank 0's OpenAI server."),
     EnvVar("STACK_TP", "1", "Tensor-parallel size of the engine (2 on the Sparks)."),
     EnvVar("STACK_ENGINE_NODES", "1", "Hosts the engine spans, one vLLM process each (vLLM "
-            "--nnodes, no Ray): 1 = every rank on this host; 2 = TP2 across the two Sparks, "
-            "each started with `--role engine --rank N`: rank 0 serves the OpenAI API, rank 1 "
-            "runs vLLM's headless worker. Must divide STACK_TP."),
+           "--nnodes, no Ray): 1 = every rank on this host; 2 = TP2 across the two Sparks, "
+           "each started with `--role engine --rank N`: rank 0 serves the OpenAI API, rank 1 "
+           "runs vLLM's headless worker. Must divide STACK_TP."),
     EnvVar("STACK_ENGINE_MASTER", "", "STACK_ENGINE_NODES > 1: HOST:PORT on rank 0's host where "
-            "the ranks meet (vLLM --master-addr/--master-port: torch.distributed's store, opened "
-            "by rank 0), reachable from every engine host; required then."),
+           "the ranks meet (vLLM --master-addr/--master-port: torch.distributed's store, opened "
+           "by rank 0), reachable from every engine host; required then."),
     EnvVar("STACK_KV_BYTES", "1073741824", "KV cache budget per rank, bytes (--kv-cache-memory-bytes)."),
     EnvVar("STACK_KV_BYTES_BASELINE", "", "The KV budget with the drafter inside the engine: what "
-            "`rollback remote-drafter` restores (3.75 GiB in the reference); empty = keep."),
+           "`rollback remote-drafter` restores (3.75 GiB in the reference); empty = keep."),
     EnvVar("STACK_MAX_MODEL_LEN", "2048", "Longest request, tokens (327,680 in the reference)."),
     EnvVar("STACK_MAX_NUM_SEQS", "4", "Concurrent sequences (4 in the reference)."),
     EnvVar("STACK_DTYPE", "float32", "Engine dtype (float32 on CPU; bfloat16 on the Sparks)."),
     EnvVar("STACK_ENFORCE_EAGER", "0", "1 = no compilation or graphs (the CPU miniature)."),
     EnvVar("STACK_NUM_SPEC_TOKENS", "5", "Draft tokens per step (batch-aware depth lowers it: "
-            "REMOTE_DRAFTER_DEPTH); 0 = no speculation."),
+           "REMOTE_DRAFTER_DEPTH); 0 = no speculation."),
     EnvVar("STACK_ENGRAM_SHARDS", "", "Offload host: folder of the Engram shards it serves."),
     EnvVar("STACK_ENGRAM_LISTEN", "", "Offload host: Engram server links, HOST:PORT per rank, "
-            "comma-separated; empty = no Engram server."),
+           "comma-separated; empty = no Engram server."),
     EnvVar("STACK_DRAFTER", "", "Offload host: the drafter the worker serves (checkpoint folder, "
-            "'ngram', 'module:Class'); empty = no worker."),
+           "'ngram', 'module:Class'); empty = no worker."),
     EnvVar("STACK_DRAFTER_TARGET", "", "Offload host: the target folder the drafter was built "
-            "for (its embedding, head and identity); empty = STACK_MODEL."),
+           "for (its embedding, head and identity); empty = STACK_MODEL."),
     EnvVar("STACK_DRAFTER_LISTEN", "", "Offload host: HOST:PORT of the drafter worker."),
     EnvVar("STACK_DRAFTER_DEVICE", "cpu", "Offload host: the worker's device (cuda:0 on the 3090)."),
     EnvVar("STACK_DRAFTER_DTYPE", "float32", "Offload host: the weights' type on the worker's "
-            "card(s): float32, bfloat16 or float16 (both kinds of worker; the identities do not "
-            "change, `remote-drafter shadow` notes the difference)."),
+           "card(s): float32, bfloat16 or float16 (both kinds of worker; the identities do not "
+           "change, `remote-drafter shadow` notes the difference)."),
     EnvVar("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
-            "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
-            "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
-            "one-card worker; 0 = the one-card worker on STACK_DRAFTER_DEVICE. Rollback: "
-            "`dsv41-stack rollback tp2-worker`, at the worker's restart."),
+           "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
+           "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
+           "one-card worker; 0 = the one-card worker on STACK_DRAFTER_DEVICE. Rollback: "
+           "`dsv41-stack rollback tp2-worker`, at the worker's restart."),
     EnvVar("STACK_DRAFTER_DEVICES", "cuda:0,cuda:1", "Offload host, STACK_DRAFTER_TP2=1: the "
-            "pair's two distinct devices, rank 0's first (cpu:0,cpu:1 runs it on CPU, gloo)."),
+           "pair's two distinct devices, rank 0's first (cpu:0,cpu:1 runs it on CPU, gloo)."),
     EnvVar("STACK_INJECT_DELAY_MS", "0", "Miniature only: delay added to every Engram read and "
-            "drafter round, a slow link on one machine."),
+           "drafter round, a slow link on one machine."),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 # The components whose variables the engines read (the overlays, the drafter's client, the
