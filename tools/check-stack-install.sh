@@ -16,7 +16,9 @@ python3 -m venv "$venv"
   | grep -v "^WARNING: Location" || true
 cd /tmp
 "$OLDPWD/$venv/bin/dsv41-stack" template local > stack-local.env
-"$OLDPWD/$venv/bin/dsv41-stack" args --env stack-local.env --role offload-host | grep -q "remote_engram.cli serve"
+# read whole, then searched: `| grep -q` under pipefail fails when grep closes the pipe first
+offload_host=$("$OLDPWD/$venv/bin/dsv41-stack" args --env stack-local.env --role offload-host)
+grep -q "remote_engram.cli serve" <<<"$offload_host"
 "$OLDPWD/$venv/bin/python" -c "import dsv41_stack, ofl, remote_engram, async_handoff, longctx_bench, acceptance_ceiling"
 "$OLDPWD/$venv/bin/python" -c "import torch" 2>/dev/null && { echo "the base stack pulled torch" >&2; exit 1; }
 echo "stack installed alone: $("$OLDPWD/$venv/bin/python" -m pip list 2>/dev/null | grep -c -i dsv41) dsv41 packages, launcher and templates work"

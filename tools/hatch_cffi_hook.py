@@ -32,7 +32,11 @@ class CffiHook(BuildHookInterface):
                 continue
             package_dir = path.parent
             if version == "editable":
-                shutil.copy2(so, package_dir / so.name)
+                # beside the source, replaced in one step: a process that has the old
+                # build loaded (another venv's tests of the same checkout) keeps its copy
+                staged = package_dir / f".{so.name}.{os.getpid()}"
+                shutil.copy2(so, staged)
+                os.replace(staged, package_dir / so.name)
             else:
                 rel = package_dir.relative_to(Path(self.root) / "src")
                 build_data["force_include"][str(so)] = f"{rel.as_posix()}/{so.name}"

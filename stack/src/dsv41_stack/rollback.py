@@ -1,4 +1,4 @@
-"""The reference rollbacks (DESIGN 4.4) as env-file changes. Each writes a new env file;
+"""The reference rollbacks (ARCHITECTURE.md § Bring-up and rollbacks) as env-file changes. Each writes a new env file;
 nothing changes until the process that reads it restarts with it (a running process keeps
 the variables it started with): the engine for async, remote-drafter and remote-engram, the
 offload host's drafter worker for tp2-worker."""
