@@ -6,7 +6,8 @@ configuration as "module:Class"; the proxy imports it lazily and calls:
     reply = adapter.round(request, deadline_s)   # raise TimeoutError past the deadline
     adapter.close()
 
-An adapter must not import torch: the proxy is a torch-free process.
+An adapter must not import torch, nor its package's engine side: the proxy is a small
+torch-free process (its status lists the packages it loaded, under "imports").
 """
 
 from __future__ import annotations

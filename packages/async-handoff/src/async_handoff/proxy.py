@@ -24,6 +24,12 @@ def load_adapter(spec: str, config: dict):
     return getattr(importlib.import_module(module), name)(config)
 
 
+def imports() -> list[str]:
+    """The packages this process loaded from outside the standard library (top-level names):
+    the status shows what the proxy depends on, so engine-side code creeping in is seen."""
+    return sorted({name.partition(".")[0] for name in sys.modules} - set(sys.stdlib_module_names))
+
+
 def self_test(flags, generation: int) -> dict:
     """Flags round trip and slot layout, before any round is taken."""
     from ._hostflags import ffi, lib
@@ -52,6 +58,7 @@ def run(args) -> int:
         status["layout"] = self_test(flags, args.generation)
         adapter = load_adapter(args.adapter, json.loads(args.adapter_config))
         status["peer"] = adapter.connect()
+        status["imports"] = imports()
         status["torch_imported"] = "torch" in sys.modules
         if status["torch_imported"]:
             raise RuntimeError("torch was imported into the proxy process")

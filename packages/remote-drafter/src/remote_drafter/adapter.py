@@ -1,12 +1,12 @@
-"""The adapter async_handoff's proxy loads for drafter rounds (torch-free): an ofl message
-link that checks the worker's identities on every (re)connect."""
+"""The adapter async_handoff's proxy loads for drafter rounds: an ofl message link that
+checks the worker's identities on every (re)connect. It imports only the protocol side
+(identity, protocol): no client, transport or metrics, and no torch."""
 
 from __future__ import annotations
 
 from async_handoff.adapters import OflMessageAdapter
 
-from .identity import Manifest
-from .transport import check_worker
+from .identity import Manifest, check_worker
 
 
 class DrafterProxyAdapter(OflMessageAdapter):

@@ -1,6 +1,7 @@
 """Identities: content digests of the target weights, the tokenizer, the drafter and its
 Markov head, gathered in a manifest. Worker and client compare manifests in the ofl
-handshake, and every request carries the manifest's fingerprint. Torch-free."""
+handshake (check_worker, which the engine's link and the proxy's adapter both use), and
+every request carries the manifest's fingerprint. Torch-free."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
+
+from . import protocol
 
 NONE = "none"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -99,3 +102,18 @@ def expectation(target_folder: str | None, manifest_path: str | None) -> Manifes
         raise ValueError(f"manifest {manifest_path} names another target or tokenizer than "
                          f"{target_folder}")
     return Manifest(mine.target, mine.tokenizer, base.drafter, base.markov, base.kind)
+
+
+def check_worker(expect: Manifest):
+    """A verify_peer hook: refuse a worker built for another target, tokenizer or drafter."""
+    def verify(metadata: dict) -> None:
+        described = metadata.get("remote_drafter")
+        if not isinstance(described, dict):
+            raise ValueError("the peer is not a remote-drafter worker")
+        if described.get("protocol") != protocol.VERSION:
+            raise ValueError(f"worker speaks drafter protocol {described.get('protocol')}, "
+                             f"this client {protocol.VERSION}")
+        wrong = expect.mismatches(Manifest.from_json(described["manifest"]))
+        if wrong:
+            raise ValueError("identity mismatch: " + "; ".join(wrong))
+    return verify

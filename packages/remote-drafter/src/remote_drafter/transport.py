@@ -11,26 +11,9 @@ from async_handoff import Handoff, HandoffConfig
 from ofl import Connection
 
 from .client import WorkerInfo
-from .identity import Manifest
+from .identity import Manifest, check_worker
 
 ADAPTER = "remote_drafter.adapter:DrafterProxyAdapter"
-
-
-def check_worker(expect: Manifest):
-    """A verify_peer hook: refuse a worker built for another target, tokenizer or drafter."""
-    from . import protocol
-
-    def verify(metadata: dict) -> None:
-        described = metadata.get("remote_drafter")
-        if not isinstance(described, dict):
-            raise ValueError("the peer is not a remote-drafter worker")
-        if described.get("protocol") != protocol.VERSION:
-            raise ValueError(f"worker speaks drafter protocol {described.get('protocol')}, "
-                             f"this client {protocol.VERSION}")
-        wrong = expect.mismatches(Manifest.from_json(described["manifest"]))
-        if wrong:
-            raise ValueError("identity mismatch: " + "; ".join(wrong))
-    return verify
 
 
 def worker_stats(address: str, backend: str = "tcp") -> dict:
