@@ -3,6 +3,7 @@ the offload host and the engine hosts, on one API over three backends (verbs, tc
 
 from .client import Connection, Links
 from .errors import (
+    AuthenticationFailed,
     BackendUnavailable,
     ConnectionLost,
     DeadlineExceeded,
@@ -20,7 +21,7 @@ from .wire import PROTOCOL_VERSION
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendUnavailable", "Connection", "ConnectionLost", "DeadlineExceeded", "Links",
+    "AuthenticationFailed", "BackendUnavailable", "Connection", "ConnectionLost", "DeadlineExceeded", "Links",
     "OflError", "OutOfRange", "PROTOCOL_VERSION", "PeerRejected", "ProtocolError", "Region",
     "RegionDescriptor", "RemoteError", "Server", "VersionMismatch",
 ]

@@ -3,6 +3,8 @@
 Both sides use it: the server for its connection loop, the client for its calls. Sends are
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
 caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
+A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
+declared length reserves no memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from . import wire
 from .errors import ConnectionLost, DeadlineExceeded
 
 IOV_MAX = 1024  # Linux limit of iovecs per sendmsg
+GROW_FROM = 64 << 10  # a payload buffer starts this large and doubles as bytes arrive
 
 
 def set_socket_options(sock: socket.socket) -> None:
@@ -85,15 +88,33 @@ class Channel:
                 raise
             raise ConnectionLost(f"receive failed: {exc}") from None
 
+    def wait_readable(self) -> None:
+        """Block until the peer sends a byte or closes; no deadline (an idle link is not a
+        fault: the frame's own deadline starts with its first byte)."""
+        try:
+            self.sock.settimeout(None)
+            if not self.sock.recv(1, socket.MSG_PEEK):
+                raise ConnectionLost("peer closed the connection")
+        except OSError as exc:
+            if isinstance(exc, ConnectionLost):
+                raise
+            raise ConnectionLost(f"receive failed: {exc}") from None
+
     def recv_header(self, deadline: float | None) -> wire.Header:
         raw = bytearray(wire.HEADER_SIZE)
         self.recv_into(memoryview(raw), deadline)
         return wire.unpack_header(bytes(raw), self.max_payload)
 
     def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
-        buf = bytearray(header.length)
-        self.recv_into(memoryview(buf), deadline)
-        return buf
+        """The payload, in a buffer at most twice the bytes received so far at any moment."""
+        buf = bytearray(min(header.length, GROW_FROM))
+        got = 0
+        while True:
+            self.recv_into(memoryview(buf)[got:], deadline)
+            got = len(buf)
+            if got == header.length:
+                return buf
+            buf.extend(bytes(min(got, header.length - got)))
 
     def close(self) -> None:
         try:

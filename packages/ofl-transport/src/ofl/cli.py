@@ -99,11 +99,12 @@ def run_probe(backend: str, addresses: list[str], args) -> dict:
     return {"backend": backend, "links": [probe.as_dict(r) for r in links], "aggregate": agg}
 
 
-def start_loopback_server(backend: str, size: int) -> tuple[subprocess.Popen, str]:
-    """A real `ofl serve` process on 127.0.0.1; returns it and its address."""
+def start_loopback_server(backend: str, size: int, **popen) -> tuple[subprocess.Popen, str]:
+    """A real `ofl serve` process on 127.0.0.1 (`popen`: e.g. its env, stderr); returns it
+    and its address."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ofl.cli", "serve", "--backend", backend, "--listen", "127.0.0.1:0",
-         "--size", str(size)], stdout=subprocess.PIPE, text=True)
+         "--size", str(size)], stdout=subprocess.PIPE, text=True, **popen)
     line = proc.stdout.readline()
     if "ofl serve:" not in line:
         proc.kill()

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import env, wire
+from . import admission, env, wire
 from .backends import client_backend
 from .channel import Channel
 from .errors import (
+    AuthenticationFailed,
     ConnectionLost,
     DeadlineExceeded,
     OflError,
@@ -34,7 +35,7 @@ from .region import Region, RegionDescriptor
 from .server import parse_address
 from .stats import Stats
 
-CHUNK_BYTES = 4 << 20  # a large read is split into pipelined READ frames of this size
+CHUNK_BYTES = 4 << 20  # a large read is split into pipelined READ frames of at most this
 
 
 class Connection:
@@ -49,7 +50,7 @@ class Connection:
                  identity: str = "ofl-client", link: str | None = None,
                  deadline_s: float | None = None, connect_timeout_s: float | None = None,
                  max_inflight: int | None = None, connect: bool = True,
-                 verify_peer: Callable[[dict], None] | None = None):
+                 verify_peer: Callable[[dict], None] | None = None, key: str | None = None):
         self.address = parse_address(address) if isinstance(address, str) else tuple(address)
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.identity = identity
@@ -57,6 +58,8 @@ class Connection:
         self.deadline_s = deadline_s or env.OFL_DEADLINE_MS.get_float() / 1000
         self.connect_timeout_s = connect_timeout_s or env.OFL_CONNECT_TIMEOUT_MS.get_float() / 1000
         self.max_inflight = max_inflight or env.OFL_MAX_INFLIGHT.get_int()
+        # proved to a server that asks (OFL_AUTH_KEY); never sent
+        self._key = admission.load_key(key if key is not None else env.OFL_AUTH_KEY.get())
         # Called with the server's metadata on every (re)connect, before any call uses the
         # link; raising refuses that server (e.g. it holds other tables than expected).
         self.verify_peer = verify_peer
@@ -66,6 +69,7 @@ class Connection:
         self.peer_identity: str | None = None
         self.max_message_bytes = env.OFL_MAX_MESSAGE_BYTES.get_int()
         self.max_gather_rows = wire.MAX_GATHER_ROWS
+        self.max_read_bytes = CHUNK_BYTES
         self._channel: Channel | None = None
         self._backend = None
         self._ids = itertools.count(1)
@@ -88,16 +92,15 @@ class Connection:
         ch = Channel(sock, max_payload=1 << 40)
         try:
             hello = {"identity": self.identity, "backend": self.backend_name, "link": self.link,
+                     **({"auth": admission.AUTH_SCHEME} if self._key else {}),
                      **backend.hello_extras()}
             ch.send_frame(wire.Kind.HELLO, 0, [wire.encode_json(hello)], deadline)
-            header = ch.recv_header(deadline)
-            payload = ch.recv_payload(header, deadline) if header.length <= wire.MAX_CONTROL_BYTES \
-                else b""
-            if header.kind == wire.Kind.ERROR:
-                message = wire.error_text(payload)
-                if "version mismatch" in message:
-                    raise VersionMismatch(f"{self.where()} refused the connection: {message}")
-                raise RemoteError(f"{self.where()} refused the connection: {message}")
+            header, payload = self._handshake_reply(ch, deadline)
+            if header.kind == wire.Kind.CHALLENGE:  # the server asks for the key proof
+                nonce = _hex_nonce(wire.decode_json(payload, "CHALLENGE").get("nonce"))
+                ch.send_frame(wire.Kind.PROOF, 0, [wire.encode_json(
+                    {"proof": admission.proof(self._key, nonce)})], deadline)
+                header, payload = self._handshake_reply(ch, deadline)
             if header.kind != wire.Kind.HELLO_OK:
                 raise ProtocolError(f"expected HELLO_OK from {self.where()}, got {header.kind.name}")
             reply = wire.decode_json(payload, "HELLO_OK")
@@ -117,6 +120,8 @@ class Connection:
             self.peer_metadata = metadata
             self.max_message_bytes = int(reply.get("max_message_bytes", self.max_message_bytes))
             self.max_gather_rows = int(reply.get("max_gather_rows", self.max_gather_rows))
+            # a server from before the cap reads CHUNK_BYTES frames as it always did
+            self.max_read_bytes = min(int(reply.get("max_read_bytes", CHUNK_BYTES)), CHUNK_BYTES)
             self._channel = ch
             backend.setup(self, reply)
         except BaseException:
@@ -128,6 +133,23 @@ class Connection:
         self._connects += 1
         if self._connects > 1:
             self.stats.add("reconnects")
+
+    def _handshake_reply(self, ch: Channel, deadline: float) -> tuple[wire.Header, bytes]:
+        """The server's next handshake frame; its refusal (ERROR) raised with its reason."""
+        header = ch.recv_header(deadline)
+        payload = ch.recv_payload(header, deadline) if header.length <= wire.MAX_CONTROL_BYTES \
+            else b""
+        if header.kind == wire.Kind.ERROR:
+            message, code = wire.error_fields(payload)
+            refusal = f"{self.where()} refused the connection: {message}"
+            if code == "auth":
+                raise AuthenticationFailed(refusal)
+            if "version mismatch" in message:
+                raise VersionMismatch(refusal)
+            raise RemoteError(refusal)
+        if header.kind == wire.Kind.CHALLENGE and not self._key:
+            raise ProtocolError(f"{self.where()} asked for a key proof this client never offered")
+        return header, payload
 
     def where(self) -> str:
         host, port = self.address
@@ -270,7 +292,7 @@ class Connection:
     def channel_read(self, desc: RegionDescriptor, offsets, lengths, dest: np.ndarray,
                      deadline: float) -> None:
         """READ frames, pipelined: up to max_inflight chunks in flight, replies in order."""
-        chunks = list(_chunks(offsets, lengths, self.max_gather_rows))
+        chunks = list(_chunks(offsets, lengths, self.max_gather_rows, self.max_read_bytes))
         pending: list[tuple[int, int, int]] = []  # (request id, dest start, bytes)
         pos = 0
         it = iter(chunks)
@@ -327,20 +349,40 @@ class Links:
             c.close()
 
 
-def _chunks(offsets: np.ndarray, lengths, max_rows: int):
-    """Split ranges into READ frames of at most max_rows ranges and about CHUNK_BYTES."""
-    if isinstance(lengths, int) and len(offsets) == 1 and lengths > CHUNK_BYTES:
-        start = int(offsets[0])
-        for o in range(0, lengths, CHUNK_BYTES):
-            yield np.array([start + o], np.uint64), min(CHUNK_BYTES, lengths - o)
-        return
+def _hex_nonce(value) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"CHALLENGE carries no hex nonce: {value!r:.80}") from None
+
+
+def _chunks(offsets: np.ndarray, lengths, max_rows: int, max_bytes: int):
+    """Split ranges into READ frames of at most max_rows ranges and max_bytes bytes each (the
+    server refuses larger ones); a range longer than max_bytes is split into pieces."""
     if isinstance(lengths, int):
-        rows = max(1, min(max_rows, CHUNK_BYTES // max(lengths, 1)))
+        if lengths > max_bytes:
+            for start in offsets.tolist():
+                for o in range(0, lengths, max_bytes):
+                    yield np.array([start + o], np.uint64), min(max_bytes, lengths - o)
+            return
+        rows = max(1, min(max_rows, max_bytes // max(lengths, 1)))
         for i in range(0, len(offsets), rows):
             yield offsets[i:i + rows], lengths
         return
-    for i in range(0, len(offsets), max_rows):
-        yield offsets[i:i + max_rows], lengths[i:i + max_rows]
+    if len(lengths) and int(lengths.max()) > max_bytes:
+        pieces = np.maximum(-(-lengths.astype(np.int64) // max_bytes), 1)
+        nth = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        skip = nth * max_bytes
+        offsets = np.repeat(offsets, pieces) + skip.astype(np.uint64)
+        lengths = np.minimum(np.repeat(lengths.astype(np.int64), pieces) - skip,
+                             max_bytes).astype(np.uint32)
+    ends = np.cumsum(lengths, dtype=np.uint64)
+    start, done = 0, 0
+    while start < len(offsets):
+        fits = int(np.searchsorted(ends, done + max_bytes, side="right"))
+        stop = min(max(fits, start + 1), start + max_rows)
+        yield offsets[start:stop], lengths[start:stop]
+        start, done = stop, int(ends[stop - 1])
 
 
 def _dest_array(into, into_offset: int, total: int) -> np.ndarray:

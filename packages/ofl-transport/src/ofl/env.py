@@ -15,6 +15,7 @@ class EnvVar:
     name: str
     default: str
     doc: str
+    secret: bool = False  # its value is never printed (launchers show it redacted)
 
     def get(self) -> str:
         return os.environ.get(self.name, self.default)
@@ -51,8 +52,52 @@ OFL_GID_INDEX = EnvVar(
     "OFL_GID_INDEX", "",
     "verbs: GID index to use; empty picks the port's first RoCE v2 IPv4 GID.")
 
+OFL_ALLOW = EnvVar(
+    "OFL_ALLOW", "",
+    "Servers: the peers admitted, comma-separated addresses or networks (10.0.0.2, "
+    "10.0.1.0/24, fd00::/64); any other peer is closed at accept, before it takes a "
+    "connection slot. Empty = any peer that reaches the listener.")
+OFL_AUTH_KEY = EnvVar(
+    "OFL_AUTH_KEY", "",
+    "Shared key, at least 32 characters (generate: openssl rand -hex 32). A server with a key "
+    "admits only clients that prove it (HMAC-SHA256 of a nonce the server picks per "
+    "connection; the key never crosses the wire); a client with a key proves it when asked. "
+    "Set the same key on every host; empty = no proof asked or given.", secret=True)
+OFL_MAX_CONNECTIONS = EnvVar(
+    "OFL_MAX_CONNECTIONS", "64",
+    "Servers: connections held at once, handshaking or served; more are refused.")
+OFL_MAX_CONNECTIONS_PER_PEER = EnvVar(
+    "OFL_MAX_CONNECTIONS_PER_PEER", "8",
+    "Servers: connections one peer address may hold at once (an engine rank needs one per "
+    "link, plus status and preflight checks).")
+OFL_HANDSHAKE_TIMEOUT_MS = EnvVar(
+    "OFL_HANDSHAKE_TIMEOUT_MS", "2000",
+    "Servers: a peer must complete its handshake (HELLO, and the key proof) within this "
+    "many milliseconds of being accepted, or its slot is reclaimed.")
+OFL_FRAME_TIMEOUT_MS = EnvVar(
+    "OFL_FRAME_TIMEOUT_MS", "5000",
+    "Servers: once the first byte of a request arrives, the whole frame must within this "
+    "many milliseconds (a total, not per byte), and each reply must be sent within it; a "
+    "peer that sends or reads slower is dropped. An idle connection has no deadline.")
+OFL_MAX_READ_BYTES = EnvVar(
+    "OFL_MAX_READ_BYTES", str(4 << 20),
+    "Servers (tcp): the largest reply to one READ frame, bytes; clients learn it in the "
+    "handshake and split larger gathers. Engram asks ~3 KiB per token and rank; qualify "
+    "and probe ask 4 MiB frames.")
+OFL_HTTP_MAX_CONNECTIONS = EnvVar(
+    "OFL_HTTP_MAX_CONNECTIONS", "8",
+    "HTTP endpoints (/metrics, /health): requests served at once, one thread each; more "
+    "are answered 503 and closed.")
+OFL_HTTP_TIMEOUT_MS = EnvVar(
+    "OFL_HTTP_TIMEOUT_MS", "2000",
+    "HTTP endpoints: the whole request must arrive within this many milliseconds (408 "
+    "otherwise), and the reply be sent within it.")
+
 ALL = [OFL_BACKEND, OFL_DEADLINE_MS, OFL_CONNECT_TIMEOUT_MS, OFL_MAX_INFLIGHT,
-       OFL_MAX_MESSAGE_BYTES, OFL_IB_DEVICE, OFL_IB_PORT, OFL_GID_INDEX]
+       OFL_MAX_MESSAGE_BYTES, OFL_IB_DEVICE, OFL_IB_PORT, OFL_GID_INDEX, OFL_ALLOW,
+       OFL_AUTH_KEY, OFL_MAX_CONNECTIONS, OFL_MAX_CONNECTIONS_PER_PEER,
+       OFL_HANDSHAKE_TIMEOUT_MS, OFL_FRAME_TIMEOUT_MS, OFL_MAX_READ_BYTES,
+       OFL_HTTP_MAX_CONNECTIONS, OFL_HTTP_TIMEOUT_MS]
 
 
 def describe(variables: list[EnvVar] | None = None) -> str:

@@ -35,3 +35,8 @@ class ConnectionLost(OflError, ConnectionError):
 
 class PeerRejected(OflError):
     """The caller's verify_peer hook refused the server's handshake metadata."""
+
+
+class AuthenticationFailed(OflError):
+    """The server admits only peers that prove its shared key (OFL_AUTH_KEY), and this
+    client's proof was missing or wrong."""

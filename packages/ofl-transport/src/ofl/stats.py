@@ -1,9 +1,12 @@
 """Thread-safe counters with Prometheus text exposition (no global registry, so many
-servers and connections can live in one process)."""
+servers and connections can live in one process), and the rate-limited log of peers a
+server drops."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 
 
@@ -34,3 +37,35 @@ class Stats:
             metric = f"{self.prefix}_{name}_total"
             lines += [f"# TYPE {metric} counter", f"{metric}{label} {value}"]
         return "\n".join(lines) + "\n"
+
+
+class PeerLog:
+    """Bad input from a peer is counted and logged as one line - the peer, the reason and
+    the counter's total, no traceback - at most `burst` lines per `window_s`, so a hostile
+    peer cannot flood the log; lines held back are counted (`log_lines_suppressed`) and
+    the next line says how many."""
+
+    def __init__(self, logger: logging.Logger, stats: Stats, where: str, burst: int = 10,
+                 window_s: float = 10.0):
+        self.logger, self.stats, self.where = logger, stats, where
+        self.burst, self.window_s = burst, window_s
+        self._lock = threading.Lock()
+        self._window_start = -window_s
+        self._lines = 0
+        self._held = 0
+
+    def drop(self, peer: str, counter: str, reason: str) -> None:
+        self.stats.add(counter)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window_start >= self.window_s:
+                self._window_start, self._lines = now, 0
+            if self._lines >= self.burst:
+                self._held += 1
+                self.stats.add("log_lines_suppressed")
+                return
+            self._lines += 1
+            held, self._held = self._held, 0
+        more = f"; {held} similar lines held back" if held else ""
+        self.logger.warning("%s: %s: %s (%s: %d%s)", self.where, peer, reason, counter,
+                            self.stats[counter], more)

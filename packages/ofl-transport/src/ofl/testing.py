@@ -103,14 +103,16 @@ class ChildProcess:
 
 
 class ServeProcess(ChildProcess):
-    """A real `ofl serve` process (pattern region + echo handler) on 127.0.0.1."""
+    """A real `ofl serve` process (pattern region + echo handler) on 127.0.0.1; `env` adds
+    variables to its environment, `stderr` is where its log goes (a file to read it)."""
 
-    def __init__(self, backend: str, size: int = 8 << 20):
+    def __init__(self, backend: str, size: int = 8 << 20, env: dict | None = None, stderr=None):
         self.backend = backend
         self.size = size
         from .cli import start_loopback_server
 
-        self.proc, self.address = start_loopback_server(backend, size)
+        self.popen = {"env": {**os.environ, **(env or {})}, "stderr": stderr}
+        self.proc, self.address = start_loopback_server(backend, size, **self.popen)
 
     @property
     def port(self) -> int:
@@ -123,7 +125,8 @@ class ServeProcess(ChildProcess):
         while True:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ofl.cli", "serve", "--backend", self.backend, "--listen",
-                 self.address, "--size", str(self.size)], stdout=subprocess.PIPE, text=True)
+                 self.address, "--size", str(self.size)], stdout=subprocess.PIPE, text=True,
+                **self.popen)
             line = proc.stdout.readline()
             if "ofl serve:" in line:
                 self.proc = proc
@@ -132,6 +135,20 @@ class ServeProcess(ChildProcess):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not restart on its port")
             time.sleep(0.1)
+
+
+def threads(pid: int) -> int:
+    """How many threads process `pid` runs now."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"process {pid} reports no VmRSS")
 
 
 def stop_process(pid: int) -> None:

@@ -8,6 +8,7 @@ Every header is validated (magic, version, kind, length bound) before its payloa
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -21,6 +22,8 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IHHQQ")
 HEADER_SIZE = HEADER.size  # 24
 MAX_CONTROL_BYTES = 1 << 20  # handshake / error JSON
+MAX_HELLO_BYTES = 64 << 10  # what a client sends in the handshake (a HELLO is < 1 KiB)
+MAX_JSON_DEPTH = 32  # nesting of any JSON read from the wire (ours is 4 deep at most)
 MAX_GATHER_ROWS = 1 << 16  # rows per READ frame; clients split larger gathers
 READ_HEAD = struct.Struct("<III")  # region index, count, row length (0: per-row lengths follow)
 
@@ -33,6 +36,8 @@ class Kind(IntEnum):
     READ_DATA = 5
     MESSAGE = 6
     MESSAGE_REPLY = 7
+    CHALLENGE = 8  # server -> client: a nonce to prove the shared key over (ofl.admission)
+    PROOF = 9  # client -> server: the proof
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,30 @@ def encode_json(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def decode_json(payload: bytes, what: str) -> dict:
+# A JSON string literal, escapes included (the unrolled form: no backtracking blow-up).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of `raw` nest, counted without parsing (so without
+    recursion): brackets outside string literals, as a running sum."""
+    skeleton = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    opens = (skeleton == ord("[")) | (skeleton == ord("{"))
+    closes = (skeleton == ord("]")) | (skeleton == ord("}"))
+    return int(np.cumsum(opens.astype(np.int32) - closes, dtype=np.int64).max(initial=0))
+
+
+def decode_json(payload, what: str, max_bytes: int = MAX_CONTROL_BYTES) -> dict:
+    """A JSON object from the wire, at most `max_bytes` long and MAX_JSON_DEPTH deep;
+    anything else is a ProtocolError (never a RecursionError)."""
+    if len(payload) > max_bytes:
+        raise ProtocolError(f"{what}: {len(payload)} bytes of JSON exceed the limit of {max_bytes}")
+    raw = bytes(payload)
+    brackets = raw.count(b"[") + raw.count(b"{")  # fewer than the limit cannot nest deeper
+    if brackets > MAX_JSON_DEPTH and (depth := json_depth(raw)) > MAX_JSON_DEPTH:
+        raise ProtocolError(f"{what}: JSON nested {depth} deep (the limit is {MAX_JSON_DEPTH})")
     try:
-        obj = json.loads(bytes(payload))
+        obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"{what}: payload is not JSON ({exc})") from None
     if not isinstance(obj, dict):
@@ -79,12 +105,25 @@ def decode_json(payload: bytes, what: str) -> dict:
     return obj
 
 
+def error_reply(message: str, code: str | None = None) -> bytes:
+    """An ERROR frame's payload; `code` lets a client tell a kind of refusal (e.g. "auth")
+    from the rest without reading the message."""
+    return encode_json({"error": message, **({"code": code} if code else {})})
+
+
+def error_fields(payload) -> tuple[str, str | None]:
+    """The message and code of an ERROR frame's payload, never raising."""
+    try:
+        obj = decode_json(payload, "ERROR")
+    except ProtocolError:
+        return "unreadable error reply", None
+    code = obj.get("code")
+    return str(obj.get("error", "unspecified error")), code if isinstance(code, str) else None
+
+
 def error_text(payload) -> str:
     """The message of an ERROR frame's payload, never raising."""
-    try:
-        return str(decode_json(payload, "ERROR").get("error", "unspecified error"))
-    except ProtocolError:
-        return "unreadable error reply"
+    return error_fields(payload)[0]
 
 
 @dataclass(frozen=True)

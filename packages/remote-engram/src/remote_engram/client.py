@@ -14,12 +14,12 @@ import logging
 import os
 import threading
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from ofl import Connection, OflError, Region
+from ofl.http import read_counters
 from ofl.stats import Stats
 
 from . import env
@@ -208,7 +208,4 @@ class EngramClient:
 def served_counters(listen: str, timeout_s: float = 10) -> dict[str, float]:
     """An engine rank's EngramClient counters, read from its /metrics (ENGRAM_METRICS_LISTEN,
     HOST:PORT): {name: value} without the engram_client_ prefix and _total suffix."""
-    with urllib.request.urlopen(f"http://{listen}/metrics", timeout=timeout_s) as r:
-        lines = r.read().decode().splitlines()
-    return {line.split("{")[0].removeprefix("engram_client_").removesuffix("_total"):
-            float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("engram_client_")}
+    return read_counters(listen, "engram_client_", timeout_s)

@@ -3,7 +3,9 @@
 On verbs a client reads rows with one-sided RDMA READ: this process's CPU is not in the
 data path. On tcp/shm ofl answers the gathers. The manifest (layers, row ranges, a digest
 per shard) travels in every handshake, so a client refuses a server holding other tables.
-It binds only to the addresses it is given.
+It binds only to the addresses it is given; ofl's admission and limits (OFL_ALLOW,
+OFL_AUTH_KEY, connection and frame bounds) apply to every listener, and the optional HTTP
+endpoint is ofl.http's bounded MetricsServer.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import json
 import logging
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ofl import Region, Server
+from ofl import ProtocolError, Region, Server
+from ofl.http import MetricsServer
 from ofl.server import parse_address
 from ofl.stats import Stats
+from ofl.wire import decode_json
 
 from . import __version__
 from .geometry import ROW_BYTES
@@ -92,7 +94,7 @@ class EngramServer:
             for shard in self.shards:
                 srv.register(shard.region)
             self.servers.append(srv)
-        self._http: ThreadingHTTPServer | None = None
+        self._http: MetricsServer | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -117,8 +119,8 @@ class EngramServer:
     def handle(self, payload: bytes) -> bytes:
         """Control messages: {"op": "manifest" | "health" | "metrics"}."""
         try:
-            op = json.loads(payload).get("op")
-        except (ValueError, AttributeError):
+            op = decode_json(payload, "control message").get("op")
+        except ProtocolError:
             op = None
         self.stats.add("control_messages")
         if op == "manifest":
@@ -133,7 +135,8 @@ class EngramServer:
         for srv in self.servers:
             srv.start()
         if metrics_listen:
-            self._http = serve_http(self, *parse_address(metrics_listen, 9480))
+            self._http = MetricsServer(*parse_address(metrics_listen, 9480), self.metrics,
+                                       self.health, name="engram-server")
         return self
 
     def stop(self) -> None:
@@ -145,28 +148,3 @@ class EngramServer:
         for s in self.shards:
             s.region.close()
 
-
-def serve_http(server: EngramServer, host: str, port: int) -> ThreadingHTTPServer:
-    """GET /metrics (Prometheus text) and /health (JSON) on the given address only."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            if self.path == "/metrics":
-                body, kind = server.metrics().encode(), "text/plain; version=0.0.4"
-            elif self.path == "/health":
-                body, kind = json.dumps(server.health()).encode(), "application/json"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True, name="engram-http").start()
-    return httpd

@@ -106,19 +106,13 @@ class _Rank:
 
 
 def _serve_metrics(client: EngramClient, listen: str, rank: int):
+    from ofl.http import MetricsServer
     from ofl.server import parse_address
 
-    from ..server import serve_http
-
-    class Exposed:  # what serve_http asks of a server
-        def metrics(self) -> str:
-            return client.stats.prometheus()
-
-        def health(self) -> dict:
-            return {"rank": rank, "counters": client.stats.snapshot()}
-
     host, port = parse_address(listen, 9490)
-    return serve_http(Exposed(), host, port + rank)
+    return MetricsServer(host, port + rank, client.stats.prometheus,
+                         lambda: {"rank": rank, "counters": client.stats.snapshot()},
+                         name=f"engram-client-r{rank}")
 
 
 def _skip_table_weights(param, loaded_weight) -> None:
