@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import ConfigError, StackConfig
 from .roles import roles
-from .settings import COMPONENT_ENVS, SETTINGS
+from .settings import COMPONENT_ENVS, SETTINGS, shown
 
 TEMPLATES = ("local", "production-D", "production-async")
 ROLES = ["offload-host", "engine", "engram-server", "drafter-worker"]
@@ -73,7 +73,7 @@ def cmd_args(args) -> int:
     for role in roles(cfg, args.role, args.rank):
         print(f"# {role.name}")
         for key, value in sorted(role.env.items()):
-            print(f"{key}={shlex.quote(value)}")
+            print(f"{key}={shlex.quote(shown(key, value))}")
         print(shlex.join(role.command) + "\n")
     return 0
 
@@ -164,13 +164,16 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_systemd(args) -> int:
-    from .systemd import write_units
+    from .systemd import SECRETS_FILE, write_units
 
     paths = write_units(StackConfig.load(args.env), args.env, args.role, Path(args.out), args.rank)
     print("\n".join(f"wrote {p}" for p in paths))
-    print(f"install: cp {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && "
-          "systemctl enable --now dsv41-watchdog.timer " + " ".join(
+    print(f"install: cp {args.out}/*.service {args.out}/*.timer /etc/systemd/system/ && "
+          "systemctl daemon-reload && systemctl enable --now dsv41-watchdog.timer " + " ".join(
               p.name for p in paths if p.name.endswith(".service") and "watchdog" not in p.name))
+    if any(p.name == SECRETS_FILE for p in paths):
+        print(f"the units read OFL_AUTH_KEY from {Path(args.out).resolve() / SECRETS_FILE} "
+              "(mode 0600): keep it there")
     return 0
 
 

@@ -5,8 +5,11 @@ line, so nothing starts half-configured."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ofl.env import EnvVar
@@ -82,3 +85,20 @@ class StackConfig:
         for k in [k for k, v in changes.items() if v is None]:
             values.pop(k, None)
         return StackConfig(values, self.sources)
+
+    @contextmanager
+    def link_client(self) -> Iterator[None]:
+        """This process's own ofl clients (status, preflight's qualify and identity checks,
+        `up`'s check of the offload host) use the env files' OFL_ variables as the engines do,
+        the key among them; the environment is restored after."""
+        values = self.components("OFL_")
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

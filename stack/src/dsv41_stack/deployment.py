@@ -144,7 +144,8 @@ class Deployment:
             entry = {"pid": pid, "running": pid is not None}
             if pid:
                 try:
-                    entry.update(self.health(role))
+                    with self.cfg.link_client():  # the servers may ask for the key
+                        entry.update(self.health(role))
                 except Exception as exc:  # noqa: BLE001 - status reports, it does not fail
                     entry["error"] = f"{type(exc).__name__}: {exc}"
             out[role.name] = entry

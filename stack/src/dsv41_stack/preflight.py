@@ -15,11 +15,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ofl import admission
+from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 
 from .config import StackConfig
-from .roles import engine_nodes, roles, tp2_devices
+from .roles import admitted_peers, engine_nodes, roles, tp2_devices
 
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
 
@@ -94,6 +96,56 @@ def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Chec
     return Check(f"qualify rank {rank}", report["ok"] and bool(paths),
                  f"{address}: {rows:,} rows compared over {len(paths)} shards"
                  + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
+
+
+def check_key(cfg: StackConfig, offload_host: bool) -> Check | None:
+    """OFL_AUTH_KEY usable (its length, never its value); on the offload host its absence is
+    a WARN."""
+    value = cfg[ofl_env.OFL_AUTH_KEY]
+    if not value:
+        return Check("shared key", True, "no OFL_AUTH_KEY: the servers ask peers for no proof; "
+                     "set one key (openssl rand -hex 32) in every host's env file",
+                     warn=True) if offload_host else None
+    try:
+        admission.load_key(value)
+    except ValueError as exc:
+        return Check("shared key", False, str(exc))
+    return Check("shared key", True, f"OFL_AUTH_KEY set ({len(value)} characters, not shown)")
+
+
+def check_allow_list(allow: str) -> Check:
+    """The OFL_ALLOW the offload host's servers get: valid, and not empty (a WARN)."""
+    try:
+        networks = admission.parse_allow(allow)
+    except ValueError as exc:
+        return Check("allow-list", False, f"{exc} (STACK_ENGINE_HOSTS or OFL_ALLOW)")
+    if not networks:
+        return Check("allow-list", True, "empty: any peer that reaches the listeners is admitted; "
+                     "set STACK_ENGINE_HOSTS to the engine hosts' addresses", warn=True)
+    return Check("allow-list", True, f"the servers admit {allow}")
+
+
+def source_address(address: str) -> str:
+    """The address this host connects to `address` from (a UDP connect picks the route and
+    sends nothing)."""
+    host, _, port = address.rpartition(":")
+    family, _, _, _, where = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(where)
+        return s.getsockname()[0]
+
+
+def check_admitted(address: str, what: str, cfg: StackConfig) -> Check | None:
+    """With STACK_ENGINE_HOSTS set: would the offload host admit this host on that link?"""
+    if not cfg["STACK_ENGINE_HOSTS"]:
+        return None
+    try:
+        source = source_address(address)
+        ok = admission.admitted(source, admission.parse_allow(",".join(admitted_peers(cfg))))
+    except (OSError, ValueError) as exc:
+        return Check(f"admission {what}", False, f"{address}: {exc}")
+    return Check(f"admission {what}", ok, f"this host reaches {address} from {source}" + (
+        "" if ok else ", which STACK_ENGINE_HOSTS does not list: the offload host will refuse it"))
 
 
 def check_master(address: str, rank: int) -> Check:
@@ -204,6 +256,10 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
     if "drafter-worker" in names and tp2:
         wanted.add("dsv41-drafter-tp2-nvlink")
     checks += check_versions(wanted)
+    if key := check_key(cfg, offload_host=bool(names & {"engram-server", "drafter-worker"})):
+        checks.append(key)
+    if servers := [r for r in mine if r.name in ("engram-server", "drafter-worker")]:
+        checks.append(check_allow_list(servers[0].env.get(ofl_env.OFL_ALLOW.name, "")))
     if "engram-server" in names:
         shards = list(Path(cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin"))
         total = sum(p.stat().st_size for p in shards)
@@ -237,17 +293,22 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
     the identities this engine expects."""
     checks = []
     backend = cfg[engram_env.ENGRAM_BACKEND]
-    for link_rank, address in enumerate(endpoints(cfg[engram_env.ENGRAM_REMOTE])):
-        if engine_nodes(cfg) > 1 and link_rank != rank:
-            continue  # another host's link
-        checks.append(reachable := check_reachable(address, f"engram rank {link_rank}"))
-        shard_dir = cfg[engram_env.ENGRAM_SHARD_DIR]
-        if reachable.ok and shard_dir:
-            checks.append(check_qualify(address, shard_dir, link_rank, backend))
+    links = [(f"engram rank {r}", address, r)
+             for r, address in enumerate(endpoints(cfg[engram_env.ENGRAM_REMOTE]))
+             if engine_nodes(cfg) == 1 or r == rank]  # with more hosts, this host's link only
     if address := cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]:
-        checks.append(reachable := check_reachable(address, "drafter worker"))
-        if reachable.ok:
-            checks.append(check_drafter_identity(address, cfg))
+        links.append(("drafter worker", address, None))
+    with cfg.link_client():  # the offload host may ask for the key
+        for what, address, link_rank in links:
+            if admitted := check_admitted(address, what, cfg):
+                checks.append(admitted)
+            checks.append(reachable := check_reachable(address, what))
+            if not reachable.ok:
+                continue
+            if link_rank is None:
+                checks.append(check_drafter_identity(address, cfg))
+            elif shard_dir := cfg[engram_env.ENGRAM_SHARD_DIR]:
+                checks.append(check_qualify(address, shard_dir, link_rank, backend))
     return checks
 
 

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from async_handoff import env as handoff_env
+from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 
@@ -52,6 +53,31 @@ class Role:
     rank: int | None = None        # an engine's node rank (None: not an engine)
 
 
+# A server listening on a wildcard address is reached from this host over loopback.
+WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def admitted_peers(cfg: StackConfig) -> list[str]:
+    """What the offload host's servers admit with STACK_ENGINE_HOSTS set: those hosts, then
+    this host's own listen addresses, each once."""
+    peers = [h.strip() for h in cfg["STACK_ENGINE_HOSTS"].split(",") if h.strip()]
+    for address in [*cfg["STACK_ENGRAM_LISTEN"].split(","), cfg["STACK_DRAFTER_LISTEN"]]:
+        if host := address.strip().rpartition(":")[0].strip("[]"):
+            peers.append(WILDCARD_LOOPBACK.get(host, host))
+    return list(dict.fromkeys(peers))
+
+
+def offload_env(cfg: StackConfig, *prefixes: str) -> dict[str, str]:
+    """An offload-host server's component variables, with OFL_ALLOW from STACK_ENGINE_HOSTS."""
+    env = cfg.components(*prefixes)
+    if cfg["STACK_ENGINE_HOSTS"]:
+        if ofl_env.OFL_ALLOW.name in cfg.values:
+            raise ConfigError("set STACK_ENGINE_HOSTS or OFL_ALLOW, not both (STACK_ENGINE_HOSTS "
+                              "fills the offload host's OFL_ALLOW)")
+        env[ofl_env.OFL_ALLOW.name] = ",".join(admitted_peers(cfg))
+    return env
+
+
 def engram_server(cfg: StackConfig) -> Role | None:
     links = [x.strip() for x in cfg["STACK_ENGRAM_LISTEN"].split(",") if x.strip()]
     if not links:
@@ -62,7 +88,7 @@ def engram_server(cfg: StackConfig) -> Role | None:
         cmd += ["--listen", link]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]
-    return Role("engram-server", cmd, cfg.components("OFL_"), ready_line="remote-engram serve:")
+    return Role("engram-server", cmd, offload_env(cfg, "OFL_"), ready_line="remote-engram serve:")
 
 
 def tp2_devices(cfg: StackConfig) -> list[str]:
@@ -94,7 +120,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
                               "slow link); drafter-tp2 has none: set it to 0 with STACK_DRAFTER_TP2=1")
         cmd = [sys.executable, "-m", "drafter_tp2.cli", "supervise", "--", *same,
                "--devices", ",".join(tp2_devices(cfg)), *backend]
-        return Role("drafter-worker", cmd, cfg.components(*WORKER_PREFIXES, "DRAFTER_TP2_"),
+        return Role("drafter-worker", cmd, offload_env(cfg, *WORKER_PREFIXES, "DRAFTER_TP2_"),
                     ready_line="drafter-tp2 worker:")
     if cfg["STACK_DRAFTER_TP2"] != "0":
         raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
@@ -102,7 +128,8 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
            "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]
-    return Role("drafter-worker", cmd, cfg.components(*WORKER_PREFIXES), ready_line="remote-drafter worker:")
+    return Role("drafter-worker", cmd, offload_env(cfg, *WORKER_PREFIXES),
+                ready_line="remote-drafter worker:")
 
 
 def speculative_config(cfg: StackConfig) -> str | None:

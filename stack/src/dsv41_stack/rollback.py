@@ -13,6 +13,7 @@ from remote_engram import env as engram_env
 
 from .config import StackConfig
 from .roles import tp2_devices
+from .settings import is_secret
 
 LEVERS = {
     "async": "synchronous remote rounds (VLLM_DSPARK_REMOTE_ASYNC unset)",
@@ -62,6 +63,10 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
 
 
 def write_env(cfg: StackConfig, path: Path, header: str) -> None:
+    """The env file; readable by its owner only when it holds a secret (the ofl key)."""
     lines = [f"# {line}" for line in header.splitlines()]
     lines += [f"{k}={v}" for k, v in cfg.values.items()]
+    if any(is_secret(k) and v for k, v in cfg.values.items()):
+        path.touch(mode=0o600)
+        path.chmod(0o600)  # before the key is in it
     path.write_text("\n".join(lines) + "\n")

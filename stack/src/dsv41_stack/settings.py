@@ -57,6 +57,12 @@ SETTINGS = [
            "`dsv41-stack rollback tp2-worker`, at the worker's restart."),
     EnvVar("STACK_DRAFTER_DEVICES", "cuda:0,cuda:1", "Offload host, STACK_DRAFTER_TP2=1: the "
            "pair's two distinct devices, rank 0's first (cpu:0,cpu:1 runs it on CPU, gloo)."),
+    EnvVar("STACK_ENGINE_HOSTS", "", "Offload host: every address the engine hosts connect from "
+           "(each Spark's IP on its link, and toward the drafter worker if that differs), or "
+           "their networks (10.0.0.0/30), comma-separated. The Engram server and the drafter "
+           "worker then admit only these and this host's own listen addresses (status, "
+           "preflight and the watchdog run there): their OFL_ALLOW. Empty = OFL_ALLOW as the "
+           "env file sets it (default: any peer)."),
     EnvVar("STACK_INJECT_DELAY_MS", "0", "Miniature only: delay added to every Engram read and "
            "drafter round, a slow link on one machine."),
 ]
@@ -70,7 +76,21 @@ ENGINE_PREFIXES = ("ENGRAM_", "REMOTE_DRAFTER_", "VLLM_DSPARK_", "ASYNC_HANDOFF_
 COMPONENT_PREFIXES = (*ENGINE_PREFIXES, "DRAFTER_TP2_")
 
 
+REDACTED = "REDACTED"  # what `args` shows for a secret's value (too short to pass as a key)
+
+
 def declared() -> dict[str, EnvVar]:
     """The STACK_ settings and every variable COMPONENT_ENVS declare, by name; read from the
     modules at each call, so a variable a component adds is known here as declared there."""
     return {**{v.name: v for module in COMPONENT_ENVS for v in module.ALL}, **BY_NAME}
+
+
+def is_secret(name: str) -> bool:
+    """A variable whose value is never printed or written where others can read it (OFL_AUTH_KEY)."""
+    var = declared().get(name)
+    return var is not None and var.secret
+
+
+def shown(name: str, value: str) -> str:
+    """A variable's value as the launcher may print it."""
+    return REDACTED if is_secret(name) and value else value

@@ -16,7 +16,11 @@ from pathlib import Path
 
 from .config import StackConfig
 from .roles import Role, roles
+from .settings import is_secret
 
+# Secrets (the ofl key) go to this file, mode 0600, which the units name in EnvironmentFile=:
+# a unit's Environment= lines are readable by every user (systemctl show).
+SECRETS_FILE = "dsv41-secrets.env"
 RESTART_BURST, RESTART_WINDOW_S = 3, 600
 WATCHDOG_EVERY_S, WATCHDOG_MISSES = 30, 3
 
@@ -29,8 +33,11 @@ def systemd_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def service_unit(role: Role, workdir: str) -> str:
-    env = "\n".join(f"Environment={systemd_quote(f'{k}={v}')}" for k, v in sorted(role.env.items()))
+def service_unit(role: Role, workdir: str, secrets: Path) -> str:
+    env = "\n".join(f"Environment={systemd_quote(f'{k}={v}')}" for k, v in sorted(role.env.items())
+                    if not is_secret(k))
+    if any(is_secret(k) for k in role.env):
+        env += f"\nEnvironmentFile={secrets}"
     # systemd wants an absolute executable
     command = [str(Path(workdir, role.command[0])) if not Path(role.command[0]).is_absolute()
                else role.command[0], *role.command[1:]]
@@ -87,12 +94,20 @@ WantedBy=timers.target
 def write_units(cfg: StackConfig, env_files: list[str], role: str | None, out: Path,
                 rank: int | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    workdir = os.getcwd()
-    files = {unit_name(r): service_unit(r, workdir) for r in roles(cfg, role, rank)}
+    workdir, secrets = os.getcwd(), (out / SECRETS_FILE).resolve()
+    mine = roles(cfg, role, rank)
+    files = {unit_name(r): service_unit(r, workdir, secrets) for r in mine}
     files.update(watchdog_units(env_files, role, workdir, rank))
     for name, text in files.items():
         (out / name).write_text(text)
-    return [out / name for name in files]
+    written = [out / name for name in files]
+    if hidden := {k: v for r in mine for k, v in r.env.items() if is_secret(k)}:
+        fd = os.open(secrets, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # also when the file was there before
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in sorted(hidden.items())))
+        written.append(secrets)
+    return written
 
 
 def serving(role: Role) -> bool:
