@@ -12,13 +12,7 @@ from test_handoff import ECHO, Worker, config, round_trip
 
 from async_handoff import Handoff
 from async_handoff.exposition import read
-
-
-def status_of(sock: socket.socket) -> int:
-    reply = b""
-    while chunk := sock.recv(4096):
-        reply += chunk
-    return int(reply.split(b" ", 2)[1])
+from ofl.testing import http_status
 
 
 def test_idle_clients_cost_bounded_threads_and_never_the_rounds(monkeypatch):
@@ -35,7 +29,7 @@ def test_idle_clients_cost_bounded_threads_and_never_the_rounds(monkeypatch):
         held = threading.active_count() - before
         assert round_trip(h, b"during the flood") is not None
         t = time.monotonic()
-        codes = [status_of(s) for s in idle]
+        codes = [http_status(s) for s in idle]
         assert held <= 2 and set(codes) == {408, 503} and codes.count(503) >= 40
         assert time.monotonic() - t < 2  # held ones dropped at 0.3 s
         assert read(listen)["rounds_ok"] == 1

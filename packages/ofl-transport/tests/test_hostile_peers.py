@@ -16,7 +16,7 @@ import pytest
 from ofl import AuthenticationFailed, Connection, Server, wire
 from ofl.backends import tcp
 from ofl.probe import PROBE_REGION, pattern
-from ofl.testing import ServeProcess, rss_bytes, threads
+from ofl.testing import ServeProcess, closes, rss_bytes, threads
 
 KEY = "0123456789abcdef" * 4
 MiB = 1 << 20
@@ -50,18 +50,6 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
             raise EOFError
         buf += chunk
     return buf
-
-
-def closed(sock: socket.socket) -> bool:
-    """Drain until the server closes; False if it still holds the socket after 10 s."""
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def reset(sock: socket.socket) -> None:
@@ -131,7 +119,7 @@ def test_peers_outside_the_allow_list_are_dropped_before_they_take_a_slot(server
         for _ in range(64):  # HELLO and go quiet, as in the issue: each one closed at accept
             s = peer(srv.address, "127.0.0.3")
             s.sendall(hello())
-            assert closed(s)
+            assert closes(s)
         assert threads(srv.proc.pid) == base
         with Connection(srv.address, backend="tcp") as engine:
             assert engine.request(b"served") == b"served"
@@ -168,7 +156,7 @@ def test_a_key_admits_only_peers_that_prove_it(server_log):
         t = time.monotonic()
         with Connection(srv.address, backend="tcp", key=KEY) as engine:  # served meanwhile
             assert engine.request(b"still served") == b"still served"
-        assert all(closed(s) for s in [*silent, stalled])
+        assert all(closes(s) for s in [*silent, stalled])
         assert time.monotonic() - t < 1.5  # reclaimed at 0.3 s (was 3 s, and never after HELLO)
         settles(lambda: threads(srv.proc.pid), base)
     finally:

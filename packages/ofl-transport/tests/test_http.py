@@ -12,6 +12,7 @@ import pytest
 
 from ofl.http import MAX_REQUEST_BYTES, MetricsServer, parse_counters, read_counters
 from ofl.stats import Stats
+from ofl.testing import http_status
 
 
 @pytest.fixture
@@ -28,17 +29,6 @@ def endpoint():
 def connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=5)
-
-
-def status_of(sock: socket.socket) -> int:
-    """The status the server answered with before it closed the connection."""
-    reply = b""
-    try:
-        while chunk := sock.recv(4096):
-            reply += chunk
-    except ConnectionResetError:
-        pass
-    return int(reply.split(b" ", 2)[1])
 
 
 def test_metrics_health_and_refusals(endpoint):
@@ -64,7 +54,7 @@ def test_idle_clients_are_capped_and_dropped(endpoint):
     idle = [connect(address) for _ in range(200)]
     held = threading.active_count() - before
     t = time.monotonic()
-    codes = [status_of(s) for s in idle]
+    codes = [http_status(s) for s in idle]
     assert held <= 4 and set(codes) == {408, 503} and codes.count(503) > 100
     assert time.monotonic() - t < 2  # 0.3 s deadline, not held
     assert srv.stats["busy_refusals"] == codes.count(503)
@@ -83,13 +73,13 @@ def test_slow_and_oversized_requests_are_cut_off(endpoint):
     except (BrokenPipeError, ConnectionResetError):
         pass  # dropped mid-request
     assert time.monotonic() - t < 1.5
-    assert status_of(slow) == 408
+    assert http_status(slow) == 408
     big = connect(address)
     try:
         big.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * (6 << 20))
     except (BrokenPipeError, ConnectionResetError):
         pass  # refused after MAX_REQUEST_BYTES: the rest was never read
-    assert status_of(big) == 431
+    assert http_status(big) == 431
     assert srv.stats["oversized_requests"] == 1 and MAX_REQUEST_BYTES == 8192
 
 

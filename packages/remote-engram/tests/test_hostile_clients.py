@@ -16,7 +16,7 @@ from test_remote import local_rows, random_ids
 
 from ofl import Connection, RemoteError
 from ofl.http import read_counters
-from ofl.testing import rss_bytes, threads
+from ofl.testing import closes, rss_bytes, threads
 from remote_engram.client import EngramClient
 from remote_engram.testing import SMALL, EngramServeProcess
 
@@ -49,18 +49,6 @@ def guarded(shard_dirs, tmp_path):
 def connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=5)
-
-
-def answered(sock: socket.socket) -> bool:
-    """The server answered (or reset) and closed; False if it still held us after 5 s."""
-    try:
-        while sock.recv(4096):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def test_ranks_with_the_key_are_served_without_it_fall_back(guarded, shard_dirs, monkeypatch,
@@ -97,7 +85,7 @@ def test_the_http_endpoint_is_bounded(guarded):
     t = time.monotonic()
     idle = [connect(metrics) for _ in range(200)]
     most = threads(pid)
-    assert all(answered(s) for s in idle)  # 503 at once, or 408 at the deadline
+    assert all(closes(s) for s in idle)  # 503 at once, or 408 at the deadline
     assert most - base <= 8  # OFL_HTTP_MAX_CONNECTIONS request threads at most
     assert time.monotonic() - t < 3
     slow = connect(metrics)
@@ -108,13 +96,13 @@ def test_the_http_endpoint_is_bounded(guarded):
             time.sleep(0.1)
     except (BrokenPipeError, ConnectionResetError):
         pass  # dropped mid-request
-    assert answered(slow) and time.monotonic() - t < 1.5  # the 0.5 s deadline, not 9.2 s
+    assert closes(slow) and time.monotonic() - t < 1.5  # the 0.5 s deadline, not 9.2 s
     big = connect(metrics)
     try:
         big.sendall(b"GET /health HTTP/1.1\r\nX: " + b"a" * (6 << 20))
     except (BrokenPipeError, ConnectionResetError):
         pass  # cut off after 8 KiB
-    assert answered(big)
+    assert closes(big)
     grown = rss_bytes(pid) - before
     assert grown < 8 * MiB, f"RSS grew {grown / MiB:.1f} MiB"
     with urllib.request.urlopen(f"http://{metrics}/health", timeout=5) as r:

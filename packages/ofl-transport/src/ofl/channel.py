@@ -10,7 +10,9 @@ declared length reserves no memory.
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 from . import wire
 from .errors import ConnectionLost, DeadlineExceeded
@@ -26,6 +28,27 @@ def set_socket_options(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, 8 << 20)
         except OSError:
             pass  # the kernel caps it; the default still works
+
+
+def accepted(listener: socket.socket, stopping: threading.Event) -> Iterator[tuple]:
+    """(socket, peer address) of each connection, until `stopping` is set or the listener
+    is shut down."""
+    while not stopping.is_set():
+        try:
+            yield listener.accept()
+        except OSError:
+            return
+
+
+def send_and_close(sock: socket.socket, data: bytes) -> None:
+    """Tell a peer being refused why, in what its socket takes right now (an accept loop
+    never waits on a peer), and close."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass  # its buffer is full or it is gone: the close says enough
+    sock.close()
 
 
 class Channel:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 
 from . import env
+from .channel import accepted, send_and_close
 from .stats import PeerLog, Stats
 
 log = logging.getLogger("ofl.http")
@@ -78,22 +79,13 @@ class MetricsServer:
         self._listener.close()
 
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return
+        for sock, peer in accepted(self._listener, self._stopping):
             if not self._slots.acquire(blocking=False):
                 self.drops.drop("%s:%d" % peer[:2], "busy_refusals",
                                 f"{self.max_connections} requests in flight already "
                                 "(OFL_HTTP_MAX_CONNECTIONS)")
-                sock.setblocking(False)
-                try:
-                    sock.send(_response(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain",
-                                        b"busy: try again\n"))
-                except OSError:
-                    pass  # it is not reading: the close says enough
-                sock.close()
+                send_and_close(sock, _response(HTTPStatus.SERVICE_UNAVAILABLE, "text/plain",
+                                               b"busy: try again\n"))
                 continue
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name="http-request").start()

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import admission, env, wire
 from .backends import server_backend
-from .channel import Channel
+from .channel import Channel, accepted, send_and_close
 from .errors import ConnectionLost, DeadlineExceeded, OflError, ProtocolError, VersionMismatch
 from .gather import gather_into
 from .region import Region, RegionDescriptor
@@ -149,13 +149,9 @@ class Server:
 
     # -- connections ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
+        for sock, peer in accepted(self._listener, self._stopping):
             try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return
-            try:
-                self._admit(sock, peer)
+                self._admit(peer)
             except Refused as exc:
                 self._refuse(sock, _where(peer), exc)
                 continue
@@ -165,7 +161,7 @@ class Server:
             threading.Thread(target=self._serve_connection, args=(ch, peer), daemon=True,
                              name=f"ofl-conn-{_where(peer)}").start()
 
-    def _admit(self, sock: socket.socket, peer) -> None:
+    def _admit(self, peer) -> None:
         """Take a slot for this peer, or raise Refused (before any thread or buffer exists)."""
         host = peer[0]
         if not admission.admitted(host, self.allow):
@@ -181,15 +177,9 @@ class Server:
             self._per_peer[host] += 1
 
     def _refuse(self, sock: socket.socket, peer: str, why: Refused) -> None:
-        """Tell a refused peer why without ever blocking the accept loop, and close."""
         self.drops.drop(peer, why.counter, str(why))
-        try:
-            sock.setblocking(False)
-            sock.send(wire.pack_header(wire.Kind.ERROR, 0, len(body := wire.error_reply(str(why))))
-                      + body)
-        except OSError:
-            pass  # its buffer is full or it is gone: the close says enough
-        sock.close()
+        body = wire.error_reply(str(why))
+        send_and_close(sock, wire.pack_header(wire.Kind.ERROR, 0, len(body)) + body)
 
     def _serve_connection(self, ch: Channel, peer) -> None:
         where, session = _where(peer), None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +136,30 @@ class ServeProcess(ChildProcess):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not restart on its port")
             time.sleep(0.1)
+
+
+def closes(sock: socket.socket) -> bool:
+    """Read until the server closes (or resets) the connection; False if it still holds it
+    when the socket's timeout passes."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def http_status(sock: socket.socket) -> int:
+    """The status code of the reply an HTTP server sent before it closed the connection."""
+    reply = b""
+    try:
+        while chunk := sock.recv(4096):
+            reply += chunk
+    except ConnectionResetError:
+        pass  # it closed with the rest of our request unread: the reply came first
+    return int(reply.split(b" ", 2)[1])
 
 
 def threads(pid: int) -> int:
