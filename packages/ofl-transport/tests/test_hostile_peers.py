@@ -5,8 +5,11 @@ line - never a traceback - for each kind of bad input. Every wait is on an obser
 (a frame, an EOF, a drained socket) with a bound."""
 
 import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -349,6 +352,17 @@ def test_every_session_a_handshake_created_is_closed(reset_after_hello_ok):
         assert session.started is reset_after_hello_ok
         settles(lambda: srv.stats["connections_lost"], 1)
         assert srv.stats["internal_errors"] == 0
+
+
+@pytest.mark.parametrize("variable, value, why", [
+    ("OFL_AUTH_KEY", "short", "OFL_AUTH_KEY holds 5 characters; use at least 32"),
+    ("OFL_ALLOW", "10.0.0.2,engine-host", "OFL_ALLOW: 'engine-host' is neither an address"),
+])
+def test_unusable_admission_settings_stop_the_server_with_the_reason(variable, value, why):
+    run = subprocess.run([sys.executable, "-m", "ofl.cli", "serve", "--listen", "127.0.0.1:0"],
+                         env={**os.environ, variable: value}, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1 and why in run.stderr and "Traceback" not in run.stderr
 
 
 def test_decode_json_refuses_depth_and_size_without_recursion():

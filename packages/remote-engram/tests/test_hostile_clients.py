@@ -17,6 +17,7 @@ from test_remote import local_rows, random_ids
 from ofl import Connection, RemoteError
 from ofl.http import read_counters
 from ofl.testing import closes, rss_bytes, threads
+from remote_engram.cli import main as cli
 from remote_engram.client import EngramClient
 from remote_engram.testing import SMALL, EngramServeProcess
 
@@ -52,7 +53,7 @@ def connect(address: str) -> socket.socket:
 
 
 def test_ranks_with_the_key_are_served_without_it_fall_back(guarded, shard_dirs, monkeypatch,
-                                                             caplog):
+                                                             caplog, capsys):
     srv, _, _ = guarded
     ids = random_ids(1, 0, (4, 12))
     monkeypatch.setenv("OFL_AUTH_KEY", KEY)
@@ -69,6 +70,9 @@ def test_ranks_with_the_key_are_served_without_it_fall_back(guarded, shard_dirs,
     assert keyless.stats["fallbacks"] == 1 and keyless.stats["remote_rows"] == 0
     assert "set OFL_AUTH_KEY on the client to the server's key" in caplog.text
     keyless.close()
+    assert cli(["qualify", "--connect", srv.address, "--shards", shard_dirs[0], "--rank", "0",
+                "--backend", "tcp"]) == 1
+    assert "set OFL_AUTH_KEY on the client" in capsys.readouterr().err
     with Connection(srv.address, backend="tcp", key=KEY) as conn:  # deep JSON: an error reply
         with pytest.raises(RemoteError, match="expected a JSON object"):
             conn.request(b'{"op":' * 5000 + b"1" + b"}" * 5000)

@@ -5,6 +5,7 @@ from .client import Connection, Links
 from .errors import (
     AuthenticationFailed,
     BackendUnavailable,
+    ConfigurationError,
     ConnectionLost,
     DeadlineExceeded,
     OflError,
@@ -21,7 +22,7 @@ from .wire import PROTOCOL_VERSION
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthenticationFailed", "BackendUnavailable", "Connection", "ConnectionLost", "DeadlineExceeded", "Links",
-    "OflError", "OutOfRange", "PROTOCOL_VERSION", "PeerRejected", "ProtocolError", "Region",
+    "AuthenticationFailed", "BackendUnavailable", "ConfigurationError", "Connection",
+    "ConnectionLost", "DeadlineExceeded", "Links", "OflError", "OutOfRange", "PROTOCOL_VERSION", "PeerRejected", "ProtocolError", "Region",
     "RegionDescriptor", "RemoteError", "Server", "VersionMismatch",
 ]

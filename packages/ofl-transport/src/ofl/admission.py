@@ -15,6 +15,8 @@ import hashlib
 import hmac
 import ipaddress
 
+from .errors import ConfigurationError
+
 AUTH_SCHEME = "hmac-sha256"
 PROOF_LABEL = b"ofl key proof v1\0"
 MIN_KEY_CHARS = 32
@@ -31,7 +33,7 @@ def parse_allow(text: str) -> list[Network]:
         try:
             networks.append(ipaddress.ip_network(entry, strict=False))
         except ValueError:
-            raise ValueError(f"OFL_ALLOW: {entry!r} is neither an address nor a network "
+            raise ConfigurationError(f"OFL_ALLOW: {entry!r} is neither an address nor a network "
                              "(e.g. 10.0.0.2 or 10.0.1.0/24)") from None
     return networks
 
@@ -51,7 +53,7 @@ def load_key(text: str) -> bytes | None:
     if not text:
         return None
     if len(text) < MIN_KEY_CHARS:
-        raise ValueError(f"OFL_AUTH_KEY holds {len(text)} characters; use at least "
+        raise ConfigurationError(f"OFL_AUTH_KEY holds {len(text)} characters; use at least "
                          f"{MIN_KEY_CHARS} (generate one with: openssl rand -hex 32)")
     return text.encode()
 

@@ -5,6 +5,11 @@ class OflError(Exception):
     """Base class of all transport errors."""
 
 
+class ConfigurationError(OflError, ValueError):
+    """An ofl variable holds a value ofl cannot use; the message names the variable (and
+    never a secret's value)."""
+
+
 class BackendUnavailable(OflError):
     """The requested backend cannot run here (e.g. verbs without an RDMA device)."""
 

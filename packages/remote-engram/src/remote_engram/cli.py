@@ -20,6 +20,7 @@ import time
 
 from tqdm import tqdm
 
+from ofl import OflError
 from ofl.cli import shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
@@ -245,7 +246,11 @@ def main(argv=None) -> int:
     e.set_defaults(func=lambda a: print(describe(env.ALL)) or 0)
 
     args = p.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except OflError as exc:  # a link or configuration problem: its reason, not a traceback
+        print(f"remote-engram {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
