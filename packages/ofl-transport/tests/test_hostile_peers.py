@@ -208,6 +208,33 @@ def test_bad_input_is_one_counted_line_never_a_traceback(server_log):
     assert lines(path, "nested 30000 deep")
 
 
+def test_a_slow_sender_has_a_deadline_per_frame_not_per_byte(server_log):
+    """One byte per 50 ms never let a per-byte timeout fire; the frame's total deadline
+    (OFL_FRAME_TIMEOUT_MS, 0.3 s here) drops the sender, while an idle connection stays."""
+    log, path = server_log
+    srv = ServeProcess("tcp", env={"OFL_FRAME_TIMEOUT_MS": "300"}, stderr=log)
+    try:
+        idle, slow = peer(srv.address), peer(srv.address)
+        for s in (idle, slow):
+            s.sendall(hello())
+            next_frame(s)
+        slow.sendall(wire.pack_header(wire.Kind.MESSAGE, 5, 100))
+        t, sent = time.monotonic(), 0
+        try:
+            while sent < 100:  # 5 s worth of bytes, were it never cut off
+                slow.send(b"x")
+                sent += 1
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert sent < 100 and time.monotonic() - t < 2
+        idle.sendall(wire.pack_header(wire.Kind.MESSAGE, 6, 4) + b"idle")
+        assert next_frame(idle)[1] == b"idle"  # idle for as long: still served
+    finally:
+        srv.stop()
+    assert lines(path, "frame_timeouts")
+
+
 def test_declared_lengths_reserve_no_memory(server_log):
     """Issue 22, 5: headers declaring bodies that never come raised ofl's RSS by their
     declared size (+141 MiB for ~5 MiB each). Now a payload buffer grows with the bytes
