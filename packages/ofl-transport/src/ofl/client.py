@@ -82,18 +82,18 @@ class Connection:
     # -- set-up --------------------------------------------------------------------------
     def _connect(self, deadline: float) -> None:
         backend = client_backend(self.backend_name)
-        left = max(deadline - time.monotonic(), 0.001)
         try:
-            sock = socket.create_connection(self.address, timeout=left)
-        except TimeoutError:
-            raise DeadlineExceeded(f"connect to {self.where()} timed out") from None
-        except OSError as exc:
-            raise ConnectionLost(f"cannot connect to {self.where()}: {exc}") from None
-        ch = Channel(sock, max_payload=1 << 40)
-        try:
+            # HELLO is ready before the socket opens (a verbs queue pair takes a while to
+            # create): the server's short handshake deadline is for the wire only.
             hello = {"identity": self.identity, "backend": self.backend_name, "link": self.link,
                      **({"auth": admission.AUTH_SCHEME} if self._key else {}),
                      **backend.hello_extras()}
+            sock = self._open_socket(deadline)
+        except BaseException:
+            backend.close()
+            raise
+        ch = Channel(sock, max_payload=1 << 40)
+        try:
             ch.send_frame(wire.Kind.HELLO, 0, [wire.encode_json(hello)], deadline)
             header, payload = self._handshake_reply(ch, deadline)
             if header.kind == wire.Kind.CHALLENGE:  # the server asks for the key proof
@@ -133,6 +133,15 @@ class Connection:
         self._connects += 1
         if self._connects > 1:
             self.stats.add("reconnects")
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        try:
+            return socket.create_connection(self.address,
+                                            timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            raise DeadlineExceeded(f"connect to {self.where()} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.where()}: {exc}") from None
 
     def _handshake_reply(self, ch: Channel, deadline: float) -> tuple[wire.Header, bytes]:
         """The server's next handshake frame; its refusal (ERROR) raised with its reason."""
