@@ -1,7 +1,7 @@
 """Every environment variable ofl reads, with its default and what it does.
 
-Values are read when a Server or Connection is created; changing a variable in a running
-process does nothing to objects that already exist.
+Values are read when a Server, Connection or MetricsServer is created; changing a variable
+in a running process does nothing to objects that already exist.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ OFL_HANDSHAKE_TIMEOUT_MS = EnvVar(
     "many milliseconds of being accepted, or its slot is reclaimed.")
 OFL_FRAME_TIMEOUT_MS = EnvVar(
     "OFL_FRAME_TIMEOUT_MS", "5000",
-    "Servers: once the first byte of a request arrives, the whole frame must within this "
-    "many milliseconds (a total, not per byte), and each reply must be sent within it; a "
+    "Servers: once the first byte of a request arrives, the whole frame must arrive within "
+    "this many milliseconds (a total, not per byte), and each reply be sent within it; a "
     "peer that sends or reads slower is dropped. An idle connection has no deadline.")
 OFL_MAX_READ_BYTES = EnvVar(
     "OFL_MAX_READ_BYTES", str(4 << 20),
