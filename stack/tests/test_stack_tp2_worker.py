@@ -4,17 +4,13 @@ with a TP2 topology; `rollback tp2-worker` applied by restarting the worker alon
 the one-card worker on the same address with the same identities; nothing left running."""
 
 import subprocess
-import sys
-from pathlib import Path
 
 from dsv41_stack.config import StackConfig
 from dsv41_stack.deployment import Deployment
 from dsv41_stack.preflight import check_drafter_identity
 from dsv41_stack.rollback import rollback
 from longctx_bench.launch import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages/remote-drafter/tests"))
-from drafter_support import make_models  # noqa: E402  (remote-drafter's tiny models, shared)
+from remote_drafter.testing import make_models
 
 
 def described(address: str) -> dict:

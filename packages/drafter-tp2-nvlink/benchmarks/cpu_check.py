@@ -16,14 +16,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..", "..", "remote-drafter", "tests")]
+from gpu_tp2 import BATCHES, parity, time_rounds  # beside this script
 
-from drafter_support import WorkerProcess, make_models  # noqa: E402
-from gpu_tp2 import BATCHES, parity, time_rounds  # noqa: E402
-from tp2_support import PairProcess, RankPair, tp2_env, worker_args  # noqa: E402
-
-from drafter_tp2.launcher import free_master  # noqa: E402
+from drafter_tp2.launcher import free_master
+from drafter_tp2.testing import PairProcess, RankPair, tp2_env, worker_args
+from remote_drafter.testing import WorkerProcess, make_models
 
 
 def main() -> int:

@@ -1,12 +1,14 @@
-import os
 import sys
 
 import pytest
 
-# remote-drafter's test helpers build the tiny target and drafters (shared, not copied).
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "remote-drafter", "tests"))
+import remote_drafter.testing
+from remote_drafter.testing import make_models
 
-from drafter_support import make_models  # noqa: E402
+# test_tp2_parity.py and test_tp2_faults.py import remote-drafter's helpers by the name they
+# had in its tests folder: the same module under that name until they import it as
+# remote_drafter.testing.
+sys.modules.setdefault("drafter_support", remote_drafter.testing)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,15 @@
 import pytest
-from drafter_support import make_models
-
-from remote_drafter.target import TargetLM
 
 
+# The models need torch: imported when a test asks for them, so the torch-free modules
+# collect where torch is not installed.
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
+    from remote_drafter.testing import make_models
     return make_models(str(tmp_path_factory.mktemp("drafter-models")))
 
 
 @pytest.fixture(scope="session")
 def target(models):
+    from remote_drafter.target import TargetLM
     return TargetLM.load(models["target"])

@@ -1,4 +1,6 @@
-"""Package boundaries (torch-free tier): the proxy process loads no engine-side code."""
+"""Package boundaries (torch-free tier): the proxy process loads no engine-side code, the
+engine side imports and serves the n-gram drafter without torch, local mode with a neural
+drafter names the extra it needs."""
 
 import json
 import os
@@ -9,6 +11,12 @@ from async_handoff import Handoff, HandoffConfig
 from remote_drafter.drafters.ngram import NgramDrafter
 from remote_drafter.transport import ADAPTER
 from remote_drafter.worker import Worker
+
+NO_TORCH = ("import sys\n"
+            "sys.modules['torch'] = sys.modules['safetensors'] = None  # importing them fails\n")
+# The modules that need the [worker] extra; every other module must import without it.
+TORCH_SIDE = {"bench", "layers", "reference", "target", "testing",
+              "drafters.dspark", "drafters.lm", "drafters.pick"}
 
 
 def python(code: str, env: dict | None = None) -> str:
@@ -52,3 +60,51 @@ def test_the_proxy_side_of_each_package():
         "async_handoff", "async_handoff.proxy", "async_handoff.hostflags", "async_handoff._hostflags",
         "async_handoff._hostflags.lib", "async_handoff.adapters", "async_handoff.env",
         "remote_drafter", "remote_drafter.adapter", "remote_drafter.identity", "remote_drafter.protocol"}
+
+
+def test_the_engine_side_imports_without_torch_and_the_torch_side_needs_it():
+    result = json.loads(python(NO_TORCH + (
+        "import importlib, json, pkgutil\n"
+        "import remote_drafter\n"
+        "out = {}\n"
+        "for m in pkgutil.walk_packages(remote_drafter.__path__, 'remote_drafter.'):\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "        out[m.name] = 'imported'\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        out[m.name] = exc.name\n"
+        "print(json.dumps(out))")))
+    engine = {name for name in result if name.removeprefix("remote_drafter.") not in TORCH_SIDE}
+    assert {"remote_drafter.client", "remote_drafter.factory", "remote_drafter.vllm"} <= engine
+    assert {name: result[name] for name in engine} == dict.fromkeys(engine, "imported")
+    assert {name.removeprefix("remote_drafter.") for name in set(result) - engine} == TORCH_SIDE
+    assert {result[name] for name in set(result) - engine} <= {"torch", "safetensors"}
+
+
+def test_local_mode_serves_ngram_without_torch_and_names_the_extra_for_neural_drafters(tmp_path):
+    ngram = python(NO_TORCH + (
+        "from remote_drafter.factory import make_client\n"
+        "client = make_client()\n"
+        "client.add_request(1, [1, 2, 3, 1, 2])\n"
+        "print(client.propose()[1].tokens.tolist())"), {"REMOTE_DRAFTER_DRAFTER": "ngram"})
+    assert json.loads(ngram) == [3, 1, 2]  # what followed the earlier [1, 2]
+    refused = python(NO_TORCH + (
+        "from remote_drafter.drafters import WorkerExtraMissing\n"
+        "from remote_drafter.factory import make_client\n"
+        "try:\n"
+        "    make_client()\n"
+        "except WorkerExtraMissing as exc:\n"
+        "    print(exc)"), {"REMOTE_DRAFTER_DRAFTER": str(tmp_path)})  # a checkpoint folder
+    assert "remote_drafter.drafters.dspark needs torch" in refused
+    assert "pip install 'dsv41-remote-drafter[worker]'" in refused
+
+
+def test_the_cli_names_the_extra_in_one_line_without_torch():
+    done = subprocess.run([sys.executable, "-c", NO_TORCH + (
+        "from remote_drafter.cli import main\n"
+        "sys.exit(main(['worker', '--drafter', 'ngram']))")], capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("remote-drafter worker: the worker needs torch")
+    assert "pip install 'dsv41-remote-drafter[worker]'" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr

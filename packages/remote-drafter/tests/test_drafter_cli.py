@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
-from drafter_support import WorkerProcess
+import pytest
+
+pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.testing import WorkerProcess  # noqa: E402
 
 
 def cli(*args, check=True):

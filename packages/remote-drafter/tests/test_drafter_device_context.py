@@ -7,13 +7,14 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 
-from remote_drafter import protocol as P
-from remote_drafter.drafters import DraftRequest, load_drafter
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.history import History
-from remote_drafter.service import DraftService, ServiceConfig
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter import protocol as P  # noqa: E402
+from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
+from remote_drafter.drafters.dspark import DSparkDrafter  # noqa: E402
+from remote_drafter.history import History  # noqa: E402
+from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
 
 CLIENT = 7
 

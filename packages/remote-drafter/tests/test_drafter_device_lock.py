@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from remote_drafter.device_lock import DeviceBusy, DeviceLock, device_key, worker_lock
-from remote_drafter.worker import spawn_worker
+pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.device_lock import DeviceBusy, DeviceLock, device_key, worker_lock  # noqa: E402
+from remote_drafter.worker import spawn_worker  # noqa: E402
 
 
 @pytest.fixture

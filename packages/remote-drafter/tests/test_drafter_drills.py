@@ -9,19 +9,21 @@ import threading
 import time
 
 import pytest
-from drafter_support import HIDDEN_LAYERS, WorkerProcess
 
-import remote_drafter.drafters as drafters
-from ofl import Connection
-from ofl.errors import RemoteError
-from ofl.testing import stop_process
-from remote_drafter import protocol as P
-from remote_drafter.client import DrafterClient
-from remote_drafter.factory import CapacityModeError, make_client
-from remote_drafter.identity import Manifest, expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.target import random_target
-from remote_drafter.transport import RemoteTransport
+pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+import remote_drafter.drafters as drafters  # noqa: E402
+from ofl import Connection  # noqa: E402
+from ofl.errors import RemoteError  # noqa: E402
+from ofl.testing import stop_process  # noqa: E402
+from remote_drafter import protocol as P  # noqa: E402
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.factory import CapacityModeError, make_client  # noqa: E402
+from remote_drafter.identity import Manifest, expectation  # noqa: E402
+from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.target import random_target  # noqa: E402
+from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess  # noqa: E402
+from remote_drafter.transport import RemoteTransport  # noqa: E402
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: [4, 4, 2, 8, 1, 7]}
 NEW = 20

@@ -3,16 +3,17 @@ async, tcp or shm) produces exactly the tokens it produces alone (float32, CPU).
 
 import numpy as np
 import pytest
-import torch
-from drafter_support import HIDDEN_LAYERS, WorkerProcess, WrongEveryThird
 
-from async_handoff import HandoffConfig
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import load_drafter
-from remote_drafter.identity import expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.service import DraftService
-from remote_drafter.transport import AsyncTransport, LocalTransport, RemoteTransport
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from async_handoff import HandoffConfig  # noqa: E402
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.drafters import load_drafter  # noqa: E402
+from remote_drafter.identity import expectation  # noqa: E402
+from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.service import DraftService  # noqa: E402
+from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess, WrongEveryThird  # noqa: E402
+from remote_drafter.transport import AsyncTransport, LocalTransport, RemoteTransport  # noqa: E402
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: list(range(10, 40))}  # 3 is longer than the window
 NEW = 24
@@ -26,7 +27,7 @@ def reference(target):
 
 def drafter_spec(models, name):
     return {"dspark": models["dspark"], "dspark-tokens": models["dspark-tokens"], "lm": "lm",
-            "ngram": "ngram", "wrong": "drafter_support:WrongEveryThird"}[name]
+            "ngram": "ngram", "wrong": "remote_drafter.testing:WrongEveryThird"}[name]
 
 
 def layers(name):

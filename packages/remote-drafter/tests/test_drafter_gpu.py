@@ -2,15 +2,16 @@
 
 import numpy as np
 import pytest
-import torch
-from drafter_support import HIDDEN_LAYERS, WorkerProcess
 
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest, load_drafter
-from remote_drafter.identity import expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.target import TargetLM
-from remote_drafter.transport import RemoteTransport
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
+from remote_drafter.identity import expectation  # noqa: E402
+from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.target import TargetLM  # noqa: E402
+from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess  # noqa: E402
+from remote_drafter.transport import RemoteTransport  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="GPU tier: no CUDA here; benchmarks/gpu.sh runs it on an H200")

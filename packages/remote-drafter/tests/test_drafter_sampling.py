@@ -7,16 +7,18 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
-import remote_drafter.reference as reference
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
-from remote_drafter.reference import speculative_decode
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.target import TargetConfig, random_target
-from remote_drafter.transport import LocalTransport
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from scipy.stats import chisquare  # noqa: E402
+
+import remote_drafter.reference as reference  # noqa: E402
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
+from remote_drafter.reference import speculative_decode  # noqa: E402
+from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
+from remote_drafter.target import TargetConfig, random_target  # noqa: E402
+from remote_drafter.transport import LocalTransport  # noqa: E402
 
 VOCAB, T, N, PROMPT = 6, 0.8, 3000, [1, 4, 2]
 

@@ -7,15 +7,16 @@ import os
 
 import numpy as np
 import pytest
-import torch
-from drafter_support import HIDDEN_LAYERS, TINY
 
-from remote_drafter import protocol as P
-from remote_drafter.drafters import DraftRequest, load_drafter
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.history import History
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.target import TargetLM, random_target
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter import protocol as P  # noqa: E402
+from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
+from remote_drafter.drafters.ngram import NgramDrafter  # noqa: E402
+from remote_drafter.history import History  # noqa: E402
+from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
+from remote_drafter.target import TargetLM, random_target  # noqa: E402
+from remote_drafter.testing import HIDDEN_LAYERS, TINY  # noqa: E402
 
 
 def request(drafter, length: int, seed: int, depth: int = 5, temperature: float = 0.0):

@@ -6,17 +6,19 @@ import time
 
 import numpy as np
 import pytest
-from drafter_support import WorkerProcess
 
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import load_drafter
-from remote_drafter.identity import expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.shadow import ShadowClient
-from remote_drafter.spec_cache import outcomes
-from remote_drafter.target import TargetLM
-from remote_drafter.transport import LocalTransport, RemoteTransport
+pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.drafters import load_drafter  # noqa: E402
+from remote_drafter.identity import expectation  # noqa: E402
+from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
+from remote_drafter.shadow import ShadowClient  # noqa: E402
+from remote_drafter.spec_cache import outcomes  # noqa: E402
+from remote_drafter.target import TargetLM  # noqa: E402
+from remote_drafter.testing import WorkerProcess  # noqa: E402
+from remote_drafter.transport import LocalTransport, RemoteTransport  # noqa: E402
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7, 6], 3: list(range(10, 30))}
 
@@ -31,7 +33,7 @@ def cached_client(models, spec, outcomes_per_round=3, cache_bytes=64 << 20, want
 @pytest.mark.parametrize("spec, temperature", [("lm", 0.0), ("lm", 1.0), ("wrong", 0.0),
                                                ("dspark-tokens", 1.0)])
 def test_hits_draft_what_a_fresh_round_drafts(models, spec, temperature):
-    spec = {"wrong": "drafter_support:WrongEveryThird"}.get(spec, models.get(spec, spec))
+    spec = {"wrong": "remote_drafter.testing:WrongEveryThird"}.get(spec, models.get(spec, spec))
     cached, service = cached_client(models, spec, outcomes_per_round=4, want_probs=True)
     fresh, _ = cached_client(models, spec, outcomes_per_round=0, want_probs=True)  # every round a miss
     shadow = ShadowClient(cached, fresh)
@@ -72,7 +74,7 @@ def test_on_the_targets_copy_every_round_after_the_first_hits(models):
 def test_correction_outcomes_hit_too(models):
     """A drafter wrong at every third position never has 4 drafts fully accepted, so every
     hit it gets comes from a planned (accepted length, correction) outcome."""
-    client, service = cached_client(models, "drafter_support:WrongEveryThird", outcomes_per_round=3)
+    client, service = cached_client(models, "remote_drafter.testing:WrongEveryThird", outcomes_per_round=3)
     target = TargetLM.load(models["target"])
     result = speculative_decode(target, client, PROMPTS, 40, on_round=lambda d: service.cache.drain())
     assert not any(a == d == 4 for a, d in zip(result.accepted, result.drafted))

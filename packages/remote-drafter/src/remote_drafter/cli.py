@@ -19,14 +19,15 @@ from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
 from . import env
+from .drafters import WorkerExtraMissing, worker_side
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
 
 
 def cmd_init(args) -> int:
+    TargetConfig = worker_side("remote_drafter.target", "a new drafter").TargetConfig
     from .drafters.dspark import DSparkConfig, DSparkDrafter
-    from .target import TargetConfig
     with open(f"{args.target}/config.json") as f:
         t = TargetConfig.from_hf(json.load(f))
     layers = [] if args.token_only else [int(x) for x in args.target_layers.split(",")]
@@ -57,7 +58,7 @@ def _service_config(args):
 
 
 def cmd_worker(args) -> int:
-    import torch
+    torch = worker_side("torch", "the worker")
 
     from ofl.server import parse_address
 
@@ -125,7 +126,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_shadow(args) -> int:
-    import torch
+    TargetLM = worker_side("remote_drafter.target", "the local copy").TargetLM
+    import torch  # present: the target needs it too
 
     from .client import DrafterClient
     from .drafters import load_drafter
@@ -133,7 +135,6 @@ def cmd_shadow(args) -> int:
     from .reference import speculative_decode
     from .service import DraftService
     from .shadow import ShadowClient, synthetic_prompts
-    from .target import TargetLM
     from .transport import LocalTransport, RemoteTransport
     torch.manual_seed(0)
     target = TargetLM.load(args.target)
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
+    except (ValueError, FileNotFoundError, WorkerExtraMissing) as exc:  # one clear line, no traceback
         print(f"remote-drafter {args.cmd}: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,8 @@
 """Drafter back ends behind one interface (one small class per method, as vLLM's
 proposers): `dspark` (the chain drafter: layers + Markov head), `lm` (a small causal LM
 drafting token by token, e.g. the target's own copy), `ngram` (prompt lookup, no weights).
-A later back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'."""
+A later back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'. `dspark`
+and `lm` need torch (the [worker] extra); `ngram` and this module do not."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ import numpy as np
 
 from ..history import History
 from ..identity import Manifest
+
+WORKER_EXTRA = "dsv41-remote-drafter[worker]"
+WORKER_PACKAGES = ("torch", "safetensors")  # what the extra adds to the engine-side install
+
+
+class WorkerExtraMissing(ImportError):
+    """The torch side was asked for where only the engine side is installed."""
+
+    def __init__(self, needed_by: str, missing: str):
+        super().__init__(f"{needed_by} needs {missing}, which remote-drafter's engine-side "
+                         f"install leaves out: pip install '{WORKER_EXTRA}'")
+
+
+def worker_side(module: str, needed_by: str | None = None):
+    """Import a module of the torch side (a neural drafter, the target, torch itself);
+    WorkerExtraMissing, naming the extra, where torch or safetensors is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in WORKER_PACKAGES:
+            raise
+        raise WorkerExtraMissing(needed_by or module, exc.name) from exc
 
 
 @dataclass
@@ -68,7 +91,7 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtyp
     'module:Class' (a class taking (target, device, **options)); `dtype` (a torch dtype)
     casts a drafter's weights, a checkpoint's as they move to the device."""
     if os.path.isdir(spec):
-        from .dspark import DSparkDrafter
+        DSparkDrafter = worker_side(f"{__name__}.dspark").DSparkDrafter
         # cast tensor by tensor on the way: a float32 copy cast on the card would stay
         # reserved by the allocator (16.3 GB vs 7.5 GB of bf16 weights, measured on an H200)
         return DSparkDrafter.load(spec, target, device=device, **({"dtype": dtype} if dtype else {}))
@@ -88,7 +111,7 @@ def _other_drafter(spec: str, target: str | None, device: str, options: dict) ->
             options["target"] = Manifest(target_digest(target), tokenizer_digest(target))
         return NgramDrafter(**options)
     if spec == "lm":
-        from .lm import LMDrafter
+        LMDrafter = worker_side(f"{__name__}.lm").LMDrafter
         if not target:
             raise ValueError("the 'lm' drafter runs the target checkpoint: pass --target")
         return LMDrafter.from_folder(target, device=device, **options)

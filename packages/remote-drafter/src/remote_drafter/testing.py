@@ -1,5 +1,8 @@
-"""Shared by the remote-drafter tests: tiny targets and drafters on disk, a real worker
-process, and a drafter that is wrong on purpose."""
+"""Test helpers the drafter suites share (remote-drafter's, drafter-tp2's, the stack's): tiny
+targets and drafters on disk, a real worker process, and a drafter that is wrong on purpose.
+Torch side: it needs the [worker] extra, as the drafters it builds do."""
+
+from __future__ import annotations
 
 import os
 import subprocess
@@ -8,15 +11,15 @@ import time
 import numpy as np
 
 from ofl.testing import ChildProcess
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
-from remote_drafter.drafters.lm import LMDrafter
-from remote_drafter.target import TargetConfig, random_target
-from remote_drafter.worker import spawn_worker
+
+from .drafters.dspark import DSparkConfig, DSparkDrafter
+from .drafters.lm import LMDrafter
+from .target import TargetConfig, random_target
+from .worker import spawn_worker
 
 TINY = TargetConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=128)
 HIDDEN_LAYERS = (0, 2, 3)
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def make_models(base: str) -> dict:
@@ -37,7 +40,8 @@ class WrongEveryThird(LMDrafter):
     """The target's copy, but every draft at a position divisible by 3 is off by one:
     exercises rejection and rollback at known places (deterministic, so exact). It knows
     its planted error: the true token is its likeliest alternative there (what the
-    speculation cache plans a correction from)."""
+    speculation cache plans a correction from). A worker serves it as
+    'remote_drafter.testing:WrongEveryThird'."""
 
     kind = "lm-wrong-every-third"
 
@@ -62,10 +66,9 @@ class WorkerProcess(ChildProcess):
 
     def __init__(self, drafter: str, target: str, backend: str = "tcp", port: int = 0, *extra):
         self.args = [drafter, target, backend, *extra]
-        env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc, self.address = spawn_worker(
             ["--drafter", drafter, "--target", target, "--backend", backend,
-             "--listen", f"127.0.0.1:{port}", *extra], env=env, stderr=subprocess.DEVNULL)
+             "--listen", f"127.0.0.1:{port}", *extra], stderr=subprocess.DEVNULL)
 
     def restart(self) -> None:
         """Kill -9 and start again on the same port (state lost)."""
