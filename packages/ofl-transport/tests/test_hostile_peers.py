@@ -386,7 +386,8 @@ def test_every_session_a_handshake_created_is_closed(reset_after_hello_ok):
     ("OFL_ALLOW", "10.0.0.2,engine-host", "OFL_ALLOW: 'engine-host' is neither an address"),
 ])
 def test_unusable_admission_settings_stop_the_server_with_the_reason(variable, value, why):
-    run = subprocess.run([sys.executable, "-m", "ofl.cli", "serve", "--listen", "127.0.0.1:0"],
+    run = subprocess.run([sys.executable, "-m", "ofl.cli", "serve", "--listen", "127.0.0.1:0",
+                          "--size", "1MiB"],
                          env={**os.environ, variable: value}, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 1 and why in run.stderr and "Traceback" not in run.stderr
