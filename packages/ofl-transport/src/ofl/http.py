@@ -94,8 +94,8 @@ class MetricsServer:
         deadline = time.monotonic() + self.timeout_s
         try:
             status, kind, body = self._answer(sock, "%s:%d" % peer[:2], deadline)
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(_response(status, kind, body))  # the timeout bounds the whole send
+            sock.settimeout(self.timeout_s)  # bounds the whole sendall, not each send
+            sock.sendall(_response(status, kind, body))
             self.stats.add("requests")
         except OSError:
             self.stats.add("connections_lost")  # gone, or not reading its reply in time
