@@ -1,7 +1,9 @@
 """The CLI end to end: init a drafter, print its identity, serve it, ask a worker for its
-status, and run shadow parity against it (100% at greedy; refused for another drafter)."""
+status, and run shadow parity against it (100% at greedy; refused for another drafter);
+kernel back ends found by name in the entry-point group other packages register them in."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +11,9 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
+import remote_drafter.cli  # noqa: E402
 from remote_drafter.testing import WorkerProcess  # noqa: E402
+from remote_drafter.worker import spawn_worker  # noqa: E402
 
 
 def cli(*args, check=True):
@@ -62,3 +66,40 @@ def test_worker_refuses_a_cache_it_cannot_keep_exact(models):
                         "--target", models["target"], "--listen", "127.0.0.1:0", "--spec-cache"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "tokens alone" in p.stderr
+
+
+def test_a_kernel_back_end_another_package_registers_is_found_by_name(tmp_path):
+    """As native-drafter registers `native`: a distribution on the path whose entry point
+    in remote_drafter.kernels names a loader; the worker serves what the loader returns."""
+    (tmp_path / "probe_kernels.py").write_text(
+        "def load(drafter, device):\n"
+        "    described = drafter.describe()\n"
+        "    drafter.describe = lambda: {**described, 'kernels': 'probe on ' + device}\n"
+        "    return drafter\n")
+    info = tmp_path / "probe_kernels-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: probe-kernels\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[remote_drafter.kernels]\nprobe = probe_kernels:load\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc, address = spawn_worker(["--drafter", "ngram", "--listen", "127.0.0.1:0", "--kernels", "probe"],
+                                 env={**os.environ, "PYTHONPATH": path})
+    try:
+        status = json.loads(cli("status", "--worker", address).stdout)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert status["drafter"]["kernels"] == "probe on cpu"
+
+
+def test_kernels_not_installed_are_refused_naming_the_package_that_brings_them(monkeypatch, capsys):
+    monkeypatch.setattr(remote_drafter.cli, "entry_points", lambda group: [])
+    assert remote_drafter.cli.main(["worker", "--drafter", "ngram", "--kernels", "native"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("remote-drafter worker: --kernels native is not installed: it comes with "
+                   "dsv41-native-drafter and Triton (pip install packages/native-drafter) "
+                   "(installed: torch)\n")
+    monkeypatch.undo()
+    assert remote_drafter.cli.main(["worker", "--drafter", "ngram", "--kernels", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--kernels nope is not installed: it comes with a package registering it under " \
+           "remote_drafter.kernels (installed: torch" in err

@@ -2,7 +2,9 @@
 drafter with its round on the native kernels. Same weights, same identity, same request
 layout and the same token picking (remote_drafter's Picker: greedy or seeded draws, the
 speculation cache's alternatives); only z and the Markov-corrected logits come from the
-kernels. It refuses to exist unless the gate has passed for these kernels on this GPU."""
+kernels. It refuses to exist unless the gate has passed for these kernels on this GPU.
+The worker finds load_native by name: pyproject.toml registers it as `native` in the
+remote_drafter.kernels entry-point group (remote_drafter never imports this package)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """remote-drafter: create a drafter, serve it, check it.
 
   remote-drafter init      --target DIR --out DIR [--target-layers 2,15,29 | --token-only]
-  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0] [--kernels native]
+  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0] [--kernels NAME]
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
@@ -23,6 +24,10 @@ from .drafters import WorkerExtraMissing, worker_side
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
+# Kernel back ends other packages register (name = "module:loader", called as
+# loader(drafter, device) -> the drafter to serve); this package imports none of them.
+KERNELS_GROUP = "remote_drafter.kernels"
+KERNEL_PROVIDERS = {"native": "dsv41-native-drafter and Triton (pip install packages/native-drafter)"}
 
 
 def cmd_init(args) -> int:
@@ -57,8 +62,23 @@ def _service_config(args):
                          inject_delay_s=args.inject_delay_ms / 1000)
 
 
+def kernel_loader(name: str):
+    """The loader registered as `name` under KERNELS_GROUP; ValueError saying what to
+    install when none is, or why it does not load."""
+    registered = {ep.name: ep for ep in entry_points(group=KERNELS_GROUP)}
+    if name not in registered:
+        provider = KERNEL_PROVIDERS.get(name, f"a package registering it under {KERNELS_GROUP}")
+        raise ValueError(f"--kernels {name} is not installed: it comes with {provider} "
+                         f"(installed: {', '.join(['torch', *sorted(registered)])})")
+    try:
+        return registered[name].load()
+    except ImportError as exc:
+        raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
+
+
 def cmd_worker(args) -> int:
     torch = worker_side("torch", "the worker")
+    with_kernels = None if args.kernels == "torch" else kernel_loader(args.kernels)
 
     from ofl.server import parse_address
 
@@ -75,8 +95,8 @@ def cmd_worker(args) -> int:
         dtype = getattr(torch, args.dtype)
         drafter = load_drafter(args.drafter, args.target, args.device,
                                dtype=None if dtype == torch.float32 else dtype)
-        if args.kernels == "native":
-            drafter = native_kernels(drafter, args.device)
+        if with_kernels:
+            drafter = with_kernels(drafter, args.device)
         host, port = parse_address(args.listen, 7480)
         worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
         d = worker.service.describe()
@@ -95,17 +115,6 @@ def cmd_worker(args) -> int:
                 torch.cuda.synchronize(args.device)  # in-flight GPU work ends before the card is free
             lock.release()
     return 0
-
-
-def native_kernels(drafter, device: str):
-    """The drafter's round on native-drafter's gated kernels (an optional install, imported
-    only here); ValueError with the reason when they are absent or not gated on this GPU."""
-    try:
-        from native_drafter.backend import load_native
-    except ImportError as exc:
-        raise ValueError(f"--kernels native needs the dsv41-native-drafter package and Triton "
-                         f"(pip install packages/native-drafter): {exc}") from exc
-    return load_native(drafter, device)
 
 
 def cmd_identity(args) -> int:
@@ -202,8 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
-    p.add_argument("--kernels", default="torch", choices=["torch", "native"],
-                   help="what computes the drafter's round: torch, or native-drafter's Triton "
+    p.add_argument("--kernels", default="torch",
+                   help="what computes the drafter's round: torch, or a back end another package "
+                        f"registers under {KERNELS_GROUP}: native = native-drafter's Triton "
                         "kernels (DSpark, float32; refused unless `native-drafter gate` passed "
                         "on this GPU). Not --backend: that names the ofl transport")
     p.add_argument("--max-requests", type=int, default=256,
