@@ -26,8 +26,8 @@ for pkg in "${TORCH_FREE[@]}"; do
   # Run from the tests folder so the package comes from site-packages, not src/.
   (cd "packages/$pkg/tests" && "../../../$venv/bin/python" -m pytest -p no:cacheprovider -q .)
 done
-# After the others' tests: remote-engram's hook-check test takes an importable remote_drafter
-# for the full dev venv (which has torch).
+# remote-drafter without extras (its test extra would bring the worker's torch); pytest and
+# hypothesis are here from the others' test extras.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check packages/remote-drafter 2>&1 \
   | grep -v "^WARNING: Location" || true
 no_torch

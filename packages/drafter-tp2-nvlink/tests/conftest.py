@@ -1,14 +1,6 @@
-import sys
-
 import pytest
 
-import remote_drafter.testing
 from remote_drafter.testing import make_models
-
-# test_tp2_parity.py and test_tp2_faults.py import remote-drafter's helpers by the name they
-# had in its tests folder: the same module under that name until they import it as
-# remote_drafter.testing.
-sys.modules.setdefault("drafter_support", remote_drafter.testing)
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,14 @@ import threading
 import time
 
 import pytest
-from drafter_support import HIDDEN_LAYERS
-from tp2_support import RankPair, drafter_tp2, tp2_env, worker_args
 
 from drafter_tp2.launcher import free_master
+from drafter_tp2.testing import RankPair, drafter_tp2, tp2_env, worker_args
 from remote_drafter.client import DrafterClient
 from remote_drafter.identity import expectation
 from remote_drafter.reference import plain_decode, speculative_decode
 from remote_drafter.target import TargetLM
+from remote_drafter.testing import HIDDEN_LAYERS
 from remote_drafter.transport import RemoteTransport
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7]}

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from tp2_support import PairProcess, drafter_tp2, tp2_env, worker_args
 
 from drafter_tp2.parity import compare_single_rounds
+from drafter_tp2.testing import PairProcess, drafter_tp2, tp2_env, worker_args
 from remote_drafter.client import DrafterClient
 from remote_drafter.drafters import load_drafter
 from remote_drafter.identity import expectation

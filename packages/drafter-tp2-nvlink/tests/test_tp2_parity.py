@@ -3,10 +3,9 @@ rolling back to the one-card worker on the same checkpoint serves the same draft
 
 import numpy as np
 import pytest
-from drafter_support import HIDDEN_LAYERS, WorkerProcess
-from tp2_support import PairProcess, tp2_env, worker_args
 
 from drafter_tp2.parity import compare_single_rounds
+from drafter_tp2.testing import PairProcess, tp2_env, worker_args
 from ofl import Connection
 from ofl.errors import RemoteError
 from remote_drafter import protocol as P
@@ -17,6 +16,7 @@ from remote_drafter.reference import plain_decode, speculative_decode
 from remote_drafter.service import DraftService
 from remote_drafter.shadow import ShadowClient, synthetic_prompts
 from remote_drafter.target import TargetLM
+from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess
 from remote_drafter.transport import LocalTransport, RemoteTransport
 
 MAX_REQUESTS = 6

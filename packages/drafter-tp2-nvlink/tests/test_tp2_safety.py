@@ -6,10 +6,9 @@ module both kinds of worker use."""
 import subprocess
 import sys
 
-from tp2_support import PairProcess, RankPair, drafter_tp2, tp2_env, worker_args
-
 from drafter_tp2.launcher import free_master
 from drafter_tp2.pair import refusals
+from drafter_tp2.testing import PairProcess, RankPair, drafter_tp2, tp2_env, worker_args
 from remote_drafter.device_lock import DeviceLock, device_key
 from remote_drafter.drafters.dspark import DSparkDrafter
 from remote_drafter.worker import spawn_worker

@@ -3,7 +3,7 @@
 At the miniature's drafter shape (width 576, 3 layers, vocab 49,152, three target layers,
 window 128, W = 5): (1) CPU float32 vs CUDA float32 and bfloat16 drafts for the same
 rounds at T = 0: token agreement, the block logits' relative error, and for every
-disagreement the CPU's own top-2 probability gap there (near-ties flip; DESIGN 7);
+disagreement the CPU's own top-2 probability gap there (near-ties flip; ARCHITECTURE.md § Exactness);
 (2) draft-round device time at batch 1..64 (CUDA events, median of many rounds);
 (3) greedy decoding of a random target on the GPU with the GPU drafter vs plain decoding.
 Prints a table last and writes JSON (--out)."""

@@ -35,7 +35,7 @@ def layers(name):
 
 
 def report_gap(target, result, reference):
-    """DESIGN 7: a difference is reported with the target's top-2 logit gap there."""
+    """ARCHITECTURE.md § Exactness: a difference is reported with the target's top-2 logit gap there."""
     for rid, want in reference.items():
         got = result.tokens[rid]
         if got != want:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-GREEDY_BELOW = 1e-5  # DESIGN 4.2: below this temperature both sides are one-hot
+GREEDY_BELOW = 1e-5  # ARCHITECTURE.md § DSpark verification: below this temperature both sides are one-hot
 
 
 def is_greedy(temperature: float) -> bool:

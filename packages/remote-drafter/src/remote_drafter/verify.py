@@ -1,4 +1,4 @@
-"""The DSpark verification rule (DESIGN 4.2) for one chain, on the host: what the
+"""The DSpark verification rule (ARCHITECTURE.md § DSpark verification) for one chain, on the host: what the
 reference loop applies to a round's drafts and the target's distributions. Torch-free.
 
 Accept draft i if u < min(1, p_t(x)/max(p_d(x), 1e-8)); at the first rejection draw from

@@ -1,4 +1,4 @@
-"""The DSpark chain drafter (DESIGN 4.2, reference/dspark.md), readable in one sitting.
+"""The DSpark chain drafter (ARCHITECTURE.md § DSpark drafter), readable in one sitting.
 
 Parallel stage: the block [anchor, mask x (W-1)] attends, in every layer, to itself
 (bidirectionally) and to the context: the target's hidden rows of the last `window`
