@@ -140,6 +140,20 @@ def test_kill_9_mid_round_respawns_and_never_answers_the_old_round():
         worker.stop()
 
 
+def test_a_round_slower_than_the_heartbeat_but_within_its_deadline_keeps_its_proxy():
+    """The proxy beats between rounds: a live round longer than the heartbeat timeout (a
+    loaded machine) is answered, and the watchdog leaves the proxy alone."""
+    worker = Worker(delay_s=0.6)
+    h = start(worker, round_deadline_ms=2000, heartbeat_timeout_ms=300)
+    try:
+        pid = h.proc.pid
+        assert round_trip(h, b"slow") == b"wols"
+        assert h.proc.pid == pid and h.counters()["watchdog_fires"] == 0
+    finally:
+        h.close()
+        worker.stop()
+
+
 def test_stopped_proxy_is_killed_and_respawned():
     worker = Worker()
     h = start(worker, heartbeat_timeout_ms=300)

@@ -31,7 +31,8 @@ ASYNC_HANDOFF_MAX_WAIT_MS = EnvVar(
     "ASYNC_HANDOFF_MAX_WAIT_MS", "20", "The longest any engine-side call may block.")
 ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS = EnvVar(
     "ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS", "1000",
-    "A proxy whose heartbeat is older than this is stuck: the watchdog kills and respawns it.")
+    "A proxy silent for longer than this plus ASYNC_HANDOFF_ROUND_DEADLINE_MS (it beats "
+    "between rounds) is stuck: the watchdog kills and respawns it.")
 ASYNC_HANDOFF_RESPAWN_MAX = EnvVar(
     "ASYNC_HANDOFF_RESPAWN_MAX", "3", "Respawns allowed per window; past it the handoff "
     "stays disabled (target-only decoding) instead of flapping.")

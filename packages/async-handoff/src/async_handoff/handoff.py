@@ -186,7 +186,10 @@ class Handoff:
         log.error("async handoff disabled: %s (decoding continues without remote drafts)", reason)
 
     def _watch(self) -> None:
-        timeout_ns = self.config.heartbeat_timeout_ms * 1e6
+        # the proxy beats between rounds, and a round may run for up to its deadline: only a
+        # proxy silent for longer than both is stuck (a slow round is not; found when a
+        # loaded machine's 1.2 s round under a 2 s deadline got its proxy killed)
+        timeout_ns = (self.config.heartbeat_timeout_ms + self.config.round_deadline_ms) * 1e6
         while not self._stop.wait(self.config.watchdog_interval_s):
             with self._lock:
                 if self.enabled:
