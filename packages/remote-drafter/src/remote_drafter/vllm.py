@@ -31,6 +31,11 @@ from .factory import make_client
 from .transport import AsyncTransport
 
 log = logging.getLogger("remote_drafter.vllm")
+# vLLM's auxiliary hidden state L is the stream entering layer L. DeepSeek-V4.1's drafter
+# names its taps that way, so its ids are used as given; the other drafters here name "the
+# output of layer i", which enters layer i + 1 (vLLM 0.33's rule for DSpark:
+# v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, get_eagle3_aux_layers_from_config).
+TAPS_AS_GIVEN = frozenset({"deepseek_v41"})
 START_DEADLINE_S = 10.0  # asking the worker which layers its drafter reads, at start-up
 
 # What register() wraps, as vLLM 0.32 / 0.33 define it: {file: {class: {method: leading
@@ -43,11 +48,18 @@ HOOKS = {"vllm/v1/worker/gpu_model_runner.py": {"GPUModelRunner": {
     "_setup_eagle3_aux_hidden_state_outputs": ["self"]}}}
 
 
+def aux_layer_ids(layers: tuple, model_type: str) -> tuple[int, ...]:
+    """The vLLM auxiliary hidden-state ids that carry the drafter's taps `layers` on a target
+    of `model_type`, sorted as vLLM returns them."""
+    shift = 0 if model_type in TAPS_AS_GIVEN else 1
+    return tuple(sorted({layer + shift for layer in layers}))
+
+
 def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, layers: tuple,
                    ) -> dict[str, np.ndarray]:
     """{request id: hidden rows [m, len(layers) x H]} of the inputs this step committed.
     `aux`: vLLM's auxiliary hidden states, one [tokens, H] tensor per layer of sorted(layers)
-    (vLLM index = our layer + 1: its index counts the stream entering a layer)."""
+    (aux_layer_ids keeps the order, so the tensor of a tap is found by its rank)."""
     import torch
 
     order = sorted(set(layers))
@@ -226,8 +238,7 @@ def register() -> None:
 
     def setup_aux_hidden_state_outputs(self):
         """Both runners call this at the end of load_model (for EAGLE-3): turn on the
-        outputs at the drafter's layers, shifted to vLLM's index (the stream entering a
-        layer: our layer i is vLLM's i + 1)."""
+        outputs at the drafter's taps, in vLLM's ids for this target (aux_layer_ids)."""
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, RemoteProposer) or not drafter.hidden_layers:
             return original_setup(self)
@@ -236,7 +247,8 @@ def register() -> None:
             log.error("the target model cannot output hidden states: the drafter gets none")
             drafter.hidden_layers = ()
             return None
-        model.set_aux_hidden_state_layers(tuple(sorted({i + 1 for i in drafter.hidden_layers})))
+        model_type = getattr(self.model_config.hf_config, "model_type", "")
+        model.set_aux_hidden_state_layers(aux_layer_ids(drafter.hidden_layers, model_type))
         self.use_aux_hidden_state_outputs = True
         return None
 
