@@ -10,11 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from test_handoff import ECHO, Worker, config, round_trip, wait_for
+from test_handoff import ECHO, Worker, config, round_trip
 
 from async_handoff import Handoff, HandoffConfig
 from async_handoff.cli import main
 from async_handoff.exposition import parse, read, serve
+from ofl.testing import wait_until
 
 
 def free_address() -> str:
@@ -61,7 +62,7 @@ def test_counters_served_move_with_rounds_and_a_watchdog_fire(capsys):
         assert after == {k: float(v) for k, v in parse(h.prometheus()).items()}
         pid = h.proc.pid
         os.kill(pid, signal.SIGKILL)  # the watchdog notices, respawns, and it shows outside
-        assert wait_for(lambda: h.enabled and h.proc.pid != pid, 15), h.reason
+        wait_until(lambda: h.enabled and h.proc.pid != pid, what="a respawned proxy", timeout_s=15)
         fired = read(listen)
         assert fired["watchdog_fires"] == 1 and fired["respawns"] == 1
         assert main(["counters", "--listen", listen]) == 0  # the CLI prints the same

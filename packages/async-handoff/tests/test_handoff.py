@@ -14,6 +14,7 @@ import pytest
 
 from async_handoff import Handoff, HandoffConfig
 from ofl import Server
+from ofl.testing import wait_until
 
 HERE = str(Path(__file__).parent)
 ECHO = "async_handoff.adapters:OflMessageAdapter"
@@ -65,15 +66,6 @@ def round_trip(h, payload, timeout_s=5.0):
     return None
 
 
-def wait_for(cond, timeout_s=10.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_rounds_over_ofl(backend):
     worker = Worker(backend)
@@ -112,9 +104,9 @@ def test_late_worker_times_out_and_is_counted():
     h = start(worker, round_deadline_ms=150)
     try:
         t = h.submit(b"late")
-        assert wait_for(lambda: h.poll(t) is None and (h.counters()["rounds_timed_out"] >= 1))
+        wait_until(lambda: h.poll(t) is None and h.counters()["rounds_timed_out"] >= 1, what="the round timed out")
         worker.delay_s = 0
-        assert wait_for(lambda: round_trip(h, b"prompt") == b"tpmorp")
+        wait_until(lambda: round_trip(h, b"prompt"), lambda r: r == b"tpmorp", "a round through the new proxy")
     finally:
         h.close()
         worker.stop()
@@ -125,10 +117,10 @@ def test_kill_9_mid_round_respawns_and_never_answers_the_old_round():
     h = start(worker, round_deadline_ms=2000)
     try:
         old = h.submit(b"old round")
-        assert wait_for(lambda: worker.rounds == 1, 5)  # in flight at the worker
+        wait_until(lambda: worker.rounds, lambda n: n == 1, "the round in flight at the worker", 5)
         first_pid, first_gen = h.proc.pid, h.generation
         os.kill(first_pid, signal.SIGKILL)
-        assert wait_for(lambda: h.enabled and h.proc.pid != first_pid, 15), h.reason
+        wait_until(lambda: h.enabled and h.proc.pid != first_pid, what="a respawned proxy", timeout_s=15)
         assert h.generation == first_gen + 1
         c = h.counters()
         assert c["watchdog_fires"] == 1 and c["respawns"] == 1
@@ -164,7 +156,7 @@ def test_stopped_proxy_is_killed_and_respawned():
         t = h.submit(b"while stuck")
         t0 = time.monotonic()
         assert h.wait(t) is None and time.monotonic() - t0 < 0.2
-        assert wait_for(lambda: h.enabled and h.proc.pid != pid, 15), h.reason
+        wait_until(lambda: h.enabled and h.proc.pid != pid, what="a respawned proxy", timeout_s=15)
         assert h.counters()["watchdog_fires"] == 1
         assert round_trip(h, b"xyz") == b"zyx"
     finally:
@@ -181,7 +173,7 @@ def test_unreachable_worker_disables_after_bounded_respawns():
     h.start()
     try:
         assert not h.enabled
-        assert wait_for(lambda: h.reason.startswith("respawn bound"), 30), h.reason
+        wait_until(lambda: h.reason, lambda r: r.startswith("respawn bound"), "the respawn bound", 30)
         time.sleep(0.5)
         assert h.counters()["respawns"] == 2  # no flapping past the bound
         assert h.submit(b"x") is None and h.counters()["disabled_skips"] == 1
@@ -197,7 +189,7 @@ def test_crashing_proxy_hits_the_respawn_bound():
             h.wait(h.submit(b"boom"))
             if h.reason.startswith("respawn bound"):
                 break
-            wait_for(lambda: h.enabled, 10)
+            wait_until(lambda: h.enabled, what="the proxy back", timeout_s=10)
         assert h.reason.startswith("respawn bound")
         assert h.counters()["respawns"] == 2 and h.counters()["watchdog_fires"] == 3
     finally:
@@ -253,7 +245,7 @@ def test_region_removed_underneath():
         os.unlink(old_path)
         assert round_trip(h, b"two") == b"owt"  # both sides keep their mapping
         os.kill(pid, signal.SIGKILL)  # a respawned proxy must open the region by name
-        assert wait_for(lambda: h.enabled and h.proc.pid != pid, 15), h.reason
+        wait_until(lambda: h.enabled and h.proc.pid != pid, what="a respawned proxy", timeout_s=15)
         assert h.flags.path != old_path and os.path.exists(h.flags.path)
         assert round_trip(h, b"three") == b"eerht"
     finally:

@@ -19,7 +19,7 @@ import pytest
 from ofl import AuthenticationFailed, Connection, Server, wire
 from ofl.backends import tcp
 from ofl.probe import PROBE_REGION, pattern
-from ofl.testing import ServeProcess, closes, rss_bytes, threads
+from ofl.testing import ServeProcess, closes, rss_bytes, threads, wait_until
 
 KEY = "0123456789abcdef" * 4
 MiB = 1 << 20
@@ -70,14 +70,6 @@ def server_log(tmp_path):
 
 def lines(path, text: str) -> list[str]:
     return [line for line in path.read_text().splitlines() if text in line]
-
-
-def settles(value, want, timeout_s: float = 10) -> None:
-    """Wait until value() == want (e.g. a thread exiting after its socket closed)."""
-    deadline = time.monotonic() + timeout_s
-    while (got := value()) != want:
-        assert time.monotonic() < deadline, f"still {got!r}, {want!r} expected"
-        time.sleep(0.01)
 
 
 def test_idle_peers_that_said_hello_cannot_lock_out_the_engine(server_log):
@@ -161,7 +153,7 @@ def test_a_key_admits_only_peers_that_prove_it(server_log):
             assert engine.request(b"still served") == b"still served"
         assert all(closes(s) for s in [*silent, stalled])
         assert time.monotonic() - t < 1.5  # reclaimed at 0.3 s (was 3 s, and never after HELLO)
-        settles(lambda: threads(srv.proc.pid), base)
+        wait_until(lambda: threads(srv.proc.pid), lambda n: n == base, "the server's threads back to their base")
     finally:
         srv.stop()
     text = path.read_text()
@@ -286,7 +278,7 @@ def test_a_read_is_capped_and_streamed_with_a_send_deadline(server_log):
         for rid in range(8):  # 31 MB asked for, and not read
             s.sendall(wire.pack_header(wire.Kind.READ, 10 + rid, len(frame)) + frame)
         client_port = s.getsockname()[1]
-        settles(lambda: established(srv.port, client_port), False)  # dropped at 0.5 s
+        wait_until(lambda: established(srv.port, client_port), lambda up: not up, "the slow sender dropped")  # at 0.5 s
         received = 0
         try:
             while chunk := s.recv(1 << 20):
@@ -295,7 +287,7 @@ def test_a_read_is_capped_and_streamed_with_a_send_deadline(server_log):
             pass  # it closed with our further READs unread
         assert received < 8 * len(many.offsets) * (60 << 10)
         assert rss_bytes(srv.proc.pid) - before < 8 * MiB
-        settles(lambda: threads(srv.proc.pid), base)
+        wait_until(lambda: threads(srv.proc.pid), lambda n: n == base, "the server's threads back to their base")
         with Connection(srv.address, backend="tcp") as engine:  # gathers split under the cap
             dest = np.zeros(65 * MiB, np.uint8)
             engine.gather(PROBE_REGION, np.zeros(65, np.uint64), MiB, dest)
@@ -373,11 +365,11 @@ def test_every_session_a_handshake_created_is_closed(reset_after_hello_ok):
             assert next_frame(s)[0].kind == wire.Kind.HELLO_OK
         reset(s)
         proceed.set()
-        settles(lambda: len(srv.backend.sessions), 1)
+        wait_until(lambda: len(srv.backend.sessions), lambda n: n == 1, "the failed handshake's session closed")
         session = srv.backend.sessions[0]
         assert session.closed.wait(5)
         assert session.started is reset_after_hello_ok
-        settles(lambda: srv.stats["connections_lost"], 1)
+        wait_until(lambda: srv.stats["connections_lost"], lambda n: n == 1, "the lost connection counted")
         assert srv.stats["internal_errors"] == 0
 
 

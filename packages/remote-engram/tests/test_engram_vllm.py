@@ -16,13 +16,13 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from longctx_bench.launch import VllmServer, free_port
+from ofl.testing import wait_until
 from remote_engram.cli import main as cli
 from remote_engram.client import served_counters
 from remote_engram.geometry import ROW_BYTES, EngramGeometry
@@ -135,18 +135,6 @@ def test_rows_from_the_local_shards(tiny, reference, tmp_path):
     assert c["local_rows"] > 0 and c.get("remote_rows", 0) == 0
 
 
-def poll(read, until, what: str, timeout_s: float = 120.0):
-    """Read `read()` until `until(value)`; the drill's faults wait on such events, never on
-    a sleep. Bounded: fails with `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = read()
-        if until(value):
-            return value
-        time.sleep(0.002)
-    raise AssertionError(f"not observed in {timeout_s:.0f} s: {what}")
-
-
 def test_rows_from_the_offload_host_then_its_fallback(tiny, reference, tmp_path):
     """The host dies in the middle of a generation: the fault is set off by the engine's
     own counter (rows of this generation served by the host), the host is frozen at once and
@@ -173,14 +161,14 @@ def test_rows_from_the_offload_host_then_its_fallback(tiny, reference, tmp_path)
         worker = threading.Thread(target=lambda: result.update(
             server.complete(PROMPTS[0], max_tokens=LONG_TOKENS)))
         worker.start()
-        poll(lambda: counters(port)["remote_rows"], lambda n: n > before["remote_rows"],
-             "the host serving rows of the generation")
+        wait_until(lambda: counters(port)["remote_rows"], lambda n: n > before["remote_rows"],
+                   "the host serving rows of the generation", timeout_s=120, interval_s=0.002)
         os.kill(host.proc.pid, signal.SIGSTOP)  # from here on the host answers nothing
         frozen = counters(port)["remote_rows"] - before["remote_rows"]
         assert frozen < whole, "the generation had every row before the host stopped"
         print(f"host frozen after {frozen} of the generation's {whole} remote rows")
-        poll(lambda: counters(port).get("fallbacks", 0), lambda n: n >= 1,
-             "the engine falling back to its shards")
+        wait_until(lambda: counters(port).get("fallbacks", 0), lambda n: n >= 1,
+                   "the engine falling back to its shards", timeout_s=120)
         host.proc.kill()
         worker.join(timeout=300)
         assert result["token_ids"] == reference[1]["token_ids"]

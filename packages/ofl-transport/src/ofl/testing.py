@@ -138,6 +138,19 @@ class ServeProcess(ChildProcess):
             time.sleep(0.1)
 
 
+def wait_until(read, until=bool, what: str = "the awaited event", timeout_s: float = 10.0,
+               interval_s: float = 0.005):
+    """Poll `read()` until `until(value)` holds and return that value: tests and fault drills
+    wait on an observed event (a counter, a thread count, a pid), never on a sleep. Bounded:
+    AssertionError naming `what` and the last value seen after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not until(value := read()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not observed in {timeout_s:g} s: {what} (last: {value!r})")
+        time.sleep(interval_s)
+    return value
+
+
 def closes(sock: socket.socket) -> bool:
     """Read until the server closes (or resets) the connection; False if it still holds it
     when the socket's timeout passes."""
