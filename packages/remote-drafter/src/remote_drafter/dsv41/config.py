@@ -1,0 +1,285 @@
+"""The drafter's configuration and the table of its checkpoint tensors (torch-free).
+
+Source of truth: vLLM 0.33.0, read in its wheel: `transformers_utils/configs/deepseek_v41.py`
+(text fields nested under `text_config`, flattened), `models/deepseek_v41/nvidia/dspark.py`
+(the drafter and its `mtp.{j}.*` name remapping), `models/deepseek_v41/nvidia/model.py` and
+`models/deepseek_v4/nvidia/model.py` (decoder layer, MoE, shared expert), `models/deepseek_v41/
+attention.py`, `models/deepseek_v41/quant_config.py`, `v1/worker/gpu/spec_decode/utils.py`
+(the noise token) and `config/speculative.py` (block size). Defaults are vLLM's `getattr`
+defaults; a key vLLM reads without a default is required here and refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+HC_POST_ALPHA = 2.0  # DeepseekV4DecoderLayer.hc_post_alpha: a constant, not a config key
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+# Kinds of stored tensors: fp8 = float8_e4m3fn, fp4 = two e2m1 values per byte along the
+# input dimension (float4_e2m1fn_x2 / int8), e8m0 = float8_e8m0fnu power-of-two scales.
+KINDS = ("bf16", "f32", "fp8", "fp4", "e8m0")
+FP4_SCALE_BLOCK = 32  # one e8m0 scale per 32 input values of an fp4 expert weight
+_NOISE_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]  # as stored in the checkpoint (fp4: input dimension halved)
+    kind: str               # one of KINDS
+
+
+@dataclass(frozen=True)
+class Dsv41DrafterConfig:
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int       # the target's; vLLM names drafter layer j layers.{this + j}
+    n_mtp_layers: int            # drafter layers (n_mtp_layers / num_nextn_predict_layers / 3)
+    rms_norm_eps: float
+    # mHC: hc_mult copies of the residual stream, Sinkhorn-normalised mixing
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    # attention (compressor-less sliding window, one shared KV row of head_dim)
+    num_attention_heads: int
+    head_dim: int                # width of each query head and of the shared KV row
+    qk_rope_head_dim: int        # the last dims of a head that carry GPT-J RoPE
+    q_lora_rank: int             # wq_a: hidden -> q_lora_rank, q_norm, wq_b -> heads*head_dim
+    o_groups: int                # wo_a projects each group of heads to o_lora_rank
+    o_lora_rank: int
+    sliding_window: int          # context rows a block sees: the last min(this, p0)
+    rope_theta: float            # plain RoPE on sliding-window layers (no YaRN)
+    # MoE (the drafter's expert counts: dspark_* override the target's)
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int        # 0: none; else one shared MLP of this x moe_intermediate_size
+    swiglu_limit: float | None   # clamp of the SwiGLU inputs; None: no clamp
+    routed_scaling_factor: float
+    scoring_func: str
+    norm_topk_prob: bool         # renormalise the chosen experts' weights to sum 1
+    gate_bias: bool              # topk_method == "noaux_tc": ffn.gate.bias steers the choice
+    # DSpark
+    target_layer_ids: tuple[int, ...]  # taps: the stream entering these target layers
+    block_size: int              # W: [seed, noise x (W-1)] -> W drafts per pass
+    markov_rank: int
+    noise_token_id: int
+    draft_topk: int | None       # Markov bias on the top-k base logits only (None: all)
+    enable_confidence_head: bool  # vLLM drops the head when the checkpoint lacks it
+    # checkpoint storage
+    expert_dtype: str            # "fp4" (MXFP4 experts) or "fp8" (block-fp8 experts)
+    weight_block_size: tuple[int, int]  # fp8 linear scale block (rows, cols)
+    vision: bool                 # vision checkpoints add ffn.gate.bias_vl (unused for text)
+
+    @property
+    def feature_width(self) -> int:
+        """One context row: the taps of every target layer, concatenated in layer order."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def mix_hc(self) -> int:
+        """Rows of an hc_*_fn projection: hc pre weights, hc post weights, hc x hc mix."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def rope_head_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def linear_scale_kind(self) -> str:
+        """fp8 linear scales: e8m0 in fp4-expert checkpoints, float32 in fp8-expert ones
+        (DeepseekV4FP8Config.is_scale_e8m0)."""
+        return "e8m0" if self.expert_dtype == "fp4" else "f32"
+
+    @classmethod
+    def from_json(cls, config: dict) -> "Dsv41DrafterConfig":
+        """The whole config.json (text fields under `text_config` or flat)."""
+        flat = flatten(config)
+
+        def need(key):
+            if flat.get(key) is None:
+                raise ValueError(f"DeepSeek-V4.1 drafter config lacks {key!r}")
+            return flat[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        n_mtp = int(flat.get("n_mtp_layers") or flat.get("num_nextn_predict_layers") or 3)
+        _refuse_compressed_drafter_layers(flat.get("compress_ratios"), n_layers, n_mtp)
+        if flat.get("sample_from_anchor", True) is not True:
+            raise ValueError("only sample_from_anchor=true (the seed predicts the first "
+                             "draft) is a DeepSeek-V4.1 DSpark layout")
+        vocab = int(need("vocab_size"))
+        if (flat.get("draft_vocab_size") or vocab) != vocab:
+            raise ValueError("a reduced draft vocabulary (draft_vocab_size) is not "
+                             "DeepSeek-V4.1's drafter: it shares the target's head")
+        if need("hidden_act") != "silu":
+            raise ValueError(f"hidden_act {flat['hidden_act']!r}: vLLM's DeepseekV4MLP "
+                             "supports silu only")
+        scoring = flat.get("scoring_func", "sqrtsoftplus")
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func {scoring!r}: one of {SCORING_FUNCS}")
+        expert_dtype = flat.get("expert_dtype", "fp4")
+        if expert_dtype not in ("fp4", "fp8"):
+            raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
+        quant = flat.get("quantization_config") or {}
+        block = tuple(quant.get("weight_block_size") or (128, 128))
+        topk = flat.get("dspark_draft_topk")
+        # vLLM reads the block size from block_size, then dspark_block_size
+        block_size = flat.get("block_size") or need("dspark_block_size")
+        swiglu_limit = need_key(flat, "swiglu_limit")
+        n_shared = need_key(flat, "n_shared_experts")
+        return cls(
+            hidden_size=int(need("hidden_size")), vocab_size=vocab,
+            num_hidden_layers=n_layers, n_mtp_layers=n_mtp,
+            rms_norm_eps=float(need("rms_norm_eps")),
+            hc_mult=int(need("hc_mult")), hc_eps=float(need("hc_eps")),
+            hc_sinkhorn_iters=int(need("hc_sinkhorn_iters")),
+            num_attention_heads=int(need("num_attention_heads")),
+            head_dim=int(need("head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            q_lora_rank=int(need("q_lora_rank")), o_groups=int(need("o_groups")),
+            o_lora_rank=int(need("o_lora_rank")), sliding_window=int(need("sliding_window")),
+            rope_theta=float(need("rope_theta")),
+            n_routed_experts=int(flat.get("dspark_n_routed_experts") or need("n_routed_experts")),
+            num_experts_per_tok=int(flat.get("dspark_num_experts_per_tok")
+                                    or need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            n_shared_experts=int(n_shared or 0),
+            swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
+            routed_scaling_factor=float(flat.get("routed_scaling_factor", 1.0)),
+            scoring_func=scoring, norm_topk_prob=bool(need("norm_topk_prob")),
+            gate_bias=flat.get("topk_method") == "noaux_tc",
+            target_layer_ids=tuple(int(i) for i in need("dspark_target_layer_ids")),
+            block_size=int(block_size), markov_rank=int(need("dspark_markov_rank")),
+            noise_token_id=_noise_token_id(flat),
+            draft_topk=None if topk is None else int(topk),
+            enable_confidence_head=bool(flat.get("enable_confidence_head", True)),
+            expert_dtype=expert_dtype, weight_block_size=(int(block[0]), int(block[1])),
+            vision=bool((config.get("vision_config") or {}).get("num_hidden_layers", 0)),
+        )
+
+
+def flatten(config: dict) -> dict:
+    """DeepseekV41Config's view: text_config's keys, then the top level's over them, and
+    expert_dtype from quantization_config where the text does not name it."""
+    flat = dict(config.get("text_config") or {})
+    flat.update({k: v for k, v in config.items() if k not in ("text_config", "vision_config")})
+    quant = flat.get("quantization_config") or {}
+    if "expert_dtype" not in flat and "expert_dtype" in quant:
+        flat["expert_dtype"] = quant["expert_dtype"]
+    return flat
+
+
+def need_key(flat: dict, key: str):
+    """A key vLLM reads without a default whose value may be null (no clamp, no shared expert)."""
+    if key not in flat:
+        raise ValueError(f"DeepSeek-V4.1 drafter config lacks {key!r}")
+    return flat[key]
+
+
+def _noise_token_id(flat: dict) -> int:
+    """vLLM's get_parallel_drafting_token_id order."""
+    nested = (flat.get("dflash_config") or {}).get("mask_token_id")
+    if nested is not None:
+        return int(nested)
+    for key in _NOISE_TOKEN_KEYS:
+        if flat.get(key) is not None:
+            return int(flat[key])
+    raise ValueError("DeepSeek-V4.1 drafter config lacks 'dspark_noise_token_id' (or "
+                     "dflash_config.mask_token_id / mask_token_id / pard_token / ptd_token_id)")
+
+
+def _refuse_compressed_drafter_layers(ratios, n_layers: int, n_mtp: int) -> None:
+    # attention.py: compress_ratios has one entry per layer, drafter layers included;
+    # those past the list are pure sliding window, the only kind this drafter computes
+    for j in range(n_mtp):
+        if ratios is not None and n_layers + j < len(ratios) and int(ratios[n_layers + j]):
+            raise ValueError(f"compress_ratios gives drafter layer mtp.{j} ratio "
+                             f"{ratios[n_layers + j]}: only sliding-window drafter layers "
+                             "(ratio 0) are supported")
+
+
+def first_stage(config: Dsv41DrafterConfig) -> str:
+    """The stage holding main_proj / main_norm (vLLM: 'context combiner at mtp.0')."""
+    return "mtp.0"
+
+
+def last_stage(config: Dsv41DrafterConfig) -> str:
+    """The stage holding norm / markov_head / confidence_head ('head stack at mtp.last')."""
+    return f"mtp.{config.n_mtp_layers - 1}"
+
+
+def weight_table(config: Dsv41DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (dequantised shape, storage)}: what the model receives after dequantisation
+    (no scale tensors); storage is "bf16", "f32", "fp8" (block-scaled linear) or "expert"
+    (fp4 or fp8 per expert_dtype)."""
+    c = config
+    h, hc_dim = c.hidden_size, c.hc_mult * c.hidden_size
+    table = {"embed.weight": ((c.vocab_size, h), "bf16"),
+             "head.weight": ((c.vocab_size, h), "bf16"),
+             f"{first_stage(c)}.main_proj.weight": ((h, c.feature_width), "fp8"),
+             f"{first_stage(c)}.main_norm.weight": ((h,), "bf16"),
+             f"{last_stage(c)}.norm.weight": ((h,), "bf16"),
+             f"{last_stage(c)}.markov_head.embed.weight": ((c.vocab_size, c.markov_rank), "bf16"),
+             f"{last_stage(c)}.markov_head.head.weight": ((c.vocab_size, c.markov_rank), "bf16")}
+    if c.enable_confidence_head:
+        table[f"{last_stage(c)}.confidence_head.proj.weight"] = ((1, h + c.markov_rank), "f32")
+    heads_width = c.num_attention_heads * c.head_dim
+    shared = c.n_shared_experts * c.moe_intermediate_size
+    for j in range(c.n_mtp_layers):
+        p = f"mtp.{j}."
+        table.update({
+            p + "attn_norm.weight": ((h,), "bf16"),
+            p + "ffn_norm.weight": ((h,), "bf16"),
+            p + "attn.wq_a.weight": ((c.q_lora_rank, h), "fp8"),
+            p + "attn.q_norm.weight": ((c.q_lora_rank,), "bf16"),
+            p + "attn.wq_b.weight": ((heads_width, c.q_lora_rank), "fp8"),
+            p + "attn.wkv.weight": ((c.head_dim, h), "fp8"),
+            p + "attn.kv_norm.weight": ((c.head_dim,), "bf16"),
+            p + "attn.wo_a.weight": ((c.o_groups * c.o_lora_rank, heads_width // c.o_groups),
+                                     "fp8"),
+            p + "attn.wo_b.weight": ((h, c.o_groups * c.o_lora_rank), "fp8"),
+            p + "attn.attn_sink": ((c.num_attention_heads,), "f32"),
+            p + "ffn.gate.weight": ((c.n_routed_experts, h), "bf16"),
+        })
+        for mixer in ("hc_attn", "hc_ffn"):
+            table[p + f"{mixer}_fn"] = ((c.mix_hc, hc_dim), "f32")
+            table[p + f"{mixer}_base"] = ((c.mix_hc,), "f32")
+            table[p + f"{mixer}_scale"] = ((3,), "f32")
+        if c.gate_bias:
+            table[p + "ffn.gate.bias"] = ((c.n_routed_experts,), "f32")
+        if c.vision:
+            table[p + "ffn.gate.bias_vl"] = ((c.n_routed_experts,), "f32")
+        for e in range(c.n_routed_experts):
+            q = p + f"ffn.experts.{e}."
+            table[q + "w1.weight"] = ((c.moe_intermediate_size, h), "expert")
+            table[q + "w3.weight"] = ((c.moe_intermediate_size, h), "expert")
+            table[q + "w2.weight"] = ((h, c.moe_intermediate_size), "expert")
+        if shared:
+            table[p + "ffn.shared_experts.w1.weight"] = ((shared, h), "fp8")
+            table[p + "ffn.shared_experts.w3.weight"] = ((shared, h), "fp8")
+            table[p + "ffn.shared_experts.w2.weight"] = ((h, shared), "fp8")
+    return table
+
+
+def expected_tensors(config: Dsv41DrafterConfig) -> dict[str, TensorSpec]:
+    """Every tensor of the drafter as DeepSeek's checkpoint stores it: {name: (shape, kind)},
+    `.scale` tensors included (`<module>.weight` is scaled by `<module>.scale`): fp8 linears
+    one scale per weight_block_size block, fp4 experts one e8m0 scale per 32 inputs."""
+    rows_block, cols_block = config.weight_block_size
+    found = {}
+    for name, (shape, storage) in weight_table(config).items():
+        if storage in ("bf16", "f32"):
+            found[name] = TensorSpec(shape, storage)
+            continue
+        out, inp = shape
+        scale = name.removesuffix(".weight") + ".scale"
+        if storage == "expert" and config.expert_dtype == "fp4":
+            found[name] = TensorSpec((out, inp // 2), "fp4")
+            found[scale] = TensorSpec((out, _cdiv(inp, FP4_SCALE_BLOCK)), "e8m0")
+        else:  # block-fp8 linear, or an fp8 expert (float32 scales, as its linears)
+            found[name] = TensorSpec(shape, "fp8")
+            found[scale] = TensorSpec((_cdiv(out, rows_block), _cdiv(inp, cols_block)),
+                                      config.linear_scale_kind)
+    return found
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
