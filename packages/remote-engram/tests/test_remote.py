@@ -11,7 +11,7 @@ import pytest
 from ofl import Connection, RemoteError, wire
 from ofl.testing import stop_process
 from remote_engram.cli import main as cli
-from remote_engram.client import EngramClient, EngramUnavailable
+from remote_engram.client import EngramClient, EngramUnavailable, server_health
 from remote_engram.hashing import row_ids
 from remote_engram.shard import ShardReader, shard_name
 from remote_engram.testing import SMALL, EngramServeProcess
@@ -171,7 +171,9 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(engram_server, sha
             data += chunk
         assert b"out of range" in data and b"ranges (allowed" in data
         raw.close()
-    assert conn.request(b'{"op":"health"}').startswith(b'{"ok": true')
+    health = server_health(engram_server.address, engram_server.backend)
+    assert health["ok"] and health["backend"] == engram_server.backend
+    assert health["resident_bytes"] == sum(conn.regions[name].length for name in conn.regions)
     with pytest.raises(RemoteError, match="expected a JSON object"):
         conn.request(b"garbage")
     conn.read(region, 0, 264 * 4, dest)  # still serving

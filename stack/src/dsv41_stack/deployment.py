@@ -162,11 +162,9 @@ class Deployment:
             return out
         listen = role.command[role.command.index("--listen") + 1]
         if role.name == "engram-server":
-            from ofl import Connection
-            backend = self.cfg[engram_env.ENGRAM_BACKEND]
-            # remote_engram has no client call for its server's health op: asked here
-            with Connection(listen, backend=backend, identity="dsv41-stack-status") as conn:
-                return {"health": json.loads(conn.request(b'{"op":"health"}'))}
+            from remote_engram.client import server_health
+            return {"health": server_health(listen, self.cfg[engram_env.ENGRAM_BACKEND],
+                                            timeout_s=5, identity="dsv41-stack-status")}
         from remote_drafter.transport import worker_stats
         return {"counters": worker_stats(listen, self.cfg[drafter_env.REMOTE_DRAFTER_BACKEND])}
 

@@ -21,6 +21,7 @@ import numpy as np
 from ofl import Connection, OflError, Region
 from ofl.http import read_counters
 from ofl.stats import Stats
+from ofl.wire import decode_json
 
 from . import env
 from .geometry import ROW_BYTES, EngramGeometry
@@ -203,6 +204,14 @@ class EngramClient:
             self.conn.close()
         for reader in self.local.values():
             reader.close()
+
+
+def server_health(address: str, backend: str = "tcp", timeout_s: float = 10,
+                  identity: str = "remote-engram-health") -> dict:
+    """An Engram server's health (tables resident, mlock, hugepages, load times, links),
+    asked over its own link with the control op the server answers."""
+    with Connection(address, backend=backend, identity=identity) as conn:
+        return decode_json(conn.request(b'{"op":"health"}', deadline_s=timeout_s), "health reply")
 
 
 def served_counters(listen: str, timeout_s: float = 10) -> dict[str, float]:
