@@ -31,6 +31,7 @@ TORCH_SIDE = (
     "remote_drafter.bench", "remote_drafter.drafters.dspark", "remote_drafter.drafters.lm",
     "remote_drafter.drafters.pick", "remote_drafter.layers", "remote_drafter.reference",
     "remote_drafter.target", "remote_drafter.testing",
+    "remote_drafter.dsv41.quant", "remote_drafter.dsv41.checkpoint", "remote_drafter.dsv41.tiny",
 )
 
 
