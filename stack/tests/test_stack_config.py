@@ -18,6 +18,8 @@ def test_values_comments_quotes_and_export():
     ("STACK_MODEL=<path to the checkpoint>\n", "placeholder"),
     ("STACK_MODLE=/models/x\n", "unknown setting STACK_MODLE"),
     ("PATH=/usr/bin\n", "neither a STACK_ setting nor a component variable"),
+    ("REMOTE_DRAFTER_ADRESS=10.0.0.1:7490\n", "REMOTE_DRAFTER_ADRESS is not a variable its component"),
+    ("OFL_AUTHKEY=x\n", "OFL_AUTHKEY is not a variable its component declares"),
     ("this is not an assignment\n", "not KEY=VALUE"),
     ("STACK_MODEL=/a b\n", "has spaces"),
 ])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ofl.env import EnvVar
 
-from .settings import BY_NAME, COMPONENT_PREFIXES, declared
+from .settings import BY_NAME, COMPONENT_PREFIXES, UNCHECKED_PREFIXES, declared
 
 PLACEHOLDER = re.compile(r"<[^<>]+>")
 LINE = re.compile(r"^(?:export\s+)?([A-Z][A-Z0-9_]*)=(.*)$")
@@ -47,6 +47,9 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
                               f"component variable ({', '.join(COMPONENT_PREFIXES)}*)")
         if key.startswith("STACK_") and key not in BY_NAME:
             raise ConfigError(f"{where}:{number}: unknown setting {key} (dsv41-stack env lists them)")
+        if key not in declared() and not key.startswith(UNCHECKED_PREFIXES):
+            raise ConfigError(f"{where}:{number}: {key} is not a variable its component declares "
+                              "(misspelled? dsv41-stack env lists them)")
         values[key] = value
     return values
 

@@ -74,6 +74,9 @@ COMPONENT_ENVS = (ofl_env, engram_env, drafter_env, handoff_env)
 ENGINE_PREFIXES = ("ENGRAM_", "REMOTE_DRAFTER_", "VLLM_DSPARK_", "ASYNC_HANDOFF_", "OFL_")
 # DRAFTER_TP2_*: the two-card worker's own variables (drafter-tp2 env), for the offload host
 COMPONENT_PREFIXES = (*ENGINE_PREFIXES, "DRAFTER_TP2_")
+# Checked on the offload host only, where drafter-tp2 is installed (`drafter-tp2 env`): the
+# same env file may be read on an engine host, which lacks it.
+UNCHECKED_PREFIXES = ("DRAFTER_TP2_",)
 
 
 REDACTED = "REDACTED"  # what `args` shows for a secret's value (too short to pass as a key)
