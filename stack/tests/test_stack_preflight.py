@@ -101,6 +101,13 @@ def test_links_and_qualify_on_the_engine_host(ready, tmp_path):
         assert checks["qualify rank 0"].ok is ok, json.dumps(checks["qualify rank 0"].detail)
 
 
+def test_one_engram_entry_serves_and_is_checked_for_every_rank(ready):
+    """ENGRAM_REMOTE with one entry serves both ranks of a TP2 engine on one host (the
+    engine's own rule, remote_engram.env.remote_for_rank): preflight checks it for each."""
+    cfg = ready[0].with_values(STACK_TP="2", ENGRAM_REMOTE=closed_port(), REMOTE_DRAFTER_ADDRESS="")
+    assert set(failed(cfg, "engine")) == {"link engram rank 0", "link engram rank 1"}
+
+
 def test_the_drafter_workers_identity(ready, tmp_path):
     """The worker serves target A; an engine of target A passes, an engine of B fails."""
     from remote_drafter.target import TargetConfig, random_target

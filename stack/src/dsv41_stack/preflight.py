@@ -293,9 +293,12 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
     the identities this engine expects."""
     checks = []
     backend = cfg[engram_env.ENGRAM_BACKEND]
-    links = [(f"engram rank {r}", address, r)
-             for r, address in enumerate(endpoints(cfg[engram_env.ENGRAM_REMOTE]))
-             if engine_nodes(cfg) == 1 or r == rank]  # with more hosts, this host's link only
+    per_host = cfg.int("STACK_TP") // engine_nodes(cfg)  # with more hosts, this host's ranks only
+    ranks = range(cfg.int("STACK_TP")) if engine_nodes(cfg) == 1 else \
+        range(rank * per_host, (rank + 1) * per_host)
+    remote = cfg[engram_env.ENGRAM_REMOTE]
+    links = [(f"engram rank {r}", engram_env.remote_for_rank(r, remote), r)
+             for r in ranks if remote]  # each rank's own entry, as the engine picks it
     if address := cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]:
         links.append(("drafter worker", address, None))
     with cfg.link_client():  # the offload host may ask for the key

@@ -41,9 +41,11 @@ ALL = [ENGRAM_REMOTE, ENGRAM_BACKEND, ENGRAM_SHARD_DIR, ENGRAM_DEADLINE_MS, ENGR
        ENGRAM_PREFETCH_DEPTH, ENGRAM_METRICS_LISTEN, ENGRAM_PREFETCH]
 
 
-def remote_for_rank(rank: int) -> str:
-    """This rank's entry of ENGRAM_REMOTE (one entry serves every rank)."""
-    entries = [e.strip() for e in ENGRAM_REMOTE.get().split(",") if e.strip()]
+def remote_for_rank(rank: int, value: str | None = None) -> str:
+    """Rank `rank`'s entry of ENGRAM_REMOTE (one entry serves every rank); `value`: the
+    variable's value as an env file gives it (default: this process's environment)."""
+    value = ENGRAM_REMOTE.get() if value is None else value
+    entries = [e.strip() for e in value.split(",") if e.strip()]
     if len(entries) > 1 and rank >= len(entries):
         raise ValueError(f"ENGRAM_REMOTE lists {len(entries)} endpoints; rank {rank} has none")
     return entries[min(rank, len(entries) - 1)] if entries else ""
