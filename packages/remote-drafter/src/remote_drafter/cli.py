@@ -5,6 +5,8 @@
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
+  remote-drafter inspect   DIR [--json]      (DeepSeek-V4.1's drafter in a checkpoint folder)
+  remote-drafter tiny-dsv41 OUT [--seed N] [--experts-dtype fp4|fp8] [--layers 3]
   remote-drafter env
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from importlib.metadata import entry_points
 
@@ -180,6 +183,44 @@ def cmd_shadow(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_inspect(args) -> int:
+    checkpoint = worker_side("remote_drafter.dsv41.checkpoint", "inspect")
+    d = checkpoint.describe(args.folder)
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 1 if d["problems"] else 0
+    experts: dict[str, list] = {}  # one line for each expert tensor across the experts
+    for name, t in d["tensors"].items():
+        row = experts.setdefault(re.sub(r"\.experts\.\d+\.", ".experts.*.", name),
+                                 [t["dtype"], tuple(t["shape"]), 0, 0])
+        row[2], row[3] = row[2] + 1, row[3] + t["bytes"]
+    for name, (dtype, shape, count, nbytes) in experts.items():
+        print(f"{name:<46} {dtype:<8} {str(shape):<14}{f' x {count}' if count > 1 else '':<7} "
+              f"{nbytes:>14,} B")
+    c = d["config"]
+    print(f"{len(d['tensors'])} drafter tensors ({d['scales']} scales), {d['stored_bytes']:,} B stored, "
+          f"{d['loaded_bytes_bf16']:,} B loaded at bfloat16; {d['trunk_tensors']} target tensors "
+          "not read")
+    print(f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {c['n_mtp_layers']} drafter layers, "
+          f"taps {c['target_layer_ids']}, W {c['block_size']}, Markov rank {c['markov_rank']}, "
+          f"window {c['sliding_window']}, {c['n_routed_experts']} experts "
+          f"(top {c['num_experts_per_tok']}, {c['expert_dtype']}), {c['num_attention_heads']} heads "
+          f"x {c['head_dim']}, fp8 blocks {c['weight_block_size']}, confidence head "
+          f"{'on' if c['enable_confidence_head'] else 'off'}")
+    for problem in d["problems"]:
+        print(f"problem: {problem}")
+    return 1 if d["problems"] else 0
+
+
+def cmd_tiny_dsv41(args) -> int:
+    tiny = worker_side("remote_drafter.dsv41.tiny", "tiny-dsv41")
+    made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers)
+    print(f"remote-drafter tiny-dsv41: {args.out} ({made['drafter']} drafter tensors, "
+          f"{made['trunk']} target tensors, {args.experts_dtype} experts, {made['bytes']:,} B in "
+          f"{len(made['files'])} shards); random weights: for tests, not for drafting")
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="remote-drafter", description=__doc__,
@@ -255,6 +296,25 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(fn=cmd_shadow)
+
+    p = sub.add_parser("inspect", help="DeepSeek-V4.1's drafter in a checkpoint folder: its tensors, "
+                                       "dtypes, bytes and config, read from the headers; exit 1 "
+                                       "when a tensor differs from DeepSeek's layout")
+    p.add_argument("folder", help="config.json + model.safetensors.index.json and shards, or "
+                                  "one model.safetensors")
+    p.add_argument("--json", action="store_true", help="machine output")
+    p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("tiny-dsv41", help="write a tiny random DeepSeek-V4.1 checkpoint (its "
+                                          "drafter at toy width, DeepSeek's names and dtypes, "
+                                          "a few target tensors) for tests")
+    p.add_argument("out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts-dtype", default="fp4", choices=["fp4", "fp8"],
+                   help="fp4: MXFP4 experts, UE8M0 linear scales (V4.1-Flash); fp8: block-FP8 "
+                        "experts, float32 scales (Flash-Base)")
+    p.add_argument("--layers", type=int, default=3, help="drafter layers (mtp.0 .. mtp.N-1)")
+    p.set_defaults(fn=cmd_tiny_dsv41)
 
     p = sub.add_parser("env", help="every environment variable, its default and meaning")
     p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)

@@ -1,0 +1,205 @@
+"""DeepSeek-V4.1's drafter read out of its checkpoint folder: config.json plus
+model.safetensors.index.json and its shards, or one model.safetensors.
+
+Only the drafter's tensors are read (`mtp.*`, `embed.weight`, `head.weight`; vLLM's
+DSparkDeepseekV4Model.load_weights skips everything else), each on its own through
+safetensors' safe_open: the target's layers are never read, and shards holding none of the
+drafter's tensors are never opened. What is there is checked against
+`config.expected_tensors` before anything is read: a missing, extra or mis-shaped tensor, or
+one stored in another dtype than DeepSeek's, is refused by name. FP8 and FP4 tensors are
+dequantised at load (`quant`), their `.scale` tensors consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from safetensors import safe_open
+
+from ..drafters.dspark import tensor_bytes
+from ..identity import digest_tensors
+from . import quant
+from .config import Dsv41DrafterConfig, expected_tensors, weight_table
+
+CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
+SHARED_WITH_TARGET = ("embed.weight", "head.weight")
+# The safetensors dtypes each kind of config.expected_tensors may be stored as.
+STORED_AS = {"bf16": ("BF16",), "f32": ("F32",), "fp8": ("F8_E4M3",),
+             "fp4": ("I8", "U8", "F4"), "e8m0": ("F8_E8M0", "U8")}
+BYTES_PER_ELEMENT = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2,
+                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+                     "F4": 1}  # F4: per stored byte (two values)
+# vLLM keeps these in float32 whatever the model's dtype (attention sinks, mHC, router bias)
+KEPT_FLOAT32 = ("f32",)
+REFUSALS_SHOWN = 8
+
+
+def is_drafter_tensor(name: str) -> bool:
+    return name.startswith("mtp.") or name in SHARED_WITH_TARGET
+
+
+def is_markov_tensor(name: str) -> bool:
+    return ".markov_head." in name
+
+
+def scale_of(weight_name: str) -> str:
+    """`<module>.weight` is scaled by `<module>.scale` (DeepSeek's naming)."""
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: str
+    dtype: str                # safetensors' name: BF16, F8_E4M3, I8, F8_E8M0, ...
+    shape: tuple[int, ...]    # as a torch tensor holds it (F4: two values per element)
+
+    @property
+    def nbytes(self) -> int:
+        n = BYTES_PER_ELEMENT.get(self.dtype, 0)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class DrafterCheckpoint:
+    config: Dsv41DrafterConfig
+    weights: dict[str, torch.Tensor]   # checkpoint name -> dequantised tensor (no scales)
+    scales: tuple[str, ...]            # the `.scale` tensors dequantisation consumed
+    drafter_digest: str                # config and every tensor read but the Markov head's
+    markov_digest: str                 # the Markov head's tensors
+
+
+def read_config(folder: str) -> dict:
+    with open(os.path.join(folder, CONFIG_FILE)) as f:
+        return json.load(f)
+
+
+def tensor_files(folder: str) -> dict[str, str]:
+    """Every tensor's name -> the file holding it (the index's weight map, or the single
+    file's header)."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{folder}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def stored_drafter_tensors(folder: str) -> dict[str, StoredTensor]:
+    """The drafter's tensors as their headers describe them (no tensor data read)."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in tensor_files(folder).items():
+        if is_drafter_tensor(name):
+            by_file.setdefault(file, []).append(name)
+    found = {}
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                view = f.get_slice(name)
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                if dtype == "F4":  # safetensors counts values; torch holds pairs
+                    shape = (*shape[:-1], shape[-1] // 2)
+                found[name] = StoredTensor(file, dtype, shape)
+    return found
+
+
+def with_optional_heads(config: Dsv41DrafterConfig, stored: dict) -> Dsv41DrafterConfig:
+    """vLLM drops the confidence head when the checkpoint has none (load_weights)."""
+    heads = [n for n in expected_tensors(config) if ".confidence_head." in n]
+    if heads and not any(n in stored for n in heads):
+        return replace(config, enable_confidence_head=False)
+    return config
+
+
+def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor]) -> list[str]:
+    """What differs from DeepSeek's table, one line per tensor, by name."""
+    expected = expected_tensors(config)
+    found = [f"{n}: missing" for n in sorted(set(expected) - set(stored))]
+    found += [f"{n}: not a tensor of this drafter (extra)" for n in sorted(set(stored) - set(expected))]
+    for name in sorted(set(stored) & set(expected)):
+        (shape, kind), have = expected[name], stored[name]
+        if have.dtype not in STORED_AS[kind]:
+            found.append(f"{name}: stored as {have.dtype}, expected {kind} "
+                         f"({' / '.join(STORED_AS[kind])})")
+        elif have.shape != tuple(shape):
+            found.append(f"{name}: shape {list(have.shape)}, expected {list(shape)}")
+    return found
+
+
+def refuse(folder: str, found: list[str]) -> None:
+    if found:
+        more = f"; and {len(found) - REFUSALS_SHOWN} more" if len(found) > REFUSALS_SHOWN else ""
+        raise ValueError(f"{folder} does not hold DeepSeek-V4.1's drafter as its config "
+                         f"describes it: {'; '.join(found[:REFUSALS_SHOWN])}{more}")
+
+
+def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DrafterCheckpoint:
+    """The drafter's weights, dequantised to `dtype` on `device` (float32 tensors stay
+    float32), with digests over exactly the stored bytes read."""
+    config = Dsv41DrafterConfig.from_json(read_config(folder))
+    stored = stored_drafter_tensors(folder)
+    config = with_optional_heads(config, stored)
+    refuse(folder, problems(config, stored))
+    raw = read_tensors(stored)
+    drafter_digest = digest_tensors(
+        [("config", json.dumps(asdict(config), sort_keys=True).encode())]
+        + [(n, tensor_bytes(raw[n])) for n in sorted(raw) if not is_markov_tensor(n)])
+    markov_digest = digest_tensors([(n, tensor_bytes(raw[n])) for n in sorted(raw) if is_markov_tensor(n)])
+    kinds = expected_tensors(config)
+    weights, scales = {}, []
+    for name in weight_table(config):
+        kind, weight = kinds[name].kind, raw.pop(name).to(device)
+        if kind == "fp8":
+            scales.append(scale_of(name))
+            weights[name] = quant.dequantize_fp8(weight, raw.pop(scale_of(name)).to(device), dtype,
+                                                 config.weight_block_size)
+        elif kind == "fp4":
+            scales.append(scale_of(name))
+            weights[name] = quant.dequantize_fp4(weight, raw.pop(scale_of(name)).to(device), dtype)
+        else:
+            weights[name] = weight.to(torch.float32 if kind in KEPT_FLOAT32 else dtype)
+    return DrafterCheckpoint(config, weights, tuple(scales), drafter_digest, markov_digest)
+
+
+def read_tensors(stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:
+    """The named tensors as stored (on the CPU), each file opened once."""
+    with ExitStack() as files:
+        handles = {file: files.enter_context(safe_open(file, "pt"))
+                   for file in sorted({s.file for s in stored.values()})}
+        return {name: handles[s.file].get_tensor(name) for name, s in stored.items()}
+
+
+def describe(folder: str) -> dict:
+    """The drafter's tensors (shape, stored dtype, bytes), totals, the config values that
+    matter and any problems, from the headers alone (no tensor data read). `loaded_bytes`
+    is what `load` holds at bfloat16 (scales consumed, float32 tensors kept)."""
+    config = Dsv41DrafterConfig.from_json(read_config(folder))
+    stored = stored_drafter_tensors(folder)
+    config = with_optional_heads(config, stored)
+    kinds = expected_tensors(config)
+    loaded_bytes = 0
+    for name, (shape, _) in weight_table(config).items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        loaded_bytes += numel * (4 if kinds[name].kind in KEPT_FLOAT32 else 2)
+    files = tensor_files(folder)
+    return {
+        "folder": folder,
+        "config": asdict(config),
+        "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype, "bytes": s.nbytes}
+                    for n, s in sorted(stored.items())},
+        "stored_bytes": sum(s.nbytes for s in stored.values()),
+        "loaded_bytes_bf16": loaded_bytes,
+        "scales": sum(1 for n in stored if n.endswith(".scale")),
+        "trunk_tensors": sum(1 for n in files if not is_drafter_tensor(n)),
+        "problems": problems(config, stored),
+    }
