@@ -123,7 +123,7 @@ def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor]) -> lis
     """What differs from DeepSeek's table, one line per tensor, by name."""
     expected = expected_tensors(config)
     found = [f"{n}: missing" for n in sorted(set(expected) - set(stored))]
-    found += [f"{n}: not a tensor of this drafter (extra)" for n in sorted(set(stored) - set(expected))]
+    found += [f"{n}: extra (not a tensor of this drafter)" for n in sorted(set(stored) - set(expected))]
     for name in sorted(set(stored) & set(expected)):
         (shape, kind), have = expected[name], stored[name]
         if have.dtype not in STORED_AS[kind]:
