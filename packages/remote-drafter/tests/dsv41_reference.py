@@ -1,0 +1,503 @@
+"""An independent float64 reference of one DSpark draft block of DeepSeek-V4.1's drafter: a
+literal transcription of vLLM 0.33.0's forward, read in its wheel, kept apart from
+remote_drafter.dsv41.model so that the two can check each other (tests/test_dsv41_reference.py).
+
+Inputs are the raw config.json (text fields under `text_config` or flat, read here with vLLM's
+getattr defaults) and {checkpoint name: dequantised tensor} (`embed.weight`, `head.weight`,
+`mtp.{j}.*`). Everything is float64 but RoPE's cos/sin table, which vLLM builds in float32
+(DeepseekV4ScalingRotaryEmbedding keeps it "as fp32 for higher precision RoPE"). One stage a
+function; `draft_block` composes them. What vLLM 0.33.0 does that the lead's brief did not say:
+
+* no per-head RMS norm of the query in V4.1 (DeepSeek-V4 has one): every V4.1 path passes
+  apply_q_norm / enable_q_norm = False ("qr is normed before wq_b");
+* the mHC is "delayed": a sublayer's input is collapsed with the pre-mix of the sublayer
+  before it (stream 0 for the first attention), and the pre-mix it computes goes to the next;
+  the last FFN's pre-mix collapses the output;
+* with dspark_draft_topk set, the NVIDIA drafter has no apply_markov_bias_gathered (the
+  speculator would fail), so only dense drafting is transcribed.
+
+Transcribed (vLLM 0.33.0 wheel: file::qualified name, then the first 16 hex of the sha256 of
+the function's source text; tools/check-vllm-hooks.py fails when one changes):
+
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.__init__  dff049f2b4db16af
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.combine_hidden_states  87a9ffa7e411b18e
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.precompute_and_store_context_kv  12072d907647a7b5
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.forward  200ff4c8f49b7abd
+  vllm/models/deepseek_v41/nvidia/dspark.py::_insert_context_kv  462b345fe221c624
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_logits  1c23eb0934104f77
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_embed  6c0bb10dd297c401
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_bias  51ee58ae01f1d409
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_confidence  33b3f742060b77c7
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.load_weights  8f4ff42bbe1d3c9e
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM._remap_dspark_name  a53b638aa63684de
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4MoE.__init__  51944188f15ae121
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.__init__  f42ff8aa07e497d7
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.forward  1b23240f58fd283d
+  vllm/models/deepseek_v41/nvidia/ops/mhc.py::mhc_shifted_post_pre  e46a7656d59dfcda
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.__init__  9053b484bbebfaab
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.forward  b1186a97f4246fb3
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._split_qkv_and_norm  d54708a72b74a797
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._fused_qnorm_rope_kv_insert  667dba497009b332
+  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._o_proj  5cfcbd15e6a1b2df
+  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._forward_decode  1bc3aa4127be5280
+  vllm/models/deepseek_v41/nvidia/ops/o_proj.py::dsv41_o_proj  8a1c712bbc285b0c
+  vllm/models/deepseek_v4/nvidia/ops/o_proj.py::deep_gemm_fp8_o_proj  d693b285f6b26613
+  vllm/models/deepseek_v4/common/ops/fused_inv_rope_fp8_quant.py::FusedInvRopeFP8QuantKernel.kernel  688d44eb5e32ad97
+  vllm/models/deepseek_v41/common/rope.py::build_deepseek_v4_rope  166c1d67cd49fece
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding._compute_inv_freq  c20b3c31f0568f90
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding._compute_cos_sin_cache  2f886fff7a2e0af8
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding.forward_native  2445d577ac47228f
+  vllm/model_executor/layers/rotary_embedding/common.py::rotate_gptj  a425266a4fff88fc
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_dim  8acf1aba8c7055f1
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_range  e24ab2c963725ab8
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_linear_ramp_mask  f88a29d6e583782c
+  vllm/model_executor/layers/rotary_embedding/__init__.py::get_rope  d25d9fafe8829564
+  vllm/model_executor/kernels/mhc/torch.py::mhc_pre_delayed_torch  edb9f2f55cabf865
+  vllm/model_executor/kernels/mhc/torch.py::mhc_post_torch  82314f792eab914a
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_pre_delayed_tilelang  a386aff855362ae4
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_fused_post_pre_delayed_tilelang  5e176673a2ba595e
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_post_tilelang  8bca4c1a1bac7683
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_pre_big_fuse_with_norm_tilelang  89d34940c3e651d5
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_post_tilelang  0a6dcb63ab79c942
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::hc_prenorm_gemm_tilelang  363deb2c46af5a1c
+  vllm/model_executor/kernels/mhc/triton.py::hc_collapse_triton  80d10a18d6b53ce6
+  vllm/model_executor/kernels/mhc/triton.py::_hc_head_reduce_store_kernel  6ad87372b54a1ea6
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MLP.forward  52ba6413b021f2eb
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MoE.__init__  0a2d8510d8cd0d7d
+  vllm/model_executor/layers/fused_moe/router/dsv4_topk.py::_dsv4_topk_kernel  f355c84cde54390d
+  vllm/model_executor/layers/fused_moe/router/fused_topk_bias_router.py::fused_topk_bias  0faee316c33cbaca
+  vllm/model_executor/layers/fused_moe/runner/moe_runner.py::MoERunner._maybe_apply_routed_scale_to_output  6678fdbbf95335fe
+  vllm/model_executor/layers/fused_moe/utils.py::_swiglu_limit_torch  ede3693782a2b4e9
+  vllm/model_executor/layers/activation.py::SiluAndMulWithClamp.forward_native  4c9c581c0f597967
+  vllm/ir/ops/layernorm.py::rms_norm  56dbf37209a7de36
+  vllm/models/common/ops/fused_qk_rmsnorm.py::FusedQKVRMSNormKernel.kernel  41a919a53c843efc
+  vllm/v1/attention/ops/rocm_aiter_mla_sparse.py::_sparse_attn_prefill_ragged_kernel  6b907fa048a643ac
+  vllm/v1/attention/backends/mla/sparse_swa.py::ComputeDSparkNoncausalSWAIndicesKernel.kernel  136e784e1f2b69df
+  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.embed  b0f9b265e2e172fd
+  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.bias  2fa8b1cfbcd41e62
+  vllm/model_executor/models/qwen3_dspark.py::DSparkConfidenceHead.forward  a1b150a31da51183
+  vllm/v1/worker/gpu/spec_decode/dspark/speculator.py::DSparkSpeculator._sample_sequential  12eaf62bb8678253
+  vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::_prepare_dflash_inputs_kernel  0abded9fcd396822
+  vllm/v1/worker/gpu/spec_decode/utils.py::get_parallel_drafting_token_id  4fabd54fe48b5d02
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+HC_POST_MULT = 2.0  # DeepseekV4DecoderLayer.__init__: self.hc_post_alpha = 2.0
+
+
+# -- config: the attributes vLLM reads, with its getattr defaults --------------------------
+
+def text_config(config: dict) -> dict:
+    """transformers_utils/configs/deepseek_v41.py DeepseekV41Config.__init__: text_config's keys
+    flattened onto the top level (whose own keys are set after them)."""
+    flat = dict(config.get("text_config") or {})
+    flat.update({k: v for k, v in config.items() if k not in ("text_config", "vision_config")})
+    return flat
+
+
+def n_layers(c: dict) -> int:
+    """DSparkDeepseekV4Model.__init__: n_mtp_layers or num_nextn_predict_layers or 3."""
+    return c.get("n_mtp_layers") or c.get("num_nextn_predict_layers") or 3
+
+
+def noise_token_id(c: dict) -> int:
+    """spec_decode/utils.py get_parallel_drafting_token_id, in its order."""
+    nested = (c.get("dflash_config") or {}).get("mask_token_id")
+    if nested is not None:
+        return int(nested)
+    for key in ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id"):
+        if c.get(key) is not None:
+            return int(c[key])
+    raise KeyError("no noise token id in the config")
+
+
+def rope_parameters(c: dict) -> dict:
+    """common/rope.py build_deepseek_v4_rope: the "main" dict of nested ones (the drafter's
+    layers are sliding-window, compress_ratio 0), else the flat one."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        rp = rp["main"]
+    return dict(rp)
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+def w(weights: dict, name: str) -> torch.Tensor:
+    return weights[name].to(F64)
+
+
+def stage_weight(weights: dict, rest: str) -> torch.Tensor:
+    """A model-level tensor (main_proj, main_norm, norm, markov_head, confidence_head):
+    dspark.py _remap_dspark_name maps mtp.{any stage}.<rest> to model.<rest>."""
+    found = [n for n in weights if re.fullmatch(rf"mtp\.\d+\.{re.escape(rest)}", n)]
+    if len(found) != 1:
+        raise KeyError(f"want one mtp.*.{rest}, found {found}")
+    return w(weights, found[0])
+
+
+def layer_weights(weights: dict, j: int) -> dict:
+    """mtp.{j}.<rest> -> <rest> (vLLM: model.layers.{j}.<rest>)."""
+    prefix = f"mtp.{j}."
+    return {n[len(prefix):]: t.to(F64) for n, t in weights.items() if n.startswith(prefix)}
+
+
+# -- small ops -------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """ir/ops/layernorm.py rms_norm (RMSNorm.forward_native; q_norm/kv_norm via
+    FusedQKVRMSNormKernel.kernel, the same formula)."""
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.T
+
+
+# -- RoPE ------------------------------------------------------------------------------------
+
+def cos_sin_cache(c: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sliding-window layers' rotary table at `positions`, as vLLM builds it in float32:
+    build_deepseek_v4_rope (rope_type deepseek_yarn, factor 1, mscale 0, theta rope_theta,
+    rotary dim qk_rope_head_dim) -> get_rope -> DeepseekScalingRotaryEmbedding._compute_inv_freq
+    and DeepseekV4ScalingRotaryEmbedding._compute_cos_sin_cache; factor 1 leaves plain RoPE
+    up to the yarn blend's rounding, transcribed too."""
+    rp = rope_parameters(c)
+    dim, base = c["qk_rope_head_dim"], float(c["rope_theta"])
+    max_pos = c["max_position_embeddings"]  # original_max_position_embeddings := it
+    beta_fast, beta_slow = rp.get("beta_fast", 32), rp.get("beta_slow", 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (1.0 * pos_freqs)
+
+    def correction_dim(rotations):  # common.py yarn_find_correction_dim
+        return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)  # yarn_find_correction_range
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:  # yarn_linear_ramp_mask
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+    mask = 1 - ramp
+    inv_freq = interpolation * (1 - mask) + extrapolation * mask
+    t = positions.to(torch.float32)  # the table's rows are arange(max_pos) in float32
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    return freqs.cos().to(F64), freqs.sin().to(F64)  # mscale = 1
+
+
+def rope(x: torch.Tensor, c: dict, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """DeepseekV4ScalingRotaryEmbedding.forward_native: GPT-J (interleaved) rotation of the
+    last qk_rope_head_dim dims of x [T, ..., D] at each token's position; inverse negates sin
+    (FusedInvRopeFP8QuantKernel.kernel does the same for the attention output)."""
+    dim = c["qk_rope_head_dim"]
+    cos, sin = cos_sin_cache(c, positions)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim,)
+    cos = cos.repeat_interleave(2, dim=-1).view(shape)
+    sin = sin.repeat_interleave(2, dim=-1).view(shape)
+    if inverse:
+        sin = -sin
+    x_pass, x_rot = x[..., :-dim], x[..., -dim:]
+    rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)  # rotate_gptj
+    return torch.cat((x_pass, x_rot * cos + rotated * sin), dim=-1)
+
+
+# -- taps and context rows -------------------------------------------------------------------
+
+def tap(streams: torch.Tensor) -> torch.Tensor:
+    """What the target hands the drafter per tapped layer: the mean of the hc copies of the
+    stream entering it (DeepseekV4DecoderLayer.forward's previous_post.mean(dim=1); the
+    collapse kernel's write_aux in mhc_pre_big_fuse_with_norm_tilelang)."""
+    return streams.to(F64).mean(dim=1)
+
+
+def taps_projection(c: dict, weights: dict, taps: torch.Tensor) -> torch.Tensor:
+    """DSparkDeepseekV4Model.combine_hidden_states: main_x = main_norm(main_proj(taps)), taps
+    [T, hidden * len(dspark_target_layer_ids)] concatenated in layer order."""
+    projected = linear(taps.to(F64), stage_weight(weights, "main_proj.weight"))
+    return rms_norm(projected, stage_weight(weights, "main_norm.weight"), c["rms_norm_eps"])
+
+
+def kv_rows(c: dict, lw: dict, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One layer's key/value rows: wkv (the fused wq_a|wkv projection's kv part), kv_norm,
+    RoPE at the absolute positions. DSparkDeepseekV4Model.precompute_and_store_context_kv and
+    _insert_context_kv for the context; DeepseekV4Attention._split_qkv_and_norm and
+    _fused_qnorm_rope_kv_insert for the block's own rows."""
+    kv = rms_norm(linear(x, lw["attn.wkv.weight"]), lw["attn.kv_norm.weight"], c["rms_norm_eps"])
+    return rope(kv, c, positions)
+
+
+# -- attention -------------------------------------------------------------------------------
+
+def window_start(c: dict, p0: int) -> int:
+    """ComputeDSparkNoncausalSWAIndicesKernel.kernel: every block token sees positions
+    [max(prefix_len - window, 0), seq_len), prefix_len = p0, seq_len = p0 + W."""
+    return max(p0 - c["sliding_window"], 0)
+
+
+def attention(c: dict, lw: dict, x: torch.Tensor, positions: torch.Tensor,
+              context_rows: torch.Tensor) -> torch.Tensor:
+    """DeepseekV4Attention.forward for the block x [W, hidden] at `positions`, attending
+    non-causally to [context_rows (the window, already roped); the block's own rows]:
+    q = wq_b(q_norm(wq_a x)) per head (no per-head norm in V4.1), RoPE; one softmax over the
+    keys and the head's sink (FlashMLA's attn_sink; the sink term as
+    _sparse_attn_prefill_ragged_kernel writes it), scale head_dim^-0.5; values are the key
+    rows; then dsv41_o_proj / deep_gemm_fp8_o_proj: inverse RoPE of the output's rope dims,
+    wo_a per group of heads (bmm over groups), wo_b."""
+    heads, dim = c["num_attention_heads"], c["head_dim"]
+    qr = rms_norm(linear(x, lw["attn.wq_a.weight"]), lw["attn.q_norm.weight"], c["rms_norm_eps"])
+    q = rope(linear(qr, lw["attn.wq_b.weight"]).view(-1, heads, dim), c, positions)
+    keys = torch.cat((context_rows, kv_rows(c, lw, x, positions)), dim=0)
+    scores = torch.einsum("thd,kd->thk", q, keys) * dim ** -0.5
+    sink = lw["attn.attn_sink"].view(1, heads, 1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    p = torch.exp(scores - top)
+    o = torch.einsum("thk,kd->thd", p, keys) / (p.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    o = rope(o, c, positions, inverse=True)
+    groups, rank = c["o_groups"], c["o_lora_rank"]
+    grouped = o.reshape(o.shape[0], groups, heads // groups * dim)
+    wo_a = lw["attn.wo_a.weight"].view(groups, rank, -1)
+    z = torch.einsum("tgi,gri->tgr", grouped, wo_a)
+    return linear(z.flatten(1), lw["attn.wo_b.weight"])
+
+
+# -- MoE -------------------------------------------------------------------------------------
+
+def route(c: dict, lw: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's router (DeepseekV4MoE.__init__: dspark_n_routed_experts /
+    dspark_num_experts_per_tok override the target's; gate.bias is loaded as
+    e_score_correction_bias by load_weights): fp32 gate logits -> _dsv4_topk_kernel:
+    w = sqrt(softplus(logit)) (softplus linear above 20), the top k of w + bias (the lowest id
+    on a tie) chosen, w of the chosen renormalised to sum 1 (norm_topk_prob) and scaled by
+    routed_scaling_factor (fused_topk_bias; MoERunner._maybe_apply_routed_scale_to_output is
+    the same product). Returns (ids [T, k], weights [T, k])."""
+    if c.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise NotImplementedError("V4.1 routes with sqrtsoftplus")
+    k = c.get("dspark_num_experts_per_tok") or c["num_experts_per_tok"]
+    logits = linear(x, lw["ffn.gate.weight"])
+    scores = torch.sqrt(torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))))
+    bias = lw.get("ffn.gate.bias")
+    current = scores + bias if bias is not None else scores.clone()
+    ids = torch.empty(x.shape[0], k, dtype=torch.long)
+    for slot in range(k):
+        ids[:, slot] = current.argmax(dim=-1)  # torch's argmax: the first maximum
+        current.scatter_(1, ids[:, slot:slot + 1], -math.inf)
+    chosen = scores.gather(1, ids)
+    if c["norm_topk_prob"]:
+        total = chosen.sum(dim=-1, keepdim=True)
+        chosen = chosen / torch.where(total > 0, total, torch.ones_like(total))
+    return ids, chosen * c.get("routed_scaling_factor", 1.0)
+
+
+def swiglu_mlp(c: dict, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+               x: torch.Tensor) -> torch.Tensor:
+    """DeepseekV4MLP.forward (gate_up = [w1; w3]) with SiluAndMulWithClamp.forward_native /
+    _swiglu_limit_torch: gate clamped above at swiglu_limit, up to +-swiglu_limit."""
+    gate, up = linear(x, w1), linear(x, w3)
+    limit = c["swiglu_limit"]
+    if limit is not None and limit > 0:
+        gate = torch.clamp(gate, max=limit)
+        up = torch.clamp(up, min=-limit, max=limit)
+    return linear(torch.nn.functional.silu(gate) * up, w2)
+
+
+def moe(c: dict, lw: dict, x: torch.Tensor) -> torch.Tensor:
+    """DeepseekV4MoE.forward: the routed experts' weighted sum plus the shared expert (none
+    when n_shared_experts is null)."""
+    ids, weights = route(c, lw, x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, weight in zip(ids[t].tolist(), weights[t]):
+            p = f"ffn.experts.{e}."
+            out[t] += weight * swiglu_mlp(c, lw[p + "w1.weight"], lw[p + "w3.weight"],
+                                          lw[p + "w2.weight"], x[t:t + 1])[0]
+    if c["n_shared_experts"]:  # vLLM: none when null; zero-wide (adds nothing) when 0
+        p = "ffn.shared_experts."
+        out = out + swiglu_mlp(c, lw[p + "w1.weight"], lw[p + "w3.weight"], lw[p + "w2.weight"], x)
+    return out
+
+
+# -- hyper-connections (mHC) -----------------------------------------------------------------
+
+@dataclass
+class HcPre:
+    post: torch.Tensor      # [T, hc]: how much of the sublayer's output each copy takes
+    comb: torch.Tensor      # [T, hc, hc]: comb[i, o], copy i's share in new copy o
+    layer_input: torch.Tensor  # [T, hidden]: the collapsed, normed sublayer input
+    pre: torch.Tensor       # [T, hc]: the pre-mix handed to the next sublayer
+
+
+def hc_pre(c: dict, residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+           base: torch.Tensor, pre_mix: torch.Tensor | None, norm_weight: torch.Tensor) -> HcPre:
+    """mhc_pre_delayed_torch / mhc_pre_delayed_tilelang with norm_weight
+    (hc_prenorm_gemm_tilelang then mhc_pre_big_fuse_with_norm_tilelang): mixes from the whole
+    stream [T, hc*hidden] RMS-scaled (rms_norm_eps, no weight); pre = sigmoid + hc_eps;
+    post = sigmoid * 2; comb = softmax rows + hc_eps, then columns, rows, ... normalised
+    (Sinkhorn, hc_sinkhorn_iters in all, hc_eps in each denominator); the input collapsed with
+    the carried pre_mix (stream 0 when None) and RMS-normed with the sublayer's norm."""
+    hc, eps = c["hc_mult"], c["hc_eps"]
+    x = residual.flatten(1)
+    mixes = linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + c["rms_norm_eps"])
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = torch.sigmoid(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc]) * HC_POST_MULT
+    comb = mixes[:, 2 * hc:].view(-1, hc, hc) * scale[2] + base[2 * hc:].view(1, hc, hc)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(c["hc_sinkhorn_iters"] - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = residual[:, 0] if pre_mix is None else hc_collapse(residual, pre_mix)
+    return HcPre(post, comb, rms_norm(collapsed, norm_weight, c["rms_norm_eps"]), pre)
+
+
+def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """mhc_post_torch / the mhc_post_tilelang kernel: new copy o = sum_i comb[i, o] copy i
+    + post[o] * x."""
+    return torch.einsum("tio,tih->toh", comb, residual) + post.unsqueeze(-1) * x.unsqueeze(1)
+
+
+def hc_collapse(streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    """hc_collapse_triton (_hc_head_reduce_store_kernel): sum_m pre_mix[m] * copy m."""
+    return (pre_mix.unsqueeze(-1) * streams).sum(dim=1)
+
+
+# -- a decoder layer -------------------------------------------------------------------------
+
+@dataclass
+class LayerState:
+    """What DeepseekV4DecoderLayer.forward carries from one layer to the next."""
+    x: torch.Tensor          # the last sublayer's output (the embedding copies before layer 0)
+    residual: torch.Tensor | None
+    post: torch.Tensor | None
+    comb: torch.Tensor | None
+    pre_mix: torch.Tensor | None
+
+
+def decoder_layer(c: dict, lw: dict, state: LayerState, positions: torch.Tensor,
+                  context_rows: torch.Tensor, trace: dict | None = None) -> LayerState:
+    """DeepseekV4DecoderLayer.forward on the DSpark path (no Engram, no sequence parallel):
+    layer 0 takes the embedding copies as its residual and collapses stream 0; later layers
+    first apply the previous FFN's post (mhc_shifted_post_pre); attention's input is collapsed
+    with the carried pre-mix, the FFN's with attention's."""
+    if state.residual is None:
+        residual = state.x
+    else:
+        residual = hc_post(state.x, state.residual, state.post, state.comb)
+    attn_hc = hc_pre(c, residual, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
+                     state.pre_mix, lw["attn_norm.weight"])
+    attn_out = attention(c, lw, attn_hc.layer_input, positions, context_rows)
+    residual = hc_post(attn_out, residual, attn_hc.post, attn_hc.comb)
+    ffn_hc = hc_pre(c, residual, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"],
+                    attn_hc.pre, lw["ffn_norm.weight"])
+    ffn_out = moe(c, lw, ffn_hc.layer_input)
+    if trace is not None:
+        trace.update(attn_hc=attn_hc, attn_out=attn_out, ffn_hc=ffn_hc,
+                     route=route(c, lw, ffn_hc.layer_input), ffn_out=ffn_out)
+    return LayerState(ffn_out, residual, ffn_hc.post, ffn_hc.comb, ffn_hc.pre)
+
+
+# -- heads -----------------------------------------------------------------------------------
+
+def head_logits(c: dict, weights: dict, head_hidden: torch.Tensor) -> torch.Tensor:
+    """DSparkDeepseekV4ForCausalLM.compute_logits: the target's head over norm(head_hidden)."""
+    normed = rms_norm(head_hidden, stage_weight(weights, "norm.weight"), c["rms_norm_eps"])
+    return linear(normed, w(weights, "head.weight"))
+
+
+def markov_embed(weights: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """DSparkMarkovHead.embed: markov_w1 (checkpoint markov_head.embed) rows."""
+    return stage_weight(weights, "markov_head.embed.weight")[tokens]
+
+
+def markov_bias(weights: dict, embed: torch.Tensor) -> torch.Tensor:
+    """DSparkMarkovHead.bias: markov_w2 (markov_head.head, stored [vocab, rank]) as a head."""
+    return linear(embed, stage_weight(weights, "markov_head.head.weight"))
+
+
+def confidence(weights: dict, head_hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    """DSparkConfidenceHead.forward + compute_confidence: sigmoid(proj([pre-norm hidden;
+    Markov embedding of the previous token])), proj without bias (DSparkDeepseekV4Model
+    builds the head with the default bias=False)."""
+    logit = linear(torch.cat((head_hidden, embed), dim=-1),
+                   stage_weight(weights, "confidence_head.proj.weight"))
+    return torch.sigmoid(logit[:, 0])
+
+
+# -- one draft block -------------------------------------------------------------------------
+
+@dataclass
+class DraftBlock:
+    main_x: torch.Tensor       # [C, hidden]: projected taps of the context rows given
+    head_hidden: torch.Tensor  # [W, hidden]: the collapsed pre-norm output
+    base_logits: torch.Tensor  # [W, vocab]: head(norm(head_hidden))
+    logits: torch.Tensor       # [W, vocab]: base + the Markov bias of the previous draft
+    drafts: torch.Tensor       # [W]: greedy, left to right
+    confidences: torch.Tensor | None  # [W], None without a confidence head
+    block_tokens: torch.Tensor  # [W]: [seed, noise x (W-1)]
+    block_positions: torch.Tensor  # [W]: p0 .. p0 + W - 1
+
+
+def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torch.Tensor,
+                seed_token: int, block_size: int | None = None,
+                trace: dict | None = None) -> DraftBlock:
+    """One DSpark pass and its greedy Markov chain, as vLLM's DSpark speculator runs it:
+    taps [C, hidden * k] of the committed positions `positions` (consecutive, ending at
+    p0 - 1, covering the window); the seed (the last sampled token) at p0.
+
+    _prepare_dflash_inputs_kernel (sample_from_anchor): block = [seed, noise x (W-1)] at
+    p0 .. p0+W-1, noise = get_parallel_drafting_token_id; W = num_speculative_tokens
+    (block_size, else dspark_block_size). DSparkDeepseekV4Model.forward: embedding copied to
+    hc_mult streams, the layers, mhc_post of the last FFN, hc_collapse with its pre-mix.
+    DSparkSpeculator._sample_sequential: logits_i = base_i + markov_bias(markov_embed(x_{i-1})),
+    x_0 = seed, draft_i = argmax; confidences from the same embeddings."""
+    c = text_config(config)
+    for j in range(n_layers(c)):
+        ratios = c.get("compress_ratios")
+        if ratios is not None and c["num_hidden_layers"] + j < len(ratios) \
+                and ratios[c["num_hidden_layers"] + j]:
+            raise NotImplementedError("a compressed drafter layer (compress_ratio > 0)")
+    width = block_size or c.get("block_size") or c["dspark_block_size"]
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    p0 = int(positions[-1]) + 1
+    start = window_start(c, p0)
+    if not torch.equal(positions, torch.arange(p0 - len(positions), p0)) or positions[0] > start:
+        raise ValueError("the taps must be of consecutive positions covering the window")
+    in_window = positions >= start
+    main_x = taps_projection(c, weights, taps)
+    tokens = torch.tensor([seed_token] + [noise_token_id(c)] * (width - 1))
+    block_positions = torch.arange(p0, p0 + width)
+    embeddings = w(weights, "embed.weight")[tokens]
+    state = LayerState(embeddings.unsqueeze(1).repeat(1, c["hc_mult"], 1), None, None, None, None)
+    for j in range(n_layers(c)):
+        lw = layer_weights(weights, j)
+        context_rows = kv_rows(c, lw, main_x[in_window], positions[in_window])
+        layer_trace = None
+        if trace is not None:
+            layer_trace = trace.setdefault("layers", {}).setdefault(j, {})
+            layer_trace.update(state_in=state, context_rows=context_rows)
+        state = decoder_layer(c, lw, state, block_positions, context_rows, layer_trace)
+    streams = hc_post(state.x, state.residual, state.post, state.comb)
+    head_hidden = hc_collapse(streams, state.pre_mix)
+    base = head_logits(c, weights, head_hidden)
+    previous, logits, drafts, embeds = torch.tensor([seed_token]), [], [], []
+    for i in range(width):
+        embed = markov_embed(weights, previous)
+        logits.append(base[i] + markov_bias(weights, embed)[0])
+        previous = logits[-1].argmax().view(1)
+        drafts.append(int(previous))
+        embeds.append(embed[0])
+    has_confidence = c.get("enable_confidence_head", True) and any(
+        re.fullmatch(r"mtp\.\d+\.confidence_head\.proj\.weight", n) for n in weights)
+    confidences = confidence(weights, head_hidden, torch.stack(embeds)) if has_confidence else None
+    if trace is not None:
+        trace.update(streams=streams)
+    return DraftBlock(main_x, head_hidden, base, torch.stack(logits), torch.tensor(drafts),
+                      confidences, tokens, block_positions)

@@ -1,0 +1,174 @@
+"""DeepSeek-V4.1's drafter, remote_drafter.dsv41.model against the independent float64
+transcription of vLLM 0.33.0 in dsv41_reference.py, on random toy-width weights: stage by
+stage in float32 (relative error <= 1e-5 each) and the whole block's greedy drafts; and the
+reference's own invariants (window, RoPE, Sinkhorn, routing, the Markov chain)."""
+
+import glob
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+import dsv41_reference as ref  # noqa: E402
+
+from remote_drafter.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
+from remote_drafter.dsv41.tiny import tiny_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+SEED = 20261201
+CONTEXT, P0 = 24, 40  # context rows at positions 16..39; the window (16) cuts them
+
+
+def toy_config() -> dict:
+    config = tiny_config()
+    # a window shorter than the context given, and a SwiGLU clamp that bites
+    config["text_config"].update(sliding_window=16, swiglu_limit=1.0)
+    return config
+
+
+def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
+    """{name: float32} over expected_tensors' names, dequantised shapes (no scales; an fp4
+    row stores two values a byte), scaled to keep the forward near unit size."""
+    c = Dsv41DrafterConfig.from_json(config)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, spec in expected_tensors(c).items():
+        if name.endswith(".scale"):
+            continue
+        shape = spec.shape[:-1] + (spec.shape[-1] * 2,) if spec.kind == "fp4" else spec.shape
+        noise = torch.randn(shape, generator=gen)
+        if name.endswith("norm.weight"):
+            weights[name] = 1 + 0.05 * noise
+        elif name == "embed.weight" or name.endswith("attn_sink"):
+            weights[name] = noise
+        elif ".markov_head." in name:
+            weights[name] = noise * c.markov_rank ** -0.25
+        elif name.endswith("_scale"):
+            weights[name] = 1 + 0.1 * noise
+        elif len(shape) == 1:
+            weights[name] = 0.1 * noise
+        else:
+            weights[name] = noise / shape[-1] ** 0.5
+    return weights
+
+
+@pytest.fixture(scope="module")
+def toy():
+    config = toy_config()
+    c = ref.text_config(config)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    taps = torch.randn(CONTEXT, len(c["dspark_target_layer_ids"]) * c["hidden_size"], generator=gen)
+    positions = torch.arange(P0 - CONTEXT, P0)
+    return config, random_weights(config), taps, positions
+
+
+def block(toy, **changes):
+    config, weights, taps, positions = toy
+    return ref.draft_block(config, changes.get("weights", weights), changes.get("taps", taps),
+                           positions, seed_token=changes.get("seed", 7))
+
+
+# -- the reference's own invariants ----------------------------------------------------------
+
+def test_the_block_is_seed_then_noise_at_p0_onwards_and_drafts_a_greedy_markov_chain(toy):
+    config, weights, _, _ = toy
+    c = ref.text_config(config)
+    out = block(toy)
+    width = c["dspark_block_size"]
+    assert out.block_tokens.tolist() == [7] + [c["dspark_noise_token_id"]] * (width - 1)
+    assert out.block_positions.tolist() == list(range(P0, P0 + width))
+    assert out.logits.shape == (width, c["vocab_size"])
+    previous = [7] + out.drafts.tolist()[:-1]
+    bias = ref.markov_bias(weights, ref.markov_embed(weights, torch.tensor(previous)))
+    torch.testing.assert_close(out.logits, out.base_logits + bias, rtol=0, atol=1e-12)
+    assert out.drafts.tolist() == out.logits.argmax(dim=-1).tolist()
+    assert ((out.confidences > 0) & (out.confidences < 1)).all()
+
+
+def test_only_the_window_of_context_rows_reaches_the_block(toy):
+    _, _, taps, _ = toy
+    window = ref.text_config(toy[0])["sliding_window"]
+    before, inside = taps.clone(), taps.clone()
+    before[: CONTEXT - window] += 5.0   # rows older than the window
+    inside[-1] += 5.0                   # the newest context row
+    base = block(toy).head_hidden
+    assert torch.equal(block(toy, taps=before).head_hidden, base)
+    assert not torch.allclose(block(toy, taps=inside).head_hidden, base)
+
+
+def test_rope_is_undone_by_its_inverse_and_depends_on_relative_position(toy):
+    c = ref.text_config(toy[0])
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 1, c["head_dim"], generator=gen, dtype=torch.float64)
+    at = lambda x, p: ref.rope(x, c, torch.tensor([p]))  # noqa: E731
+    back = ref.rope(at(q, 37), c, torch.tensor([37]), inverse=True)
+    # vLLM's cos/sin table is float32: cos^2 + sin^2 is 1 to float32 rounding
+    torch.testing.assert_close(back, q, rtol=0, atol=1e-6)
+    torch.testing.assert_close((at(q, 30) * at(k, 20)).sum(), (at(q, 110) * at(k, 100)).sum(),
+                               rtol=1e-5, atol=0)
+    assert torch.equal(at(q, 5)[..., :-c["qk_rope_head_dim"]], q[..., :-c["qk_rope_head_dim"]])
+
+
+def test_sinkhorn_leaves_the_residual_mix_doubly_stochastic(toy):
+    config, weights, _, _ = toy
+    c = ref.text_config(config)
+    lw = ref.layer_weights(weights, 0)
+    streams = torch.randn(3, c["hc_mult"], c["hidden_size"], dtype=torch.float64)
+    mix = ref.hc_pre(c, streams, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
+                     None, lw["attn_norm.weight"])
+    torch.testing.assert_close(mix.comb.sum(dim=-1), torch.ones(3, c["hc_mult"], dtype=torch.float64),
+                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(mix.comb.sum(dim=-2), torch.ones(3, c["hc_mult"], dtype=torch.float64),
+                               rtol=0, atol=1e-5)
+    # the first sublayer collapses stream 0 alone
+    torch.testing.assert_close(mix.layer_input, ref.rms_norm(streams[:, 0], lw["attn_norm.weight"],
+                                                             c["rms_norm_eps"]))
+
+
+def test_routing_picks_the_top_k_of_score_plus_bias_and_weighs_them_to_the_scaling_factor(toy):
+    config, weights, _, _ = toy
+    c = ref.text_config(config)
+    lw = ref.layer_weights(weights, 1)
+    x = torch.randn(6, c["hidden_size"], dtype=torch.float64)
+    ids, chosen = ref.route(c, lw, x)
+    logits = x @ lw["ffn.gate.weight"].T
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    want = (scores + lw["ffn.gate.bias"]).topk(c["dspark_num_experts_per_tok"]).indices
+    assert ids.tolist() == want.tolist()
+    torch.testing.assert_close(chosen.sum(-1), torch.full((6,), c["routed_scaling_factor"],
+                                                          dtype=torch.float64))
+    torch.testing.assert_close(chosen / chosen.sum(-1, keepdim=True),
+                               scores.gather(1, ids) / scores.gather(1, ids).sum(-1, keepdim=True))
+
+
+# -- tools/check-vllm-hooks.py guards the transcription --------------------------------------
+
+WHEEL = sorted(glob.glob(str(ROOT / ".artifacts/wheels/vllm-0.33.0-*.whl")))
+
+
+def load_checker():
+    spec = importlib.util.spec_from_file_location("check_hooks", ROOT / "tools" / "check-vllm-hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not WHEEL, reason="needs vLLM 0.33.0's wheel under .artifacts/wheels")
+def test_the_hook_check_fails_when_a_transcribed_function_changes(tmp_path, capsys):
+    import zipfile
+
+    checker = load_checker()
+    needed = {*checker.HOOKS, *(name for name, _, _ in checker.CALLS), *checker.transcribed(),
+              "vllm/_version.py"}
+    with zipfile.ZipFile(WHEEL[0]) as wheel:
+        wheel.extractall(tmp_path, needed)
+    release = str(tmp_path / "vllm")
+    assert checker.main([release]) == 0
+    markov = tmp_path / "vllm/model_executor/models/qwen3_dspark.py"
+    markov.write_text(markov.read_text().replace("return self.markov_w1(token_ids)",
+                                                 "return 2 * self.markov_w1(token_ids)"))
+    assert checker.main([release]) == 1
+    out = capsys.readouterr().out
+    assert "DSparkMarkovHead.embed changed" in out and "dsv41_reference.py" in out
