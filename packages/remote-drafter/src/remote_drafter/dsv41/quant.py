@@ -43,7 +43,8 @@ def exponent_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
-    """2^(b - 127) for each UE8M0 byte b (b = 0 reads as 0 and 255 as inf, as in vLLM)."""
+    """2^(b - 127) for each UE8M0 byte b (b = 0 reads as 0 and 255 as inf, as fp8_utils
+    reads them; neither occurs in a checkpoint's scales)."""
     return (exponent_bytes(scale).to(torch.int32) << 23).view(torch.float32)
 
 
@@ -51,7 +52,7 @@ def float32_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     """The UE8M0 bytes (stored as E8M0) of positive powers of two; anything else is refused."""
     scale = scale.to(torch.float32)
     bits = scale.view(torch.int32)
-    if not bool(((scale > 0) & (bits & 0x7FFFFF == 0)).all()):
+    if not bool(((scale > 0) & ((bits & 0x7FFFFF) == 0)).all()):
         raise ValueError("UE8M0 holds positive powers of two only")
     return (bits >> 23).to(torch.uint8).view(E8M0)
 
