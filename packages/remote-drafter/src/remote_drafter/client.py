@@ -414,6 +414,10 @@ class DrafterClient:
         self._inflight = (ticket, entries, info, time.perf_counter())
         return True
 
+    def submitted_at(self) -> float | None:
+        """When the round in flight was submitted (time.perf_counter); None without one."""
+        return None if self._inflight is None else self._inflight[3]
+
     def collect(self) -> dict[int, Drafts]:
         """The drafts of the submitted round, waiting at most the handoff's max wait.
         Never raises."""

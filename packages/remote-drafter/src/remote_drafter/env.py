@@ -43,6 +43,17 @@ REMOTE_DRAFTER_HIDDEN_LAYERS = EnvVar(
     "output of the first decoder layer), or 'auto' = ask the drafter at engine start-up (the "
     "local one, or the worker). A worker reading other layers is refused.")
 
+REMOTE_DRAFTER_VLLM_COLLECT = EnvVar(
+    "REMOTE_DRAFTER_VLLM_COLLECT", "input",
+    "vLLM, asynchronous rounds: input = vLLM takes placeholder drafts and the round's real "
+    "drafts are written into the next step's inputs (the round overlaps the host work in "
+    "between; a round late or failed leaves the placeholders, which verification rejects); "
+    "take = collect when vLLM takes the drafts (the rollback).")
+REMOTE_DRAFTER_METRICS_LISTEN = EnvVar(
+    "REMOTE_DRAFTER_METRICS_LISTEN", "",
+    "vLLM: HOST:PORT of each engine rank's proposer /metrics and /health (rank r on PORT + r): "
+    "the client's and the proposer's counters; empty = not served.")
+
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
@@ -58,6 +69,7 @@ REMOTE_DRAFTER_LOCK_DIR = EnvVar(
 ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
        REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
+       REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN,
        REMOTE_DRAFTER_DEVICE_LOCK, REMOTE_DRAFTER_LOCK_DIR]
 
 

@@ -127,7 +127,10 @@ class AsyncTransport(RemoteTransport):
         return self.handoff.submit(payload)
 
     def wait(self, ticket) -> bytes | None:
-        return self.handoff.wait(ticket)
+        """The reply, waited for until the round's deadline (from its submission), never
+        longer than the handoff's max wait; None past it."""
+        left = self.handoff.config.round_deadline_ms / 1000 - (time.monotonic() - ticket.submitted)
+        return self.handoff.wait(ticket, max(left, 0.0))
 
     def abandon(self, ticket) -> None:
         self.handoff.abandon(ticket)

@@ -7,27 +7,35 @@
 RemoteProposer is vLLM's `custom_class` proposer; `remote_drafter.vllm:register` (a
 `vllm.general_plugins` entry point, loaded in every vLLM process, idempotent) wraps
 `GPUModelRunner.propose_draft_token_ids` so the proposer learns the batch's request ids and
-the finished requests, and `take_draft_token_ids` so an asynchronous round submitted in
-`propose` is collected only when vLLM takes the drafts (the CPU runner inherits both). The client comes from the environment
+the finished requests, `take_draft_token_ids` and `_update_states` (the CPU runner inherits
+all three). An asynchronous round submitted in `propose` keeps running past `take`: vLLM's
+scheduler needs only how many drafts each request has, so it takes placeholders of the
+promised count, and the real drafts are written into the input batch right after the next
+step's `_update_states`, before `_prepare_inputs` gathers the input ids (deferred
+collection, REMOTE_DRAFTER_VLLM_COLLECT=input). The client comes from the environment
 (`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
 (REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
 mode refuses a local drafter. Drafters that read the target's hidden states get them: the
 plugin turns on vLLM's auxiliary hidden-state outputs at the drafter's layers (as for
 EAGLE-3) and hands the proposer, per request, the rows of the inputs each step committed
 (a prefill chunk, or the previous newest token and the accepted drafts; rejected drafts'
-rows are dropped). Any failure means no drafts this step; vLLM verifies what it gets, so
-its output never changes.
+rows are dropped). Any failure means no drafts this step (deferred: placeholders); vLLM
+verifies what it gets, so its output never changes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
+import time
 
 import numpy as np
 
 from . import env
 from .client import as_rows
 from .factory import make_client
+from .metrics import Metrics
 from .transport import AsyncTransport
 
 log = logging.getLogger("remote_drafter.vllm")
@@ -37,6 +45,17 @@ log = logging.getLogger("remote_drafter.vllm")
 # v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, get_eagle3_aux_layers_from_config).
 TAPS_AS_GIVEN = frozenset({"deepseek_v41"})
 START_DEADLINE_S = 10.0  # asking the worker which layers its drafter reads, at start-up
+# What a deferred round's drafts are until its reply is written in: any token id is safe,
+# since verification accepts a draft only where it equals the target's own choice.
+PLACEHOLDER = 0
+COUNTERS = {
+    "rounds_deferred": "Async rounds whose drafts went into the next step's inputs",
+    "rounds_taken": "Async rounds collected when vLLM took the drafts",
+    "drafts_filled": "Draft tokens written into the input batch by deferred collection",
+    "placeholders_verified": "Placeholder drafts left for verification (round late, failed or short)",
+}
+HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input preparation",
+              "collect_wait": "Deferred round: time input preparation waited for the reply"}
 
 # What register() wraps, as vLLM 0.32 / 0.33 define it: {file: {class: {method: leading
 # parameters}}}. tools/check-vllm-hooks.py checks a vLLM release against it.
@@ -45,7 +64,37 @@ HOOKS = {"vllm/v1/worker/gpu_model_runner.py": {"GPUModelRunner": {
                                 "sampling_metadata", "hidden_states", "sample_hidden_states",
                                 "aux_hidden_states"],
     "take_draft_token_ids": ["self"],
+    "_update_states": ["self", "scheduler_output"],
     "_setup_eagle3_aux_hidden_state_outputs": ["self"]}}}
+# Deferred collection relies on the code of these functions as vLLM 0.32.0 and 0.33.0 have
+# it (the same in both): where the scheduled drafts enter the input batch and where the
+# batch is read. source_digest of each; another vLLM gets collection at take, saying why.
+DEFERRED_SOURCES = {
+    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "_update_states"): "1d3a025137b5fd9e",
+    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "execute_model"): "19c4bcd6969eb0df",
+    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "_prepare_inputs"): "5dc7641a34ad577b",
+    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "take_draft_token_ids"): "608a48cfe33ceacc",
+    ("vllm/v1/worker/gpu_input_batch.py", "InputBatch", "update_req_spec_token_ids"): "7529faa1b955fda8",
+}
+
+
+def source_digest(source: str) -> str:
+    """A function's source, from its `def` line, blank lines and indentation left out: the
+    same from inspect.getsource (at run time) and from a release's file (the hook checker)."""
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("def "))
+    return hashlib.sha256("\n".join(lines[start:]).encode()).hexdigest()[:16]
+
+
+def deferred_refusal() -> str | None:
+    """Why this vLLM cannot take deferred collection (None: it can)."""
+    import importlib
+    for (path, cls, name), digest in DEFERRED_SOURCES.items():
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        got = source_digest(inspect.getsource(getattr(getattr(module, cls), name)))
+        if got != digest:
+            return f"{cls}.{name} differs from the vLLM releases checked (digest {got}, want {digest})"
+    return None
 
 
 def aux_layer_ids(layers: tuple, model_type: str) -> tuple[int, ...]:
@@ -83,11 +132,46 @@ class RemoteProposer:
         self.ids: dict[str, int] = {}      # vLLM request id -> the client's integer id
         self.known: dict[str, int] = {}    # vLLM request id -> tokens the client has
         self.req_ids: list[str] | None = None  # this step's rows (from the plugin)
-        self._pending = None  # async: (rows, {row: client id}) of the round in flight
+        self._pending = None  # async: (rows, {row: client id}, k) of the round in flight
+        self._deferred = None  # ({request id: client id}, submitted at) awaiting the next inputs
         self._next_id = 1
         self.hidden_layers: tuple[int, ...] = ()  # set in load_model
         self.carry: dict[str, list[np.ndarray]] = {}  # committed rows not yet sent, per request
-        log.info("remote drafter proposer: k=%d, %s", self.k, type(self.client.transport).__name__)
+        self.metrics = Metrics("remote_drafter_vllm", COUNTERS, HISTOGRAMS)
+        self.defer = self._defer_allowed(vllm_config)
+        self.http = self._serve_metrics(vllm_config)
+        log.info("remote drafter proposer: k=%d, %s%s", self.k, type(self.client.transport).__name__,
+                 ", deferred collection" if self.defer else "")
+
+    def _defer_allowed(self, vllm_config) -> bool:
+        if not isinstance(self.client.transport, AsyncTransport) \
+                or env.REMOTE_DRAFTER_VLLM_COLLECT.get() == "take":
+            return False
+        parallel = vllm_config.parallel_config
+        why = deferred_refusal()
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            # each rank's own round could fail where another's succeeds: inputs would differ
+            why = "tensor/pipeline parallel ranks run their own rounds"
+        if why:
+            log.error("deferred collection refused (%s): async rounds are collected at take", why)
+        return why is None
+
+    def _serve_metrics(self, vllm_config):
+        listen = env.REMOTE_DRAFTER_METRICS_LISTEN.get()
+        if not listen:
+            return None
+        from ofl.http import MetricsServer
+        from ofl.server import parse_address
+        rank = vllm_config.parallel_config.rank
+        host, port = parse_address(listen, 9494)
+        try:
+            return MetricsServer(host, port + rank, lambda: self.client.prometheus() + self.metrics.prometheus(),
+                                 lambda: {"rank": rank, "client": self.client.counters(),
+                                          "proposer": self.metrics.snapshot()},
+                                 name=f"remote-drafter-r{rank}")
+        except OSError as exc:  # the counters stay unreadable; drafting is unaffected
+            log.error("remote drafter counters not served on %s: %s", listen, exc)
+            return None
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
         """Learn which target layers the drafter reads (the plugin then has vLLM output
@@ -188,7 +272,7 @@ class RemoteProposer:
                 # Submitted now, collected when vLLM takes the drafts (after the scheduler
                 # update and output handling): the round overlaps that engine work.
                 if self.client.submit(k):
-                    self._pending = (rows, wanted)
+                    self._pending = (rows, wanted, k)
                 return out
             return self._rows(rows, wanted, self.client.propose(k))
         except Exception:  # noqa: BLE001 - never break the engine: no drafts this step
@@ -203,17 +287,54 @@ class RemoteProposer:
                 out[i] = [int(t) for t in d.tokens[:self.k]]
         return out
 
-    def take_rows(self) -> list[list[int]] | None:
-        """Async mode: the submitted round's drafts, per row (bounded wait); None if none."""
+    def take_rows(self, structured: bool = False) -> list[list[int]] | None:
+        """Async mode, when vLLM takes the drafts: placeholders of the promised count per row
+        (deferred), or the round's drafts (bounded wait); None if no round. `structured`: a
+        request of the batch has structured output, whose drafts the scheduler checks
+        against its grammar, so they must be real now."""
         if self._pending is None:
             return None
-        rows, wanted = self._pending
+        rows, wanted, k = self._pending
         self._pending = None
+        if self.defer and not structured:
+            self._deferred = ({self.req_ids[i]: cid for i, cid in wanted.items()},
+                              self.client.submitted_at() or time.perf_counter())
+            return [[PLACEHOLDER] * k if i in wanted else [] for i in range(rows)]
+        self.metrics.inc("rounds_taken")
         try:
             return self._rows(rows, wanted, self.client.collect())
         except Exception:  # noqa: BLE001
             log.exception("collecting remote drafts failed; no drafts this step")
             return [[] for _ in range(rows)]
+
+    def fill(self, batch, scheduled: dict[str, list[int]]) -> None:
+        """After the next step's _update_states: collect the deferred round (its deadline
+        bounds the wait) and write its drafts over the placeholders the scheduler sent back,
+        in the token ids _prepare_inputs gathers and in the spec ids the sampler reads
+        (penalties, bad words). What it lacks stays a placeholder, counted."""
+        if self._deferred is None:
+            return
+        cids, submitted = self._deferred
+        self._deferred = None
+        started = time.perf_counter()
+        self.metrics.inc("rounds_deferred")
+        self.metrics.observe("host_gap", started - submitted)
+        drafts = self.client.collect()
+        self.metrics.observe("collect_wait", time.perf_counter() - started)
+        filled = placeholders = 0
+        for rid, cid in cids.items():
+            index, n = batch.req_id_to_index.get(rid), len(scheduled.get(rid, ()))
+            if index is None or not n:
+                continue
+            d = drafts.get(cid)
+            tokens = [int(t) for t in d.tokens[:n]] if d is not None else []
+            start = int(batch.num_tokens_no_spec[index])
+            batch.token_ids_cpu[index, start:start + len(tokens)] = tokens
+            batch.spec_token_ids[index][:len(tokens)] = tokens  # in place: the sampler holds it
+            filled += len(tokens)
+            placeholders += n - len(tokens)
+        self.metrics.inc("drafts_filled", filled)
+        self.metrics.inc("placeholders_verified", placeholders)
 
 
 def register() -> None:
@@ -255,14 +376,30 @@ def register() -> None:
     def take_draft_token_ids(self):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
-            rows = drafter.take_rows()
+            structured = any(getattr(self.requests[rid].sampling_params, "structured_outputs", None)
+                             for rid in self.input_batch.req_ids)
+            rows = drafter.take_rows(structured)
             if rows is not None:
                 self._draft_token_ids = rows
         return original_take(self)
 
+    def _update_states(self, scheduler_output):
+        out = original_update(self, scheduler_output)
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, RemoteProposer):
+            try:
+                drafter.fill(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
+            except Exception:  # noqa: BLE001 - never break the engine: placeholders stay
+                log.exception("writing deferred drafts failed; placeholders are verified")
+        return out
+
     original_take = GPUModelRunner.take_draft_token_ids
+    original_update = GPUModelRunner._update_states
     original_setup = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
     propose_draft_token_ids._remote_drafter = True
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner.take_draft_token_ids = take_draft_token_ids
+    GPUModelRunner._update_states = _update_states
+    # inspect.getsource follows __wrapped__: deferred_refusal reads vLLM's own code
+    take_draft_token_ids.__wrapped__, _update_states.__wrapped__ = original_take, original_update
     GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = setup_aux_hidden_state_outputs
