@@ -28,10 +28,12 @@ TORCH_FREE = {"ofl", "async_handoff", "longctx_bench", "acceptance_ceiling", "re
               "remote_drafter", "dsv41_stack"}
 TORCH_SIDE = (
     "remote_engram.vllm",
-    "remote_drafter.bench", "remote_drafter.drafters.dspark", "remote_drafter.drafters.lm",
-    "remote_drafter.drafters.pick", "remote_drafter.layers", "remote_drafter.reference",
-    "remote_drafter.target", "remote_drafter.testing",
+    "remote_drafter.bench", "remote_drafter.drafters.dspark", "remote_drafter.drafters.dsv41",
+    "remote_drafter.drafters.lm", "remote_drafter.drafters.pick", "remote_drafter.drafters.window",
+    "remote_drafter.layers", "remote_drafter.reference", "remote_drafter.target",
+    "remote_drafter.testing",
     "remote_drafter.dsv41.quant", "remote_drafter.dsv41.checkpoint", "remote_drafter.dsv41.tiny",
+    "remote_drafter.dsv41.model",
 )
 
 

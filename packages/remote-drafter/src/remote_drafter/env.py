@@ -54,6 +54,10 @@ REMOTE_DRAFTER_METRICS_LISTEN = EnvVar(
     "vLLM: HOST:PORT of each engine rank's proposer /metrics and /health (rank r on PORT + r): "
     "the client's and the proposer's counters; empty = not served.")
 
+REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
+    "REMOTE_DRAFTER_CONFIDENCE_CUTOFF", "0",
+    "Worker, dsv41 drafter: cut each draft before its first token the checkpoint's confidence "
+    "head scores below this (0..1); 0 = off, the whole draft is sent.")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
@@ -70,7 +74,8 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_M
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
        REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN,
-       REMOTE_DRAFTER_DEVICE_LOCK, REMOTE_DRAFTER_LOCK_DIR]
+       REMOTE_DRAFTER_DEVICE_LOCK, REMOTE_DRAFTER_LOCK_DIR,
+       REMOTE_DRAFTER_CONFIDENCE_CUTOFF]
 
 
 def capacity_mode() -> bool:

@@ -1,7 +1,10 @@
 """Drafter back ends behind one interface (one small class per method, as vLLM's
-proposers): `dspark` (the chain drafter: layers + Markov head), `lm` (a small causal LM
-drafting token by token, e.g. the target's own copy), `ngram` (prompt lookup, no weights).
-A later back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'. `dspark`
+proposers): `dsv41` (DeepSeek-V4.1's own DSpark drafter, the `mtp.*` tensors of its
+checkpoint, as vLLM 0.33 computes it: `dsv41:<folder>`), `dspark` (a Llama-style DSpark
+chain drafter of this repository's own format, a checkpoint folder: the small variant the
+SmolLM2 miniature and the native drafter train and serve), `lm` (a small causal LM drafting
+token by token, e.g. the target's own copy), `ngram` (prompt lookup, no weights). A later
+back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'. `dsv41`, `dspark`
 and `lm` need torch (the [worker] extra); `ngram` and this module do not."""
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..identity import Manifest
 
 WORKER_EXTRA = "dsv41-remote-drafter[worker]"
 WORKER_PACKAGES = ("torch", "safetensors")  # what the extra adds to the engine-side install
+DSV41_PREFIX = "dsv41:"
 
 
 class WorkerExtraMissing(ImportError):
@@ -54,6 +58,7 @@ class Draft:
     own_probs: np.ndarray    # float32 [depth]: the drafter's probability of its token
     alt_tokens: np.ndarray   # int32 [depth]: its likeliest other token at each position
     alt_probs: np.ndarray    # float32 [depth]
+    confidence: np.ndarray | None = None  # float32 [depth]: its estimate each is accepted
 
 
 class Drafter:
@@ -87,9 +92,13 @@ class Drafter:
 
 def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtype=None,
                  **options) -> Drafter:
-    """'ngram', 'lm' (the target itself as drafter), a DSpark checkpoint folder, or
-    'module:Class' (a class taking (target, device, **options)); `dtype` (a torch dtype)
-    casts a drafter's weights, a checkpoint's as they move to the device."""
+    """'ngram', 'lm' (the target itself as drafter), 'dsv41:<folder>' (DeepSeek-V4.1's
+    drafter in its checkpoint folder), a DSpark checkpoint folder, or 'module:Class' (a
+    class taking (target, device, **options)); `dtype` (a torch dtype) casts a drafter's
+    weights, a checkpoint's as they move to the device."""
+    if spec.startswith(DSV41_PREFIX):  # before the 'module:Class' rule, which it resembles
+        Dsv41Drafter = worker_side(f"{__name__}.dsv41").Dsv41Drafter
+        return Dsv41Drafter.load(spec.removeprefix(DSV41_PREFIX), target, device, dtype, **options)
     if os.path.isdir(spec):
         DSparkDrafter = worker_side(f"{__name__}.dspark").DSparkDrafter
         # cast tensor by tensor on the way: a float32 copy cast on the card would stay
@@ -118,5 +127,5 @@ def _other_drafter(spec: str, target: str | None, device: str, options: dict) ->
     if ":" in spec:
         module, _, name = spec.partition(":")
         return getattr(importlib.import_module(module), name)(target, device, **options)
-    raise ValueError(f"unknown drafter {spec!r}: 'ngram', 'lm', a checkpoint folder or "
-                     "'module:Class'")
+    raise ValueError(f"unknown drafter {spec!r}: 'ngram', 'lm', 'dsv41:<folder>', a checkpoint "
+                     "folder or 'module:Class'")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -21,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..history import History
 from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
 from ..layers import Block, RMSNorm
 from . import Draft, Drafter, DraftRequest
 from .pick import Picker
+from .window import DeviceWindows, empty
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "drafter.safetensors"
 
@@ -136,7 +135,7 @@ class DSparkDrafter(Drafter):
         self.vocab_size, self.feature = config.vocab_size, config.feature
         self.max_depth, self.window = config.block_size, config.window
         self.history_tokens, self.hidden_layers = config.history_tokens, tuple(config.target_layers)
-        self._windows: dict[str, weakref.WeakKeyDictionary] = {}  # device -> {lineage: _Window}
+        self._windows = DeviceWindows(self.window, self.feature)  # device -> {lineage: ring}
 
     def manifest(self) -> Manifest:
         return self._manifest
@@ -203,15 +202,15 @@ class DSparkDrafter(Drafter):
         window, so every row of a batch has the same shapes and padding never leaks into a
         request (the bits may still differ with the batch size, as BLAS sums differently for
         another row count). Hidden rows are assembled from each request's copy on the device
-        (_Window), so only rows committed since its last round cross to it."""
+        (window.py), so only rows committed since its last round cross to it."""
         b, n = len(requests), self.window
         valid = np.zeros((b, n), bool)
         pos = np.zeros((b, n), np.int64)
-        ctx = _empty((b, n, self.feature), device) if self.feature else np.zeros((b, n), np.int64)
+        ctx = empty((b, n, self.feature), device) if self.feature else np.zeros((b, n), np.int64)
         for i, r in enumerate(requests):
             h = r.history
             if self.feature:
-                m = self._window(h, device).lay_out(ctx[i])
+                m = self._windows.current(h, device).lay_out(ctx[i])
             else:
                 known = h.tokens[:-1][-n:]
                 m = len(known)
@@ -222,21 +221,6 @@ class DSparkDrafter(Drafter):
         if not self.feature:
             ctx = torch.from_numpy(ctx).to(device)
         return ctx, torch.from_numpy(valid).to(device), torch.from_numpy(pos).to(device)
-
-    def _window(self, h: History, device) -> _Window:
-        """h's last rows on `device`, brought up to date. Keyed by the history's lineage, which
-        the service's snapshots share with the session's history and which a reset or re-open
-        replaces (so stale rows are never served); held weakly, so a window goes when its
-        request is released or expires."""
-        windows = self._windows.setdefault(str(device), weakref.WeakKeyDictionary())
-        w, rows = windows.get(h.lineage), h.rows
-        new = -1 if w is None else h.rows_added - w.seen
-        if not 0 <= new <= len(rows):  # new, an older snapshot, or more new rows than kept
-            w = windows[h.lineage] = _Window(_empty((self.window, self.feature), device))
-            new = len(rows)
-        w.push(rows[len(rows) - min(new, self.window):], h.rows_added)
-        w.m = min(w.m, len(rows))  # a history keeping fewer rows than the window
-        return w
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
@@ -250,46 +234,6 @@ class DSparkDrafter(Drafter):
             logits = z[:, i] + self.model.markov(previous)
             previous = pick(logits, [r.history.length + i for r in requests])
         return split(requests, *pick.finish())
-
-
-def _empty(shape: tuple, device) -> torch.Tensor:
-    """Uninitialised float32 on `device`. On the CPU numpy's memory: numpy maps arrays this
-    large on huge pages, where torch's allocator maps each one afresh in 4 KB pages, faulted
-    in on every round (the host part of a batch-16 CPU round took about 1.5x as long)."""
-    if torch.device(device).type == "cpu":
-        return torch.from_numpy(np.empty(shape, np.float32))
-    return torch.empty(shape, dtype=torch.float32, device=device)
-
-
-class _Window:
-    """One request's last `window` hidden rows on a device, as a ring: `head` is where the
-    next row goes, the newest `m` rows are valid, `seen` is the history's rows_added they
-    reflect. Memory: window x feature floats per open request."""
-
-    def __init__(self, ring: torch.Tensor):
-        self.ring, self.head, self.m, self.seen = ring, 0, 0, 0
-
-    def push(self, rows: np.ndarray, seen: int) -> None:
-        n, k = len(self.ring), len(rows)
-        if k:
-            src = torch.tensor(rows)  # a host copy of the new rows (they are read-only)
-            a = min(k, n - self.head)
-            self.ring[self.head:self.head + a] = src[:a]
-            self.ring[:k - a] = src[a:]
-            self.head, self.m = (self.head + k) % n, min(n, self.m + k)
-        self.seen = seen
-
-    def lay_out(self, dst: torch.Tensor) -> int:
-        """Copy the valid rows, oldest first, to the end of dst [window, feature] and zero
-        the rest (a full window, the usual case, has none); their count."""
-        n, m = len(self.ring), self.m
-        first = (self.head - m) % n
-        a = min(m, n - first)  # rows before the ring wraps
-        dst[:n - m] = 0
-        # One cat, not two copies: one kernel on a GPU, memcpy speed on the CPU (copy_ ran
-        # at half that there).
-        torch.cat([self.ring[first:first + a], self.ring[:m - a]], out=dst[n - m:])
-        return m
 
 
 def split(requests, tokens, probs, own, alt_tokens, alt_probs) -> list[Draft]:

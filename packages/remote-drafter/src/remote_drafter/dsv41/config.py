@@ -63,7 +63,6 @@ class Dsv41DrafterConfig:
     block_size: int              # W: [seed, noise x (W-1)] -> W drafts per pass
     markov_rank: int
     noise_token_id: int
-    draft_topk: int | None       # Markov bias on the top-k base logits only (None: all)
     enable_confidence_head: bool  # vLLM drops the head when the checkpoint lacks it
     # checkpoint storage
     expert_dtype: str            # "fp4" (MXFP4 experts) or "fp8" (block-fp8 experts)
@@ -91,7 +90,7 @@ class Dsv41DrafterConfig:
         return "e8m0" if self.expert_dtype == "fp4" else "f32"
 
     @classmethod
-    def from_json(cls, config: dict) -> "Dsv41DrafterConfig":
+    def from_json(cls, config: dict) -> Dsv41DrafterConfig:
         """The whole config.json (text fields under `text_config` or flat)."""
         flat = flatten(config)
 
@@ -121,7 +120,9 @@ class Dsv41DrafterConfig:
             raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
         quant = flat.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size") or (128, 128))
-        topk = flat.get("dspark_draft_topk")
+        if flat.get("dspark_draft_topk") is not None:
+            raise ValueError("dspark_draft_topk: vLLM 0.33 supports it for Qwen3 DSpark drafters "
+                             "only (config/speculative.py), not DeepSeek-V4.1's")
         # vLLM reads the block size from block_size, then dspark_block_size
         block_size = flat.get("block_size") or need("dspark_block_size")
         swiglu_limit = need_key(flat, "swiglu_limit")
@@ -149,7 +150,6 @@ class Dsv41DrafterConfig:
             target_layer_ids=tuple(int(i) for i in need("dspark_target_layer_ids")),
             block_size=int(block_size), markov_rank=int(need("dspark_markov_rank")),
             noise_token_id=_noise_token_id(flat),
-            draft_topk=None if topk is None else int(topk),
             enable_confidence_head=bool(flat.get("enable_confidence_head", True)),
             expert_dtype=expert_dtype, weight_block_size=(int(block[0]), int(block[1])),
             vision=bool((config.get("vision_config") or {}).get("num_hidden_layers", 0)),

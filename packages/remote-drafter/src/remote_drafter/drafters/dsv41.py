@@ -1,0 +1,116 @@
+"""DeepSeek-V4.1's own DSpark drafter (the `mtp.*` tensors of its checkpoint) behind the
+Drafter interface: kind "dsv41", served as `remote-drafter worker --drafter dsv41:<folder>`.
+
+A round for B requests: each request's context rows (every drafter layer's key/value row
+of each of its last `sliding_window` committed positions, post kv_norm and RoPE) live on the
+device (window.py) and only rows committed since its last round are encoded; one parallel
+pass over the B blocks gives W base logits each; then the Markov head runs left to right,
+draft i drawn (argmax at T = 0, a seeded draw otherwise: pick.py) from z_i plus the bias of
+draft i-1, and the confidence head scores each draft. With a confidence cut-off, each
+request's draft ends before its first draft scored below it (exllamav3's trim; vLLM uses
+the head only for adaptive verification).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields, replace
+
+import numpy as np
+import torch
+
+from .. import env
+from ..dsv41 import checkpoint
+from ..dsv41.config import flatten
+from ..dsv41.model import Dsv41Model
+from ..identity import Manifest, target_digest, tokenizer_digest
+from . import Draft, Drafter, DraftRequest
+from .dspark import split
+from .pick import Picker
+from .window import DeviceWindows
+
+
+class Dsv41Drafter(Drafter):
+    kind = "dsv41"
+
+    def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
+                 confidence_cutoff: float = 0.0):
+        c = model.config
+        if confidence_cutoff > 0 and not model.has_confidence:
+            raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
+                             "which this one lacks")
+        self.model, self.config, self._manifest, self.device = model, c, manifest, device
+        self.vocab_size, self.feature = c.vocab_size, c.feature_width
+        self.max_depth, self.window = c.block_size, c.sliding_window
+        self.hidden_layers = c.target_layer_ids
+        self.confidence_cutoff = confidence_cutoff
+        self._windows = DeviceWindows(self.window, c.n_mtp_layers * c.head_dim, self._encode,
+                                      model.dtype)
+
+    @classmethod
+    def load(cls, folder: str, target: str | None = None, device: str = "cpu",
+             dtype: torch.dtype | None = None, confidence_cutoff: float | None = None) -> Dsv41Drafter:
+        """The drafter of the DeepSeek-V4.1 checkpoint in `folder`, serving `target` (the
+        folder the engine decodes with; default `folder` itself, where DeepSeek ships it),
+        whose vocabulary it must share. Float32 unless `dtype` says otherwise."""
+        loaded = checkpoint.load(folder, dtype or torch.float32, device)
+        served = target or folder
+        with open(os.path.join(served, "config.json")) as f:
+            vocab = flatten(json.load(f)).get("vocab_size")
+        if vocab != loaded.config.vocab_size:
+            raise ValueError(f"{folder}'s drafter has a vocabulary of {loaded.config.vocab_size}, "
+                             f"the target {served} of {vocab}")
+        manifest = Manifest(target_digest(served), tokenizer_digest(served),
+                            loaded.drafter_digest, loaded.markov_digest, cls.kind)
+        if confidence_cutoff is None:
+            confidence_cutoff = float(env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.get() or 0)
+        return cls(Dsv41Model(loaded.config, loaded.weights, device), manifest, device,
+                   confidence_cutoff)
+
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    def describe(self) -> dict:
+        return {**super().describe(), "confidence_head": self.model.has_confidence,
+                "confidence_cutoff": self.confidence_cutoff}
+
+    def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
+        """New committed taps -> every layer's context rows, computed once per position."""
+        taps = torch.tensor(rows).to(device)  # a copy: history rows are read-only
+        return self.model.encode_rows(taps, torch.from_numpy(positions).to(device))
+
+    @torch.inference_mode()
+    def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
+        model, dev, c = self.model, self.device, self.config
+        b, n = len(requests), self.window
+        # each request's rows right-aligned in a fixed window: one shape for the batch
+        ctx = torch.empty((b, n, self._windows.width), dtype=model.dtype, device=dev)
+        valid = np.zeros((b, n), bool)
+        for i, r in enumerate(requests):
+            m = self._windows.current(r.history, dev).lay_out(ctx[i])
+            valid[i, n - m:] = True
+        seed = torch.tensor([int(r.history.tokens[-1]) for r in requests], device=dev)
+        p0 = torch.tensor([r.history.length - 1 for r in requests], device=dev)
+        h = model.block_hidden(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
+                               torch.from_numpy(valid).to(dev), seed, p0)
+        z = model.logits(h)
+        pick, previous, confidence = Picker(requests, want_probs), seed, []
+        for i in range(max(r.depth for r in requests)):
+            m = model.markov_embed(previous)
+            if model.has_confidence:
+                confidence.append(model.confidence(h[:, i], m))
+            previous = pick(model.markov_logits(z[:, i], m), [r.history.length + i for r in requests])
+        drafts = split(requests, *pick.finish())
+        if not confidence:
+            return drafts
+        scores = torch.stack(confidence, 1).float().cpu().numpy()
+        return [self._cut(replace(d, confidence=s[:len(d.tokens)])) for d, s in zip(drafts, scores)]
+
+    def _cut(self, d: Draft) -> Draft:
+        """The longest prefix whose every confidence is >= the cut-off (0: the whole draft)."""
+        low = np.flatnonzero(d.confidence < self.confidence_cutoff)
+        if not len(low):
+            return d
+        return replace(d, **{f.name: getattr(d, f.name)[:low[0]] for f in fields(d)
+                             if getattr(d, f.name) is not None})

@@ -1,0 +1,269 @@
+"""DeepSeek-V4.1's DSpark drafter, forward only, in plain torch (readable in one sitting).
+
+What vLLM 0.33.0 computes (read in its wheel: `models/deepseek_v41/nvidia/dspark.py`,
+`nvidia/model.py` (DeepseekV4DecoderLayer), `models/deepseek_v41/attention.py`,
+`nvidia/ops/o_proj.py`, `model_executor/kernels/mhc/torch.py`, `models/deepseek_v4/nvidia/
+model.py` (DeepseekV4MoE, DeepseekV4MLP), `fused_moe/router/cpu_router.py`,
+`v1/attention/backends/mla/sparse_swa.py` (the DSpark non-causal window),
+`v1/worker/gpu/spec_decode/dspark/speculator.py`, `model_executor/models/qwen3_dspark.py`):
+
+* Context: taps of k target layers per committed position -> main_x = main_norm(main_proj(
+  taps)); each drafter layer j turns main_x into ONE shared key/value row per position:
+  rope(kv_norm(wkv_j(main_x)), position). Rows are per-position functions, so a request's
+  rows are computed once, when they arrive, and kept (the drafter keeps the last window).
+* Block: [seed, noise x (W-1)] at positions p0..p0+W-1 (seed = the newest committed token,
+  p0 its position); each block position predicts the next token: one pass, W drafts.
+* Layer j (DeepseekV4DecoderLayer, mHC with K = hc_mult residual copies): the stream starts
+  as K copies of the block's embeddings. Each sublayer's mixer computes from the current
+  residual a post weight (K), a Sinkhorn-normalised KxK residual mix and a pre weight (K);
+  the sublayer's input is the residual collapsed with the PREVIOUS sublayer's pre weight
+  ("delayed": copy 0 for layer 0's attention, the attention's pre for the FFN, the previous
+  layer's FFN pre for the next attention), then RMS-normed (attn_norm / ffn_norm). After
+  the sublayer: residual = comb^T residual + post x output.
+* Attention: q = wq_b(q_norm(wq_a x)) per head (V4.1 has no per-head q norm: vLLM passes
+  apply_q_norm=False, "qr is normed before wq_b"), GPT-J RoPE on each head's last
+  qk_rope_head_dim dims; the block's own rows rope(kv_norm(wkv x)); keys = values = [the
+  last min(sliding_window, p0) context rows ; the whole block], non-causal, one softmax per
+  head with a learned sink logit (attn_sink, unscaled) in the denominator, scale
+  head_dim^-0.5; the output's rope dims rotated back by the query's position; wo_a per
+  group of heads (o_groups, each to o_lora_rank), concatenated, wo_b.
+* FFN: MoE. Router scores f(gate x) (sqrtsoftplus: sqrt(softplus)); experts chosen by
+  top-k of score + gate.bias (noaux_tc), weighted by the unbiased score, renormalised
+  (norm_topk_prob), times routed_scaling_factor; experts and shared expert are SwiGLU with
+  gate clamped to <= swiglu_limit and up to +-swiglu_limit.
+* Out: after the last layer's FFN post, the copies are collapsed with the last layer's FFN
+  pre weight -> h (pre-norm); logits z = head(norm(h)) with the target's head.
+* Markov head: logits_i = z_i + markov_head.head @ markov_head.embed[x_{i-1}], x_0 = seed,
+  left to right (dense: vLLM 0.33 refuses dspark_draft_topk for this drafter).
+* Confidence head: c_i = sigmoid(confidence_head.proj [h_i ; markov_head.embed[x_{i-1}]]).
+
+Not reproduced: vLLM stores context and block rows in an FP8 KV cache (fp8_ds_mla) and
+runs fp8/fp4 GEMMs; here weights are dequantised and rows are kept in the model's dtype.
+
+Stages, each a method the float64 reference compares (N tokens, B requests, W block, C
+context rows, L layers, H hidden, D head_dim, K hc_mult, V vocab; float64 weights run
+everything in float64):
+  project_taps(taps [N, k*H]) -> main_x [N, H]
+  context_rows(j, main_x [N, H], positions [N]) -> [N, D]      (post kv_norm and RoPE)
+  encode_rows(taps [N, k*H], positions [N]) -> [N, L*D]        (all layers' rows, concatenated)
+  embed_block(seed [B]) -> (x [B, W, H], block ids [B, W])
+  hc_pre(j, "attn"|"ffn", residual [..., K, H], carried_pre [..., K] | None)
+      -> (layer_input [..., H] (normed), post [..., K], comb [..., K, K], pre [..., K])
+  attention(j, x [B, W, H], positions [B, W], ctx [B, C, D], ctx_valid [B, C]) -> [B, W, H]
+  route(j, x [N, H]) -> (weights [N, k] float, experts [N, k])
+  moe(j, x [..., H]) -> [..., H]
+  hc_post(out [..., H], residual [..., K, H], post, comb) -> residual [..., K, H]
+  layer(j, residual, carried_pre, positions, ctx, ctx_valid) -> (residual, ffn pre)
+  collapse(residual [..., K, H], pre [..., K]) -> [..., H]
+  block_hidden(ctx [B, C, L, D], ctx_valid [B, C], seed [B], p0 [B]) -> h [B, W, H] (pre-norm)
+  logits(h [..., H]) -> z [..., V] float
+  markov_embed(previous [B]) -> [B, r];  markov_bias(m [B, r]) -> [B, V] float
+  markov_logits(z [B, V], m [B, r]) -> [B, V] float            (z + markov_bias(m))
+  confidence(h [B, H], m [B, r]) -> [B] float in (0, 1)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .config import HC_POST_ALPHA, Dsv41DrafterConfig, first_stage, last_stage, weight_table
+
+_SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid,
+           "softmax": lambda x: x.softmax(-1)}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, wide: torch.dtype) -> torch.Tensor:
+    h = x.to(wide)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.to(wide)).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
+         wide: torch.dtype, inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved pairs) rotation of x's last `dims` dims; positions broadcast to
+    x.shape[:-1]. inverse=True rotates back (the attention output)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=wide) / dims)
+    angles = positions.to(wide)[..., None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    if inverse:
+        sin = -sin
+    rot = x[..., -dims:].to(wide)
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    turned = torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
+    return torch.cat([x[..., :-dims], turned.to(x.dtype)], -1)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+           limit: float | None) -> torch.Tensor:
+    """SiluAndMulWithClamp: silu(min(gate, limit)) * clamp(up, -limit, limit), then down."""
+    gate, up = x @ w1.T, x @ w3.T
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (F.silu(gate) * up) @ w2.T
+
+
+class Dsv41Model:
+    """The drafter from (config, {checkpoint name: dequantised tensor}). Bulk weights are
+    cast to `dtype` (default: as given); those DeepSeek ships in float32 (mHC, sinks, gate
+    bias, confidence head) stay float32, or become float64 with a float64 model."""
+
+    def __init__(self, config: Dsv41DrafterConfig, weights: dict[str, torch.Tensor],
+                 device="cpu", dtype: torch.dtype | None = None):
+        table = dict(weight_table(config))
+        confidence = f"{last_stage(config)}.confidence_head.proj.weight"
+        if confidence in table and confidence not in weights:  # vLLM drops a missing head
+            del table[confidence]
+        missing = sorted(set(table) - set(weights))
+        if missing:
+            raise ValueError(f"DeepSeek-V4.1 drafter weights lack {missing[0]!r}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        self.config, self.device = config, torch.device(device)
+        self.dtype = dtype or weights["embed.weight"].dtype
+        self.wide = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.w = {}
+        for name, (shape, storage) in table.items():
+            t = weights[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, the config says {shape}")
+            self.w[name] = t.to(self.device, self.wide if storage == "f32" else self.dtype)
+        self.has_confidence = confidence in table
+        self.first, self.last = first_stage(config), last_stage(config)
+
+    def parameters(self):
+        """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
+        return iter(self.w.values())
+
+    def _w(self, j: int, rest: str) -> torch.Tensor:
+        return self.w[f"mtp.{j}.{rest}"]
+
+    # -- context -------------------------------------------------------------------------
+    def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        x = taps.to(self.dtype) @ self.w[f"{self.first}.main_proj.weight"].T
+        return rms_norm(x, self.w[f"{self.first}.main_norm.weight"], c.rms_norm_eps, self.wide)
+
+    def context_rows(self, j: int, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer j's key/value rows of the context (main_x) or of its block input (x)."""
+        c = self.config
+        kv = rms_norm(main_x @ self._w(j, "attn.wkv.weight").T, self._w(j, "attn.kv_norm.weight"),
+                      c.rms_norm_eps, self.wide)
+        return rope(kv, positions, c.rope_theta, c.qk_rope_head_dim, self.wide)
+
+    def encode_rows(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        main_x = self.project_taps(taps)
+        return torch.cat([self.context_rows(j, main_x, positions)
+                          for j in range(self.config.n_mtp_layers)], -1)
+
+    # -- the parallel pass ---------------------------------------------------------------
+    def embed_block(self, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        ids = torch.full((len(seed), c.block_size), c.noise_token_id, device=seed.device)
+        ids[:, 0] = seed
+        return self.w["embed.weight"][ids], ids
+
+    def hc_pre(self, j: int, mixer: str, residual: torch.Tensor, carried_pre: torch.Tensor | None):
+        c, k = self.config, self.config.hc_mult
+        fn, scale, base = (self._w(j, f"hc_{mixer}_{p}") for p in ("fn", "scale", "base"))
+        x = residual.flatten(-2).to(self.wide)
+        mixes = (x @ fn.T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        pre = torch.sigmoid(mixes[..., :k] * scale[0] + base[:k]) + c.hc_eps
+        post = torch.sigmoid(mixes[..., k:2 * k] * scale[1] + base[k:2 * k]) * HC_POST_ALPHA
+        comb = mixes[..., 2 * k:].unflatten(-1, (k, k)) * scale[2] + base[2 * k:].view(k, k)
+        comb = comb.softmax(-1) + c.hc_eps
+        comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
+        for _ in range(c.hc_sinkhorn_iters - 1):  # Sinkhorn: rows, then columns
+            comb = comb / (comb.sum(-1, keepdim=True) + c.hc_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
+        collapsed = residual[..., 0, :] if carried_pre is None else self.collapse(residual, carried_pre)
+        norm = self._w(j, f"{mixer}_norm.weight")
+        return rms_norm(collapsed, norm, c.rms_norm_eps, self.wide), post, comb, pre
+
+    def hc_post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+        mixed = torch.einsum("...ij,...ih->...jh", comb, residual.to(self.wide))
+        return (mixed + post[..., None] * out[..., None, :].to(self.wide)).to(residual.dtype)
+
+    def collapse(self, residual: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return (pre[..., None] * residual.to(self.wide)).sum(-2).to(residual.dtype)
+
+    def attention(self, j: int, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
+                  ctx_valid: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, w, _ = x.shape
+        heads, d, groups = c.num_attention_heads, c.head_dim, c.o_groups
+        qr = rms_norm(x @ self._w(j, "attn.wq_a.weight").T, self._w(j, "attn.q_norm.weight"),
+                      c.rms_norm_eps, self.wide)
+        q = (qr @ self._w(j, "attn.wq_b.weight").T).view(b, w, heads, d)
+        q = rope(q, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide)
+        keys = torch.cat([ctx.to(x.dtype), self.context_rows(j, x, positions)], 1)  # [B, C+W, D]
+        scores = torch.einsum("bwhd,bkd->bhwk", q.to(self.wide), keys.to(self.wide)) * d ** -0.5
+        seen = torch.cat([ctx_valid, ctx_valid.new_ones(b, w)], 1)  # the whole block, both ways
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        sink = self._w(j, "attn.attn_sink").view(1, heads, 1, 1).expand(b, heads, w, 1)
+        probs = torch.cat([scores, sink.to(self.wide)], -1).softmax(-1)[..., :-1]
+        o = torch.einsum("bhwk,bkd->bwhd", probs, keys.to(self.wide)).to(x.dtype)
+        o = rope(o, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide, inverse=True)
+        wo_a = self._w(j, "attn.wo_a.weight").view(groups, c.o_lora_rank, -1)
+        z = torch.einsum("bwgi,goi->bwgo", o.reshape(b, w, groups, -1), wo_a)
+        return z.flatten(-2) @ self._w(j, "attn.wo_b.weight").T
+
+    def route(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        scores = _SCORES[c.scoring_func]((x @ self._w(j, "ffn.gate.weight").T).to(self.wide))
+        choose = scores + self._w(j, "ffn.gate.bias") if c.gate_bias else scores
+        experts = choose.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * c.routed_scaling_factor, experts
+
+    def moe(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.route(j, flat)
+        out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            w1, w3, w2 = (self._w(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
+            y = swiglu(flat[rows], w1, w3, w2, c.swiglu_limit)
+            out[rows] += y.to(self.wide) * weights[rows, slot, None]  # a token picks e once
+        if c.n_shared_experts:
+            w1, w3, w2 = (self._w(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
+            out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide)
+        return out.to(x.dtype).view_as(x)
+
+    def layer(self, j: int, residual, carried_pre, positions, ctx, ctx_valid):
+        x, post, comb, attn_pre = self.hc_pre(j, "attn", residual, carried_pre)
+        residual = self.hc_post(self.attention(j, x, positions, ctx, ctx_valid), residual, post, comb)
+        x, post, comb, ffn_pre = self.hc_pre(j, "ffn", residual, attn_pre)
+        return self.hc_post(self.moe(j, x), residual, post, comb), ffn_pre
+
+    def block_hidden(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, seed: torch.Tensor,
+                     p0: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        x, _ = self.embed_block(seed)
+        positions = p0[:, None] + torch.arange(c.block_size, device=p0.device)
+        residual = x[..., None, :].expand(*x.shape[:-1], c.hc_mult, x.shape[-1])
+        pre = None
+        for j in range(c.n_mtp_layers):
+            residual, pre = self.layer(j, residual, pre, positions, ctx[:, :, j], ctx_valid)
+        return self.collapse(residual, pre)
+
+    # -- heads ---------------------------------------------------------------------------
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(h, self.w[f"{self.last}.norm.weight"], self.config.rms_norm_eps, self.wide)
+        return (normed @ self.w["head.weight"].T).to(self.wide)
+
+    def markov_embed(self, previous: torch.Tensor) -> torch.Tensor:
+        return self.w[f"{self.last}.markov_head.embed.weight"][previous]
+
+    def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
+        return (m @ self.w[f"{self.last}.markov_head.head.weight"].T).to(self.wide)
+
+    def markov_logits(self, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return z + self.markov_bias(m)
+
+    def confidence(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        proj = self.w[f"{self.last}.confidence_head.proj.weight"]
+        return torch.sigmoid(torch.cat([h, m], -1).to(self.wide) @ proj.T)[..., 0]

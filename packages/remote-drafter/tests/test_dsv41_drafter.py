@@ -1,0 +1,183 @@
+"""Unit tier: DeepSeek-V4.1's drafter as a Drafter (drafters/dsv41.py) on the tiny random
+V4.1 checkpoint (dsv41/tiny.py), CPU, float32: batching, the device-resident context,
+greedy and sampled drafts, the confidence cut-off, and a worker serving it exactly at T = 0
+for a tiny Llama target as wide as the drafter (its hidden rows are the taps)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.client import DrafterClient  # noqa: E402
+from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
+from remote_drafter.drafters.dsv41 import Dsv41Drafter  # noqa: E402
+from remote_drafter.dsv41 import tiny  # noqa: E402
+from remote_drafter.identity import expectation  # noqa: E402
+from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.target import TargetConfig, TargetLM, random_target  # noqa: E402
+from remote_drafter.testing import WorkerProcess  # noqa: E402
+from remote_drafter.transport import RemoteTransport  # noqa: E402
+
+# Llama-style, as wide as the tiny V4.1 drafter, with as many layers as its taps need
+TARGET = TargetConfig(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dsv41")
+    tiny.write_tiny(str(base / "dsv41"))
+    random_target(TARGET, seed=0).save(str(base / "target"))
+    return {"dsv41": str(base / "dsv41"), "target": str(base / "target")}
+
+
+@pytest.fixture(scope="module")
+def drafter(folders):
+    return load_drafter("dsv41:" + folders["dsv41"], folders["target"])
+
+
+def history(d, n_tokens: int, seed: int, rows: int | None = None):
+    """A history of n_tokens random tokens with the rows of all but the newest (or `rows`)."""
+    rng = np.random.default_rng(seed)
+    h = d.new_history()
+    n_rows = n_tokens - 1 if rows is None else rows
+    h.reset(rng.integers(0, d.vocab_size - 1, n_tokens).astype(np.int32),
+            rng.standard_normal((n_rows, d.feature)).astype(np.float32))
+    return h
+
+
+def fresh(d: Dsv41Drafter, cutoff: float = 0.0) -> Dsv41Drafter:
+    """The same model and identity, no device windows yet."""
+    return Dsv41Drafter(d.model, d.manifest(), d.device, cutoff)
+
+
+def assert_close(a, b):
+    assert np.array_equal(a.tokens, b.tokens)
+    for name in ("probs", "own_probs", "alt_probs", "confidence"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or np.allclose(x, y, atol=2e-5)), name
+
+
+def test_it_loads_as_configured(drafter):
+    c = drafter.config
+    described = drafter.describe()
+    assert described["kind"] == "dsv41" and described["hidden_layers"] == list(c.target_layer_ids)
+    assert drafter.feature == len(c.target_layer_ids) * c.hidden_size == described["feature"]
+    assert drafter.max_depth == c.block_size and drafter.window == c.sliding_window
+    m = drafter.manifest()
+    assert m.kind == "dsv41" and len({m.target, m.drafter, m.markov}) == 3
+    assert described["confidence_head"] and described["confidence_cutoff"] == 0.0
+
+
+def test_a_drafter_for_another_vocabulary_is_refused(folders, tmp_path):
+    random_target(TargetConfig(vocab_size=96, hidden_size=tiny.HIDDEN), seed=1).save(str(tmp_path / "t"))
+    with pytest.raises(ValueError, match="vocabulary of 1024"):
+        load_drafter("dsv41:" + folders["dsv41"], str(tmp_path / "t"))
+
+
+def test_batched_drafts_equal_one_by_one(drafter):
+    """Short, window-long and longer histories, a history with fewer rows than the window,
+    greedy and sampled, mixed depths: each request drafts what it drafts alone."""
+    d, w = drafter, drafter.window
+    requests = [DraftRequest(history(d, 3, 1), 5), DraftRequest(history(d, w + 1, 2), 3),
+                DraftRequest(history(d, 2 * w + 7, 3), 5, 0.8, 11),
+                DraftRequest(history(d, w + 40, 4, rows=w), 4, 1.3, 5)]
+    together = fresh(d).draft(requests, True)
+    for r, got in zip(requests, together):
+        assert_close(got, fresh(d).draft([r], True)[0])
+
+
+def test_incremental_context_equals_recomputing_it(drafter):
+    """Rounds of 1..12 committed tokens, past the window (the ring wraps): the drafter that
+    encodes only new rows drafts what a fresh one, encoding them all, drafts (checked every
+    few rounds); and the rows on the device are every layer's rows recomputed from the
+    history's taps."""
+    d, rng = fresh(drafter), np.random.default_rng(7)
+    h, rounds = history(d, 10, 7), 0
+    while h.length < 2 * d.window + 10:
+        k = int(rng.integers(1, 13))
+        h.extend(rng.integers(0, d.vocab_size - 1, k).astype(np.int32),
+                 rng.standard_normal((k, d.feature)).astype(np.float32))
+        r, rounds = DraftRequest(h, 5, 0.9, 3), rounds + 1
+        got = d.draft([r], True)[0]
+        if rounds % 4 == 0:
+            assert_close(got, fresh(d).draft([r], True)[0])
+    ring = d._windows.current(h, "cpu")
+    kept = torch.empty_like(ring.ring)
+    assert ring.lay_out(kept) == d.window
+    positions = torch.arange(h.length - 1 - d.window, h.length - 1)
+    want = d.model.encode_rows(torch.tensor(h.rows), positions)
+    assert torch.allclose(kept, want, atol=1e-5)
+
+
+def test_greedy_drafts_are_a_deterministic_markov_chain(drafter):
+    """Draft i is the argmax of z_i plus the Markov bias of draft i-1 (draft 0: of the seed),
+    the same every time; its probability is a point mass."""
+    d, h = fresh(drafter), history(drafter, 30, 9)
+    a, b = d.draft([DraftRequest(h, 5)], True)[0], d.draft([DraftRequest(h, 5)], True)[0]
+    assert a.tokens.tobytes() == b.tokens.tobytes() and a.probs.tobytes() == b.probs.tobytes()
+    assert np.array_equal(a.probs.argmax(-1), a.tokens) and np.all(a.probs.max(-1) == 1.0)
+    m, n = d.model, d.window
+    ctx = torch.zeros(1, n, d.config.n_mtp_layers * d.config.head_dim)
+    ctx[0, n - 29:] = m.encode_rows(torch.tensor(h.rows), torch.arange(29))
+    valid = torch.zeros(1, n, dtype=torch.bool)
+    valid[0, n - 29:] = True
+    seed = torch.tensor([int(h.tokens[-1])])
+    hidden = m.block_hidden(ctx.view(1, n, d.config.n_mtp_layers, -1), valid, seed, torch.tensor([29]))
+    z, previous = m.logits(hidden), seed
+    for i, token in enumerate(a.tokens):
+        logits = m.markov_logits(z[:, i], m.markov_embed(previous))
+        assert int(logits.argmax()) == token
+        assert np.isclose(a.confidence[i], float(m.confidence(hidden[:, i], m.markov_embed(previous))),
+                          atol=1e-6)
+        previous = torch.tensor([int(token)])
+    assert (m.markov_bias(m.markov_embed(seed)).abs().max()) > 0.1  # the head is not inert
+
+
+def test_sampled_drafts_draw_from_probabilities_and_the_seed_reproduces(drafter):
+    d, h = fresh(drafter), history(drafter, 20, 12)
+    drawn = {}
+    for seed in range(6):
+        a = d.draft([DraftRequest(h, 5, 1.0, seed)], True)[0]
+        b = d.draft([DraftRequest(h, 5, 1.0, seed)], True)[0]
+        assert a.tokens.tobytes() == b.tokens.tobytes()
+        assert np.allclose(a.probs.sum(-1), 1.0, atol=1e-5)
+        assert np.allclose(a.probs[np.arange(5), a.tokens], a.own_probs)
+        drawn[seed] = tuple(a.tokens)
+    assert len(set(drawn.values())) > 1  # seeds draw different chains
+
+
+def test_the_confidence_cut_off_is_off_by_default_and_shortens_drafts(drafter, folders, monkeypatch):
+    d = fresh(drafter)
+    requests = [DraftRequest(history(d, 12 + i, 20 + i), 5) for i in range(8)]
+    full = d.draft(requests, True)
+    assert all(len(x.tokens) == 5 and x.confidence.shape == (5,) for x in full)
+    scores = np.concatenate([x.confidence for x in full])
+    cutoff = float(np.median(scores))
+    cut = fresh(d, cutoff).draft(requests, True)
+    for whole, part in zip(full, cut):
+        n = len(part.tokens)
+        assert np.all(whole.confidence[:n] >= cutoff) and (n == 5 or whole.confidence[n] < cutoff)
+        assert np.array_equal(part.tokens, whole.tokens[:n]) and part.probs.shape[0] == n
+    assert sum(len(x.tokens) for x in cut) < 5 * len(requests)
+    monkeypatch.setenv("REMOTE_DRAFTER_CONFIDENCE_CUTOFF", str(cutoff))
+    assert load_drafter("dsv41:" + folders["dsv41"], folders["target"]).confidence_cutoff == cutoff
+
+
+def test_a_worker_serves_it_exactly_at_t0(folders):
+    """`remote-drafter worker --drafter dsv41:<folder>` through the client: decoding with its
+    drafts yields the tokens the target yields alone."""
+    target = TargetLM.load(folders["target"])
+    prompts = {1: [1, 2, 3, 4, 5], 2: list(range(10, 150))}  # 2 is longer than the window
+    layers = (1, 2, 3)
+    worker = WorkerProcess("dsv41:" + folders["dsv41"], folders["target"])
+    try:
+        client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(folders["target"], None)),
+                               "8:5", deadline_s=20)
+        assert tuple(client.transport.info(1).described["drafter"]["hidden_layers"]) == layers
+        result = speculative_decode(target, client, prompts, 12, hidden_layers=layers)
+        assert result.tokens == {rid: plain_decode(target, p, 12) for rid, p in prompts.items()}
+        counters = client.counters()
+        assert counters["rounds_failed"] == 0 and counters["drafts"] > 0
+    finally:
+        worker.stop()
