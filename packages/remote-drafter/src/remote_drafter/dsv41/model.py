@@ -82,10 +82,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, wide: torch.dtyp
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
          wide: torch.dtype, inverse: bool = False) -> torch.Tensor:
     """GPT-J (interleaved pairs) rotation of x's last `dims` dims; positions broadcast to
-    x.shape[:-1]. inverse=True rotates back (the attention output)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=wide) / dims)
-    angles = positions.to(wide)[..., None] * inv_freq
-    cos, sin = angles.cos(), angles.sin()
+    x.shape[:-1]. inverse=True rotates back (the attention output). The cos/sin table is
+    float32 whatever x's dtype, as vLLM builds it (DeepseekV4ScalingRotaryEmbedding)."""
+    f32 = torch.float32
+    inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=f32) / dims)
+    angles = positions.to(f32)[..., None] * inv_freq
+    cos, sin = angles.cos().to(wide), angles.sin().to(wide)
     if inverse:
         sin = -sin
     rot = x[..., -dims:].to(wide)
