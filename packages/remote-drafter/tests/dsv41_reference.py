@@ -16,69 +16,69 @@ function; `draft_block` composes them. What vLLM 0.33.0 does that the lead's bri
 * with dspark_draft_topk set, the NVIDIA drafter has no apply_markov_bias_gathered (the
   speculator would fail), so only dense drafting is transcribed.
 
-Transcribed (vLLM 0.33.0 wheel: file::qualified name, then the first 16 hex of the sha256 of
-the function's source text; tools/check-vllm-hooks.py fails when one changes):
+Transcribed (vLLM 0.33.0 wheel: file::qualified name, then remote_drafter.vllm.source_digest
+of the function's source; tools/check-vllm-hooks.py fails when one changes):
 
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.__init__  dff049f2b4db16af
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.combine_hidden_states  87a9ffa7e411b18e
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.precompute_and_store_context_kv  12072d907647a7b5
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.forward  200ff4c8f49b7abd
-  vllm/models/deepseek_v41/nvidia/dspark.py::_insert_context_kv  462b345fe221c624
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_logits  1c23eb0934104f77
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_embed  6c0bb10dd297c401
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_bias  51ee58ae01f1d409
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_confidence  33b3f742060b77c7
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.load_weights  8f4ff42bbe1d3c9e
-  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM._remap_dspark_name  a53b638aa63684de
-  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4MoE.__init__  51944188f15ae121
-  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.__init__  f42ff8aa07e497d7
-  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.forward  1b23240f58fd283d
-  vllm/models/deepseek_v41/nvidia/ops/mhc.py::mhc_shifted_post_pre  e46a7656d59dfcda
-  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.__init__  9053b484bbebfaab
-  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.forward  b1186a97f4246fb3
-  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._split_qkv_and_norm  d54708a72b74a797
-  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._fused_qnorm_rope_kv_insert  667dba497009b332
-  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._o_proj  5cfcbd15e6a1b2df
-  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._forward_decode  1bc3aa4127be5280
-  vllm/models/deepseek_v41/nvidia/ops/o_proj.py::dsv41_o_proj  8a1c712bbc285b0c
-  vllm/models/deepseek_v4/nvidia/ops/o_proj.py::deep_gemm_fp8_o_proj  d693b285f6b26613
-  vllm/models/deepseek_v4/common/ops/fused_inv_rope_fp8_quant.py::FusedInvRopeFP8QuantKernel.kernel  688d44eb5e32ad97
-  vllm/models/deepseek_v41/common/rope.py::build_deepseek_v4_rope  166c1d67cd49fece
-  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding._compute_inv_freq  c20b3c31f0568f90
-  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding._compute_cos_sin_cache  2f886fff7a2e0af8
-  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding.forward_native  2445d577ac47228f
-  vllm/model_executor/layers/rotary_embedding/common.py::rotate_gptj  a425266a4fff88fc
-  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_dim  8acf1aba8c7055f1
-  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_range  e24ab2c963725ab8
-  vllm/model_executor/layers/rotary_embedding/common.py::yarn_linear_ramp_mask  f88a29d6e583782c
-  vllm/model_executor/layers/rotary_embedding/__init__.py::get_rope  d25d9fafe8829564
-  vllm/model_executor/kernels/mhc/torch.py::mhc_pre_delayed_torch  edb9f2f55cabf865
-  vllm/model_executor/kernels/mhc/torch.py::mhc_post_torch  82314f792eab914a
-  vllm/model_executor/kernels/mhc/tilelang.py::mhc_pre_delayed_tilelang  a386aff855362ae4
-  vllm/model_executor/kernels/mhc/tilelang.py::mhc_fused_post_pre_delayed_tilelang  5e176673a2ba595e
-  vllm/model_executor/kernels/mhc/tilelang.py::mhc_post_tilelang  8bca4c1a1bac7683
-  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_pre_big_fuse_with_norm_tilelang  89d34940c3e651d5
-  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_post_tilelang  0a6dcb63ab79c942
-  vllm/model_executor/kernels/mhc/tilelang_kernels.py::hc_prenorm_gemm_tilelang  363deb2c46af5a1c
-  vllm/model_executor/kernels/mhc/triton.py::hc_collapse_triton  80d10a18d6b53ce6
-  vllm/model_executor/kernels/mhc/triton.py::_hc_head_reduce_store_kernel  6ad87372b54a1ea6
-  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MLP.forward  52ba6413b021f2eb
-  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MoE.__init__  0a2d8510d8cd0d7d
-  vllm/model_executor/layers/fused_moe/router/dsv4_topk.py::_dsv4_topk_kernel  f355c84cde54390d
-  vllm/model_executor/layers/fused_moe/router/fused_topk_bias_router.py::fused_topk_bias  0faee316c33cbaca
-  vllm/model_executor/layers/fused_moe/runner/moe_runner.py::MoERunner._maybe_apply_routed_scale_to_output  6678fdbbf95335fe
-  vllm/model_executor/layers/fused_moe/utils.py::_swiglu_limit_torch  ede3693782a2b4e9
-  vllm/model_executor/layers/activation.py::SiluAndMulWithClamp.forward_native  4c9c581c0f597967
-  vllm/ir/ops/layernorm.py::rms_norm  56dbf37209a7de36
-  vllm/models/common/ops/fused_qk_rmsnorm.py::FusedQKVRMSNormKernel.kernel  41a919a53c843efc
-  vllm/v1/attention/ops/rocm_aiter_mla_sparse.py::_sparse_attn_prefill_ragged_kernel  6b907fa048a643ac
-  vllm/v1/attention/backends/mla/sparse_swa.py::ComputeDSparkNoncausalSWAIndicesKernel.kernel  136e784e1f2b69df
-  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.embed  b0f9b265e2e172fd
-  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.bias  2fa8b1cfbcd41e62
-  vllm/model_executor/models/qwen3_dspark.py::DSparkConfidenceHead.forward  a1b150a31da51183
-  vllm/v1/worker/gpu/spec_decode/dspark/speculator.py::DSparkSpeculator._sample_sequential  12eaf62bb8678253
-  vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::_prepare_dflash_inputs_kernel  0abded9fcd396822
-  vllm/v1/worker/gpu/spec_decode/utils.py::get_parallel_drafting_token_id  4fabd54fe48b5d02
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.__init__  ef74008c628772df
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.combine_hidden_states  66046d35e77ca833
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.precompute_and_store_context_kv  7fb5a12dbf91cf32
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.forward  a552e1815ca98865
+  vllm/models/deepseek_v41/nvidia/dspark.py::_insert_context_kv  96bce8d360066cae
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_logits  b001fd3cc669115d
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_embed  db8523ac05d8dc23
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_bias  6704ed0c367fa0db
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_confidence  2f6974f952b26f6f
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.load_weights  b6fc2982cf39fd9d
+  vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM._remap_dspark_name  5d753cb78159e6fa
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4MoE.__init__  767f8482793b184b
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.__init__  808a3c24ae03aeac
+  vllm/models/deepseek_v41/nvidia/model.py::DeepseekV4DecoderLayer.forward  5acb6526b8cbcda0
+  vllm/models/deepseek_v41/nvidia/ops/mhc.py::mhc_shifted_post_pre  d34c8647593622d7
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.__init__  407a6f462e693ab4
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention.forward  837afca910d5a9c9
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._split_qkv_and_norm  b008489a25fe62b2
+  vllm/models/deepseek_v41/attention.py::DeepseekV4Attention._fused_qnorm_rope_kv_insert  7eb94b8afcd21d4c
+  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._o_proj  86b58434855b4f55
+  vllm/models/deepseek_v41/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._forward_decode  82ad0816fae3e90e
+  vllm/models/deepseek_v41/nvidia/ops/o_proj.py::dsv41_o_proj  a233c19442e32464
+  vllm/models/deepseek_v4/nvidia/ops/o_proj.py::deep_gemm_fp8_o_proj  f6424f3ec1241e9d
+  vllm/models/deepseek_v4/common/ops/fused_inv_rope_fp8_quant.py::FusedInvRopeFP8QuantKernel.kernel  264a9a2b7de993bd
+  vllm/models/deepseek_v41/common/rope.py::build_deepseek_v4_rope  ce5ab22bea395385
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekScalingRotaryEmbedding._compute_inv_freq  db7d5fb618c1478c
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding._compute_cos_sin_cache  199648ae5bf92274
+  vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py::DeepseekV4ScalingRotaryEmbedding.forward_native  2087d940a106cb79
+  vllm/model_executor/layers/rotary_embedding/common.py::rotate_gptj  c29108986e116283
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_dim  e11d187a3e97d8a6
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_find_correction_range  00ca5f60c9d56207
+  vllm/model_executor/layers/rotary_embedding/common.py::yarn_linear_ramp_mask  7d3e9919660341f8
+  vllm/model_executor/layers/rotary_embedding/__init__.py::get_rope  49eec6088479df13
+  vllm/model_executor/kernels/mhc/torch.py::mhc_pre_delayed_torch  f1aa0277d1376ce1
+  vllm/model_executor/kernels/mhc/torch.py::mhc_post_torch  bbec60ee0e5b88a4
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_pre_delayed_tilelang  9cbe423a7f768791
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_fused_post_pre_delayed_tilelang  215e60265070b0ea
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_post_tilelang  b73625285da8c98d
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_pre_big_fuse_with_norm_tilelang  82012dc8b4d10704
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::mhc_post_tilelang  b9352dbbe536d4c1
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::hc_prenorm_gemm_tilelang  bcf700d80a44e55d
+  vllm/model_executor/kernels/mhc/triton.py::hc_collapse_triton  d98391f1100386f4
+  vllm/model_executor/kernels/mhc/triton.py::_hc_head_reduce_store_kernel  8e0858185148a74f
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MLP.forward  ebed16f10ed589a0
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4MoE.__init__  ba01e8eff64ee99f
+  vllm/model_executor/layers/fused_moe/router/dsv4_topk.py::_dsv4_topk_kernel  2042c6828ec451cd
+  vllm/model_executor/layers/fused_moe/router/fused_topk_bias_router.py::fused_topk_bias  32a62364641d70f7
+  vllm/model_executor/layers/fused_moe/runner/moe_runner.py::MoERunner._maybe_apply_routed_scale_to_output  16e770fb706242db
+  vllm/model_executor/layers/fused_moe/utils.py::_swiglu_limit_torch  dd6e42d82f444937
+  vllm/model_executor/layers/activation.py::SiluAndMulWithClamp.forward_native  6606b05809a9178c
+  vllm/ir/ops/layernorm.py::rms_norm  aa08e73ba1808c43
+  vllm/models/common/ops/fused_qk_rmsnorm.py::FusedQKVRMSNormKernel.kernel  0ddef8dc94d9cf8e
+  vllm/v1/attention/ops/rocm_aiter_mla_sparse.py::_sparse_attn_prefill_ragged_kernel  f2670c4c5aa338f0
+  vllm/v1/attention/backends/mla/sparse_swa.py::ComputeDSparkNoncausalSWAIndicesKernel.kernel  729d5f761e5a7a70
+  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.embed  a124ac48a88a7ca3
+  vllm/model_executor/models/qwen3_dspark.py::DSparkMarkovHead.bias  3f50acaf2cab2aed
+  vllm/model_executor/models/qwen3_dspark.py::DSparkConfidenceHead.forward  f9b027daaaa047b5
+  vllm/v1/worker/gpu/spec_decode/dspark/speculator.py::DSparkSpeculator._sample_sequential  28da5206e5dbe58c
+  vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::_prepare_dflash_inputs_kernel  e898dff011af00ef
+  vllm/v1/worker/gpu/spec_decode/utils.py::get_parallel_drafting_token_id  dbf4c973baa1a34d
 """
 
 from __future__ import annotations
@@ -394,13 +394,14 @@ def decoder_layer(c: dict, lw: dict, state: LayerState, positions: torch.Tensor,
     attn_hc = hc_pre(c, residual, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
                      state.pre_mix, lw["attn_norm.weight"])
     attn_out = attention(c, lw, attn_hc.layer_input, positions, context_rows)
-    residual = hc_post(attn_out, residual, attn_hc.post, attn_hc.comb)
+    attn_residual, residual = residual, hc_post(attn_out, residual, attn_hc.post, attn_hc.comb)
     ffn_hc = hc_pre(c, residual, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"],
                     attn_hc.pre, lw["ffn_norm.weight"])
     ffn_out = moe(c, lw, ffn_hc.layer_input)
     if trace is not None:
-        trace.update(attn_hc=attn_hc, attn_out=attn_out, ffn_hc=ffn_hc,
-                     route=route(c, lw, ffn_hc.layer_input), ffn_out=ffn_out)
+        trace.update(attn_residual=attn_residual, attn_hc=attn_hc, attn_out=attn_out,
+                     ffn_residual=residual, ffn_hc=ffn_hc, route=route(c, lw, ffn_hc.layer_input),
+                     ffn_out=ffn_out)
     return LayerState(ffn_out, residual, ffn_hc.post, ffn_hc.comb, ffn_hc.pre)
 
 
@@ -457,7 +458,11 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
     (block_size, else dspark_block_size). DSparkDeepseekV4Model.forward: embedding copied to
     hc_mult streams, the layers, mhc_post of the last FFN, hc_collapse with its pre-mix.
     DSparkSpeculator._sample_sequential: logits_i = base_i + markov_bias(markov_embed(x_{i-1})),
-    x_0 = seed, draft_i = argmax; confidences from the same embeddings."""
+    x_0 = seed, draft_i = argmax; confidences from the same embeddings.
+
+    `trace`, when given, receives every stage's inputs and outputs (trace["layers"][j]: the
+    carried state, context rows, each mixer's residual and HcPre, attention and MoE outputs,
+    the routing; then the last streams and pre-mix): what a stage-by-stage comparison feeds."""
     c = text_config(config)
     for j in range(n_layers(c)):
         ratios = c.get("compress_ratios")
@@ -498,6 +503,6 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
         re.fullmatch(r"mtp\.\d+\.confidence_head\.proj\.weight", n) for n in weights)
     confidences = confidence(weights, head_hidden, torch.stack(embeds)) if has_confidence else None
     if trace is not None:
-        trace.update(streams=streams)
+        trace.update(streams=streams, pre=state.pre_mix)
     return DraftBlock(main_x, head_hidden, base, torch.stack(logits), torch.tensor(drafts),
                       confidences, tokens, block_positions)

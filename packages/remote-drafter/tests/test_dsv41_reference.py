@@ -14,11 +14,13 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 import dsv41_reference as ref  # noqa: E402
 
 from remote_drafter.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
+from remote_drafter.dsv41.model import Dsv41Model  # noqa: E402
 from remote_drafter.dsv41.tiny import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED = 20261201
 CONTEXT, P0 = 24, 40  # context rows at positions 16..39; the window (16) cuts them
+TOLERANCE = 1e-5     # float32 model stage against the float64 reference, relative (2-norm)
 
 
 def toy_config() -> dict:
@@ -143,6 +145,95 @@ def test_routing_picks_the_top_k_of_score_plus_bias_and_weighs_them_to_the_scali
                                scores.gather(1, ids) / scores.gather(1, ids).sum(-1, keepdim=True))
 
 
+# -- the model, stage by stage, in float32 -------------------------------------------------
+
+def f32(t):
+    return None if t is None else t.to(torch.float32)
+
+
+def close(got, want, what):
+    got = got.to(torch.float64).reshape(want.shape)
+    error = float((got - want).norm() / want.norm())
+    assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE:g}"
+
+
+@pytest.fixture(scope="module")
+def compared(toy):
+    """(config, model in float32, the reference's block, its trace, the window's positions)."""
+    config, weights, taps, positions = toy
+    trace = {}
+    out = ref.draft_block(config, weights, taps, positions, seed_token=7, trace=trace)
+    model = Dsv41Model(Dsv41DrafterConfig.from_json(config), weights, dtype=torch.float32)
+    window = positions[positions >= ref.window_start(ref.text_config(config), P0)]
+    return ref.text_config(config), model, out, trace, window
+
+
+def test_taps_projection_and_each_layers_context_rows_match(toy, compared):
+    c, model, out, trace, window = compared
+    _, weights, taps, positions = toy
+    close(model.project_taps(f32(taps)), out.main_x, "taps projection")
+    for j in range(ref.n_layers(c)):
+        got = model.context_rows(j, f32(out.main_x[-len(window):]), window)
+        close(got, trace["layers"][j]["context_rows"], f"layer {j} context rows")
+
+
+def test_each_layer_mixers_attention_routing_and_moe_match(compared):
+    c, model, out, trace, window = compared
+    block_positions = out.block_positions[None]
+    valid = torch.ones(1, len(window), dtype=torch.bool)
+    for j, t in trace["layers"].items():
+        carried = t["state_in"].pre_mix
+        for mixer, residual, hc, pre_in in (("attn", t["attn_residual"], t["attn_hc"], carried),
+                                            ("ffn", t["ffn_residual"], t["ffn_hc"], t["attn_hc"].pre)):
+            got = model.hc_pre(j, mixer, f32(residual), f32(pre_in))
+            for value, want, name in zip(got, (hc.layer_input, hc.post, hc.comb, hc.pre),
+                                         ("input", "post", "comb", "pre")):
+                close(value, want, f"layer {j} hc_{mixer} {name}")
+        got = model.attention(j, f32(t["attn_hc"].layer_input)[None], block_positions,
+                              f32(t["context_rows"])[None], valid)
+        close(got, t["attn_out"], f"layer {j} attention")
+        got = model.hc_post(f32(t["attn_out"]), f32(t["attn_residual"]), f32(t["attn_hc"].post),
+                            f32(t["attn_hc"].comb))
+        close(got, t["ffn_residual"], f"layer {j} hc post after attention")
+        weights, experts = model.route(j, f32(t["ffn_hc"].layer_input))
+        want_ids, want_weights = t["route"]
+        order, want_order = experts.argsort(-1), want_ids.argsort(-1)
+        assert experts.gather(-1, order).tolist() == want_ids.gather(-1, want_order).tolist(), \
+            f"layer {j}: other experts chosen"
+        close(weights.gather(-1, order), want_weights.gather(-1, want_order), f"layer {j} routing weights")
+        close(model.moe(j, f32(t["ffn_hc"].layer_input)), t["ffn_out"], f"layer {j} MoE")
+
+
+def test_collapse_head_markov_and_confidence_match(toy, compared):
+    c, model, out, trace, _ = compared
+    close(model.collapse(f32(trace["streams"]), f32(trace["pre"])), out.head_hidden, "collapse")
+    close(model.logits(f32(out.head_hidden)), out.base_logits, "head logits")
+    previous = torch.tensor([7] + out.drafts.tolist()[:-1])
+    embed = model.markov_embed(previous)
+    close(embed, ref.markov_embed(toy[1], previous), "Markov embedding")
+    close(model.markov_logits(f32(out.base_logits), embed), out.logits, "Markov logits")
+    close(model.confidence(f32(out.head_hidden), embed), out.confidences, "confidence")
+
+
+def test_the_whole_block_drafts_the_same_greedy_chain(toy, compared):
+    """The model's own pass (context rows from its encode_rows, three padding rows it must
+    ignore) and greedy Markov chain against the reference's."""
+    c, model, out, _, window = compared
+    _, _, taps, positions = toy
+    layers, dim = ref.n_layers(c), c["head_dim"]
+    rows = model.encode_rows(f32(taps[-len(window):]), window).view(len(window), layers, dim)
+    ctx = torch.cat((torch.full((3, layers, dim), 9.0), rows))[None]
+    valid = torch.cat((torch.zeros(3, dtype=torch.bool), torch.ones(len(window), dtype=torch.bool)))[None]
+    h = model.block_hidden(ctx, valid, torch.tensor([7]), torch.tensor([P0]))[0]
+    close(h, out.head_hidden, "the block's head hidden")
+    z = model.logits(h)
+    previous, drafts = torch.tensor([7]), []
+    for i in range(len(out.drafts)):
+        previous = model.markov_logits(z[i:i + 1], model.markov_embed(previous)).argmax(-1)
+        drafts.append(int(previous))
+    assert drafts == out.drafts.tolist()
+
+
 # -- tools/check-vllm-hooks.py guards the transcription --------------------------------------
 
 WHEEL = sorted(glob.glob(str(ROOT / ".artifacts/wheels/vllm-0.33.0-*.whl")))
@@ -161,7 +252,7 @@ def test_the_hook_check_fails_when_a_transcribed_function_changes(tmp_path, caps
 
     checker = load_checker()
     needed = {*checker.HOOKS, *(name for name, _, _ in checker.CALLS), *checker.transcribed(),
-              "vllm/_version.py"}
+              *(name for name, _, _ in checker.DEFERRED_SOURCES), "vllm/_version.py"}
     with zipfile.ZipFile(WHEEL[0]) as wheel:
         wheel.extractall(tmp_path, needed)
     release = str(tmp_path / "vllm")
