@@ -6,7 +6,7 @@ Inputs are the raw config.json (text fields under `text_config` or flat, read he
 getattr defaults) and {checkpoint name: dequantised tensor} (`embed.weight`, `head.weight`,
 `mtp.{j}.*`). Everything is float64 but RoPE's cos/sin table, which vLLM builds in float32
 (DeepseekV4ScalingRotaryEmbedding keeps it "as fp32 for higher precision RoPE"). One stage a
-function; `draft_block` composes them. What vLLM 0.33.0 does that the lead's brief did not say:
+function; `draft_block` composes them. Where V4.1 in vLLM 0.33.0 is easy to get wrong:
 
 * no per-head RMS norm of the query in V4.1 (DeepSeek-V4 has one): every V4.1 path passes
   apply_q_norm / enable_q_norm = False ("qr is normed before wq_b");
@@ -211,16 +211,11 @@ def rope(x: torch.Tensor, c: dict, positions: torch.Tensor, inverse: bool = Fals
 
 # -- taps and context rows -------------------------------------------------------------------
 
-def tap(streams: torch.Tensor) -> torch.Tensor:
-    """What the target hands the drafter per tapped layer: the mean of the hc copies of the
-    stream entering it (DeepseekV4DecoderLayer.forward's previous_post.mean(dim=1); the
-    collapse kernel's write_aux in mhc_pre_big_fuse_with_norm_tilelang)."""
-    return streams.to(F64).mean(dim=1)
-
-
 def taps_projection(c: dict, weights: dict, taps: torch.Tensor) -> torch.Tensor:
     """DSparkDeepseekV4Model.combine_hidden_states: main_x = main_norm(main_proj(taps)), taps
-    [T, hidden * len(dspark_target_layer_ids)] concatenated in layer order."""
+    [T, hidden * len(dspark_target_layer_ids)] concatenated in layer order, each the mean of
+    the hc copies of the stream entering that target layer (DeepseekV4DecoderLayer.forward's
+    previous_post.mean(dim=1), the collapse kernel's write_aux)."""
     projected = linear(taps.to(F64), stage_weight(weights, "main_proj.weight"))
     return rms_norm(projected, stage_weight(weights, "main_norm.weight"), c["rms_norm_eps"])
 
