@@ -13,6 +13,10 @@ if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
   python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 fi
+if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter (below)
+  python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"
+  exit
+fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
 python3 -m remote_drafter.bench --device cuda --width smollm2 --verify-ms 60 --tokens 96 --json \
   --out "$OUT/bench-cuda-f32.json" > /dev/null
@@ -21,3 +25,5 @@ python3 -m remote_drafter.bench --device cuda --width smollm2 --dtype bfloat16 -
 python3 -c "import json,sys; sys.path.insert(0,'packages/remote-drafter/src'); from remote_drafter.bench import print_table; print_table(json.load(open('$OUT/bench-cuda-f32.json')))"
 echo "== CPU/GPU agreement, device timing, decoding on the GPU"
 python3 packages/remote-drafter/benchmarks/gpu_check.py --out "$OUT/gpu-check.json"
+echo "== DeepSeek-V4.1's drafter: tiny checkpoint CPU vs CUDA, estimated Flash width in bf16"
+python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"

@@ -181,3 +181,21 @@ def test_a_worker_serves_it_exactly_at_t0(folders):
         assert counters["rounds_failed"] == 0 and counters["drafts"] > 0
     finally:
         worker.stop()
+
+
+def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
+    """benchmarks/dsv41_gpu.py (the GPU tier's figures for this drafter) at the tiny width on
+    the CPU: it builds the drafter from random weights and times rounds locally and through a
+    worker over tcp, so the GPU run cannot fail on a rotten script."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dsv41_gpu.py"
+    spec = importlib.util.spec_from_file_location("dsv41_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "r.json"
+    assert script.main(["--device", "cpu", "--width", "tiny", "--batches", "1", "--rounds", "2",
+                        "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["flash"]["rounds"]
+    assert row["batch"] == 1 and min(row["device_p50_ms"], row["local_p50_ms"], row["tcp_p50_ms"]) > 0

@@ -57,8 +57,9 @@ def tiny_config(n_mtp_layers: int = 3, expert_dtype: str = "fp4") -> dict:
 
 def random_values(name: str, shape: tuple[int, ...], config: Dsv41DrafterConfig,
                   gen: torch.Generator) -> torch.Tensor:
-    """float32 values for `name`, scaled for a sane forward (see the module docstring)."""
-    noise = torch.randn(shape, generator=gen)
+    """float32 values for `name`, scaled for a sane forward (see the module docstring), on
+    the generator's device."""
+    noise = torch.randn(shape, generator=gen, device=gen.device)
     if name.endswith("norm.weight"):
         return 1 + 0.05 * noise
     if name == "embed.weight":

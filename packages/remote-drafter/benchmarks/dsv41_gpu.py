@@ -1,0 +1,173 @@
+"""GPU tier of DeepSeek-V4.1's drafter (run by benchmarks/gpu.sh on an H200; CI runs only its
+smoke form, `--device cpu --width tiny`, in tests/test_dsv41_drafter.py).
+
+1. The tiny random V4.1 checkpoint (dsv41/tiny.py), float32, CPU vs CUDA: the same greedy
+   drafts for the same rounds, and the largest difference of their probabilities.
+2. The drafter at an estimated DeepSeek-V4.1-Flash width (FLASH below; random weights drawn
+   on the card; findings/dsv41-drafter.md says why these sizes), bfloat16: weight bytes,
+   peak memory with four sequences' windows (the production batch: four sequences, five
+   draft tokens) against a 24 GB card, and round p50 at batch 1 / 4 / 16, local (the service
+   called in process) and through a worker over tcp loopback, eager.
+Prints a table last and writes JSON (--out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from remote_drafter.bench import drive_rounds, percentiles
+from remote_drafter.client import DrafterClient
+from remote_drafter.drafters import DraftRequest, load_drafter
+from remote_drafter.drafters.dsv41 import Dsv41Drafter
+from remote_drafter.dsv41 import tiny
+from remote_drafter.dsv41.config import Dsv41DrafterConfig, weight_table
+from remote_drafter.dsv41.model import Dsv41Model
+from remote_drafter.identity import Manifest
+from remote_drafter.service import DraftService, ServiceConfig
+from remote_drafter.transport import LocalTransport, RemoteTransport
+from remote_drafter.worker import Worker
+
+GIB = 1 << 30
+CARD_3090 = 24 * 10**9  # bytes on an RTX 3090
+# An estimate, not DeepSeek's published config (none names V4.1-Flash's sizes): a target of
+# ~275 B parameters over 40 layers (hidden 4096, 256 experts of width 2048, top-8, one shared)
+# and a drafter of three such layers with 192 experts (dspark_n_routed_experts), about
+# 15.6 B parameters: ~2.5 GiB per Spark rank at 2.75 bits per weight, as reported.
+FLASH = {"vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 40,
+         "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+         "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+         "n_routed_experts": 256, "num_experts_per_tok": 8, "dspark_n_routed_experts": 192,
+         "dspark_num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+         "dspark_target_layer_ids": [2, 20, 38], "dspark_markov_rank": 256,
+         "dspark_noise_token_id": 128815}
+
+
+def width_config(width: str) -> Dsv41DrafterConfig:
+    config = tiny.tiny_config()
+    if width == "flash":
+        config["text_config"].update(FLASH)
+    return Dsv41DrafterConfig.from_json(config)
+
+
+def random_rounds(d, batch: int, tokens: int, seed: int) -> list[DraftRequest]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(batch):
+        h = d.new_history()
+        h.reset(rng.integers(0, d.vocab_size, tokens, dtype=np.int32),
+                rng.standard_normal((tokens - 1, d.feature)).astype(np.float32))
+        out.append(DraftRequest(h, d.max_depth))
+    return out
+
+
+def tiny_agreement(rounds: int = 20) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        tiny.write_tiny(folder)
+        cpu, gpu = (load_drafter("dsv41:" + folder, device=dev) for dev in ("cpu", "cuda"))
+    same, diff = 0, 0.0
+    for r in range(rounds):
+        a = cpu.draft(random_rounds(cpu, 4, 40 + r, r), want_probs=True)
+        b = gpu.draft(random_rounds(gpu, 4, 40 + r, r), want_probs=True)
+        same += sum(int(np.array_equal(x.tokens, y.tokens)) for x, y in zip(a, b))
+        diff = max(diff, max(float(np.abs(x.probs - y.probs).max()) for x, y in zip(a, b)))
+    return {"requests": 4 * rounds, "same_greedy_drafts": same, "max_prob_diff": diff}
+
+
+def random_drafter(width: str, device: str, dtype: torch.dtype) -> tuple[Dsv41Drafter, int]:
+    """Random weights drawn on `device` (a 30 GB model never passes through host memory)."""
+    config, gen = width_config(width), torch.Generator(device=device).manual_seed(0)
+    weights = {name: tiny.random_values(name, shape, config, gen).to(dtype)
+               for name, (shape, _) in weight_table(config).items()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    model = Dsv41Model(config, weights, device)
+    del weights
+    tag = f"random-{width}"
+    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind=Dsv41Drafter.kind)
+    return Dsv41Drafter(model, manifest, device), weight_bytes
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def round_p50(drafter, batch: int, rounds: int) -> float:
+    requests = random_rounds(drafter, batch, 160, batch)
+    times = []
+    for i in range(rounds + 3):
+        synchronize(drafter.device)
+        t0 = time.perf_counter()
+        drafter.draft(requests, want_probs=False)
+        synchronize(drafter.device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return percentiles(times)["p50_ms"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="dsv41-gpu.json", help="JSON results (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4,16", help="round batch sizes (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    ap.add_argument("--device", default="cuda", help="cuda (the GPU tier), or cpu with --width tiny "
+                    "(a smoke run of this script) (default: %(default)s)")
+    ap.add_argument("--width", default="flash", choices=["flash", "tiny"],
+                    help="flash: the estimated V4.1-Flash drafter; tiny: the test checkpoint's sizes")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    cuda = args.device.startswith("cuda")
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    if cuda:
+        print("== tiny checkpoint: CPU vs CUDA float32", file=sys.stderr, flush=True)
+        result["tiny_cpu_vs_cuda"] = tiny_agreement()
+        torch.cuda.reset_peak_memory_stats()
+    print(f"== {args.width} width, bfloat16", file=sys.stderr, flush=True)
+    drafter, weight_bytes = random_drafter(args.width, args.device, torch.bfloat16)
+    synchronize(args.device)
+    loaded = torch.cuda.memory_allocated() if cuda else weight_bytes
+    drafter.draft(random_rounds(drafter, 4, 160, 0), want_probs=False)  # four sequences' windows
+    synchronize(args.device)
+    result["flash"] = {"width": args.width, "config": FLASH if args.width == "flash" else "tiny",
+                       "weight_bytes": weight_bytes, "allocated_after_load": loaded,
+                       "peak_four_sequences": torch.cuda.max_memory_allocated() if cuda else None,
+                       "card_3090_bytes": CARD_3090}
+    rows = []
+    service = DraftService(drafter, ServiceConfig(max_requests=64))
+    with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        for batch in batches:
+            device_ms = round_p50(drafter, batch, args.rounds)
+            via = {}
+            for name, transport in (("local", LocalTransport(service)),
+                                    ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
+                client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
+                                       row_dtype="bfloat16")
+                via[name] = drive_rounds(client, batch, args.rounds, drafter.max_depth,
+                                         drafter.vocab_size, drafter.feature, "sync", 0.0)["drafting"]["p50_ms"]
+            rows.append({"batch": batch, "device_p50_ms": device_ms, "local_p50_ms": via["local"],
+                         "tcp_p50_ms": via["tcp"]})
+            print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
+    result["flash"]["rounds"] = rows
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    fl = result["flash"]
+    if cuda:
+        t = result["tiny_cpu_vs_cuda"]
+        print(f"tiny V4.1, CPU vs CUDA float32: {t['same_greedy_drafts']}/{t['requests']} identical "
+              f"greedy drafts, max |dp| {t['max_prob_diff']:.2e}")
+        print(f"{args.width} width, bf16: weights {fl['weight_bytes'] / GIB:.1f} GiB, peak with "
+              f"four sequences {fl['peak_four_sequences'] / GIB:.1f} GiB "
+              f"({fl['peak_four_sequences'] / CARD_3090:.0%} of a 24 GB card)")
+    print("batch  device p50 ms  local p50 ms  tcp p50 ms")
+    for r in rows:
+        print(f"{r['batch']:>5}  {r['device_p50_ms']:>13.1f}  {r['local_p50_ms']:>12.1f}  {r['tcp_p50_ms']:>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
