@@ -36,6 +36,20 @@ CALLS = {  # call sites the hooks depend on: (file, function, text it must conta
 }
 
 
+def files_read() -> set[str]:
+    """Every file of a release this checker reads."""
+    return {*HOOKS, *(name for name, _, _ in CALLS), *(name for name, _, _ in DEFERRED_SOURCES),
+            *transcribed(), "vllm/_version.py"}
+
+
+def extract(wheel: str, dest: Path) -> str:
+    """The files this checker reads, copied out of `wheel` under `dest`: a release folder a
+    test can edit. Returns the folder's `vllm` path, as main() takes it."""
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(dest, sorted(files_read()))
+    return str(Path(dest) / "vllm")
+
+
 def read(release: str, name: str) -> str:
     if release.endswith(".whl"):
         with zipfile.ZipFile(release) as z:
@@ -149,9 +163,9 @@ def check(release: str) -> list[str]:
 
 
 def main(releases: list[str]) -> int:
-    if not releases:
+    if not releases or releases[0] in ("-h", "--help"):
         print(__doc__)
-        return 2
+        return 0 if releases else 2
     failed = False
     for release in releases:
         print(release)

