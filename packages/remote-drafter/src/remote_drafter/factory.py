@@ -16,6 +16,12 @@ class CapacityModeError(RuntimeError):
     pass
 
 
+def remote_async() -> bool:
+    """make_client gives remote rounds through the proxy (an AsyncTransport): known from the
+    environment alone, so the same on every engine rank, client or not."""
+    return bool(env.REMOTE_DRAFTER_ADDRESS.get()) and async_enabled()
+
+
 def make_client(target: str | None = None, **client_options) -> DrafterClient:
     target = target or env.REMOTE_DRAFTER_TARGET.get() or None
     address = env.REMOTE_DRAFTER_ADDRESS.get()
@@ -23,7 +29,7 @@ def make_client(target: str | None = None, **client_options) -> DrafterClient:
         from .transport import AsyncTransport, RemoteTransport
         expect = expectation(target, env.REMOTE_DRAFTER_MANIFEST.get() or None)
         backend = env.REMOTE_DRAFTER_BACKEND.get()
-        transport = (AsyncTransport if async_enabled() else RemoteTransport)(address, backend, expect)
+        transport = (AsyncTransport if remote_async() else RemoteTransport)(address, backend, expect)
         return DrafterClient(transport, **client_options)
     if env.capacity_mode():
         raise CapacityModeError(

@@ -12,7 +12,12 @@ all three). An asynchronous round submitted in `propose` keeps running past `tak
 scheduler needs only how many drafts each request has, so it takes placeholders of the
 promised count, and the real drafts are written into the input batch right after the next
 step's `_update_states`, before `_prepare_inputs` gathers the input ids (deferred
-collection, REMOTE_DRAFTER_VLLM_COLLECT=input). The client comes from the environment
+collection, REMOTE_DRAFTER_VLLM_COLLECT=input). With tensor parallelism one round per step
+serves the TP group: only TP rank 0, whose drafts vLLM's multiprocessing executor hands the
+scheduler, holds a client (the others open no link and send no hidden rows); the scheduler
+sends its drafts to every rank, and deferred drafts go from rank 0 to the others in one
+broadcast on the group's CPU group after `_update_states`, so every rank's inputs are the
+same (a failed round: the same placeholders everywhere). The client comes from the environment
 (`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
 (REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
 mode refuses a local drafter. Drafters that read the target's hidden states get them: the
@@ -34,7 +39,7 @@ import numpy as np
 
 from . import env
 from .client import as_rows
-from .factory import make_client
+from .factory import make_client, remote_async
 from .metrics import Metrics
 from .transport import AsyncTransport
 
@@ -55,7 +60,9 @@ COUNTERS = {
     "placeholders_verified": "Placeholder drafts left for verification (round late, failed or short)",
 }
 HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input preparation",
-              "collect_wait": "Deferred round: time input preparation waited for the reply"}
+              "collect_wait": "Deferred round: time input preparation waited for the reply",
+              "tp_broadcast": "Deferred drafts to every TP rank: time in the broadcast (ranks > 0: "
+                              "with the wait for rank 0's collection)"}
 
 # What register() wraps, as vLLM 0.32 / 0.33 define it: {file: {class: {method: leading
 # parameters}}}. tools/check-vllm-hooks.py checks a vLLM release against it.
@@ -76,6 +83,13 @@ DEFERRED_SOURCES = {
     ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "take_draft_token_ids"): "608a48cfe33ceacc",
     ("vllm/v1/worker/gpu_input_batch.py", "InputBatch", "update_req_spec_token_ids"): "7529faa1b955fda8",
 }
+# One round per TP group relies on vLLM's multiprocessing executor taking the drafts from TP
+# rank 0 alone (its output rank), as 0.32.0 and 0.33.0 have it; another vLLM gets a round
+# per rank, and deferral is refused under TP.
+SHARED_SOURCES = {
+    ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "_get_output_rank"): "82a750d1541e6ba5",
+    ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "take_draft_token_ids"): "8f25b3fd120e84c7",
+}
 
 
 def source_digest(source: str) -> str:
@@ -86,15 +100,33 @@ def source_digest(source: str) -> str:
     return hashlib.sha256("\n".join(lines[start:]).encode()).hexdigest()[:16]
 
 
-def deferred_refusal() -> str | None:
-    """Why this vLLM cannot take deferred collection (None: it can)."""
+def refusal(sources: dict) -> str | None:
+    """Why this vLLM's code differs from `sources` (DEFERRED_SOURCES, SHARED_SOURCES; None:
+    it does not)."""
     import importlib
-    for (path, cls, name), digest in DEFERRED_SOURCES.items():
+    for (path, cls, name), digest in sources.items():
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         got = source_digest(inspect.getsource(getattr(getattr(module, cls), name)))
         if got != digest:
             return f"{cls}.{name} differs from the vLLM releases checked (digest {got}, want {digest})"
     return None
+
+
+def shared_group(vllm_config):
+    """(vLLM's TP group, None) when TP rank 0's round serves the whole group, else (None, why
+    not); (None, None) with one rank."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size == 1:
+        return None, None
+    if parallel.pipeline_parallel_size * parallel.prefill_context_parallel_size > 1:
+        return None, "pipeline or prefill context parallel: the drafts' rank is not TP rank 0"
+    if parallel.distributed_executor_backend != "mp":
+        return None, f"executor {parallel.distributed_executor_backend!r}, not vLLM's multiprocessing one"
+    why = refusal(SHARED_SOURCES)
+    if why:
+        return None, why
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group(), None
 
 
 def aux_layer_ids(layers: tuple, model_type: str) -> tuple[int, ...]:
@@ -128,7 +160,11 @@ class RemoteProposer:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.client = make_client()
+        self.group, why = shared_group(vllm_config)  # the TP group rank 0's rounds serve
+        if why:
+            log.error("one round per TP group refused (%s): every rank runs its own rounds", why)
+        # only TP rank 0 talks to the worker (with one rank, or the group refused: each rank)
+        self.client = make_client() if self.group is None or self.group.rank_in_group == 0 else None
         self.ids: dict[str, int] = {}      # vLLM request id -> the client's integer id
         self.known: dict[str, int] = {}    # vLLM request id -> tokens the client has
         self.req_ids: list[str] | None = None  # this step's rows (from the plugin)
@@ -140,16 +176,18 @@ class RemoteProposer:
         self.metrics = Metrics("remote_drafter_vllm", COUNTERS, HISTOGRAMS)
         self.defer = self._defer_allowed(vllm_config)
         self.http = self._serve_metrics(vllm_config)
-        log.info("remote drafter proposer: k=%d, %s%s", self.k, type(self.client.transport).__name__,
+        log.info("remote drafter proposer: k=%d, %s%s", self.k,
+                 type(self.client.transport).__name__ if self.client else "no client (TP rank 0's rounds)",
                  ", deferred collection" if self.defer else "")
 
     def _defer_allowed(self, vllm_config) -> bool:
-        if not isinstance(self.client.transport, AsyncTransport) \
-                or env.REMOTE_DRAFTER_VLLM_COLLECT.get() == "take":
+        """The same on every rank (from the environment and vLLM's code): ranks > 0 join
+        rank 0's broadcast exactly when it sends one."""
+        if not remote_async() or env.REMOTE_DRAFTER_VLLM_COLLECT.get() == "take":
             return False
         parallel = vllm_config.parallel_config
-        why = deferred_refusal()
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        why = refusal(DEFERRED_SOURCES)
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1 and self.group is None:
             # each rank's own round could fail where another's succeeds: inputs would differ
             why = "tensor/pipeline parallel ranks run their own rounds"
         if why:
@@ -165,8 +203,9 @@ class RemoteProposer:
         rank = vllm_config.parallel_config.rank
         host, port = parse_address(listen, 9494)
         try:
-            return MetricsServer(host, port + rank, lambda: self.client.prometheus() + self.metrics.prometheus(),
-                                 lambda: {"rank": rank, "client": self.client.counters(),
+            return MetricsServer(host, port + rank,
+                                 lambda: (self.client.prometheus() if self.client else "") + self.metrics.prometheus(),
+                                 lambda: {"rank": rank, "client": self.client.counters() if self.client else {},
                                           "proposer": self.metrics.snapshot()},
                                  name=f"remote-drafter-r{rank}")
         except OSError as exc:  # the counters stay unreadable; drafting is unaffected
@@ -177,6 +216,8 @@ class RemoteProposer:
         """Learn which target layers the drafter reads (the plugin then has vLLM output
         them). Local mode: the drafter uses the engine's own embedding and head (the same
         values it read from the checkpoint) instead of a second copy."""
+        if self.client is None:  # no rounds, so no hidden rows: no taps on this rank
+            return
         self.hidden_layers = self._hidden_layers()
         self.client.hidden_layers = self.hidden_layers
         if self.hidden_layers:
@@ -252,6 +293,8 @@ class RemoteProposer:
                 **kwargs) -> list[list[int]]:
         rows = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(rows)]
+        if self.client is None:  # TP rank > 0: rank 0's drafts are the ones vLLM takes
+            return out
         if self.req_ids is None:
             log.error("the remote_drafter vLLM plugin is not loaded: no request ids, no drafts")
             return out
@@ -308,12 +351,30 @@ class RemoteProposer:
             return [[] for _ in range(rows)]
 
     def fill(self, batch, scheduled: dict[str, list[int]]) -> None:
-        """After the next step's _update_states: collect the deferred round (its deadline
-        bounds the wait) and write its drafts over the placeholders the scheduler sent back,
-        in the token ids _prepare_inputs gathers and in the spec ids the sampler reads
-        (penalties, bad words). What it lacks stays a placeholder, counted."""
+        """After the next step's _update_states: the deferred round's drafts over the
+        placeholders the scheduler sent back, in the token ids _prepare_inputs gathers and in
+        the spec ids the sampler reads (penalties, bad words). Under one round per TP group
+        every rank, when drafts are scheduled, takes rank 0's in one broadcast."""
+        drafts = {}
+        if self.client is not None:
+            try:
+                drafts = self._collect(scheduled)
+            except Exception:  # noqa: BLE001 - never break the engine: placeholders stay
+                log.exception("collecting deferred drafts failed; placeholders are verified")
+        if self.group is not None and self.defer and any(scheduled.values()):
+            drafts = self._share(drafts, scheduled)
+        for rid, tokens in drafts.items():
+            index = batch.req_id_to_index.get(rid)
+            if index is not None:
+                start = int(batch.num_tokens_no_spec[index])
+                batch.token_ids_cpu[index, start:start + len(tokens)] = tokens
+                batch.spec_token_ids[index][:len(tokens)] = tokens  # in place: the sampler holds it
+
+    def _collect(self, scheduled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The deferred round's drafts (its deadline bounds the wait), each as long as what
+        was scheduled for its request: what the round lacks stays a placeholder, counted."""
         if self._deferred is None:
-            return
+            return {}
         cids, submitted = self._deferred
         self._deferred = None
         started = time.perf_counter()
@@ -321,20 +382,35 @@ class RemoteProposer:
         self.metrics.observe("host_gap", started - submitted)
         drafts = self.client.collect()
         self.metrics.observe("collect_wait", time.perf_counter() - started)
-        filled = placeholders = 0
+        out, filled = {}, 0
         for rid, cid in cids.items():
-            index, n = batch.req_id_to_index.get(rid), len(scheduled.get(rid, ()))
-            if index is None or not n:
-                continue
-            d = drafts.get(cid)
-            tokens = [int(t) for t in d.tokens[:n]] if d is not None else []
-            start = int(batch.num_tokens_no_spec[index])
-            batch.token_ids_cpu[index, start:start + len(tokens)] = tokens
-            batch.spec_token_ids[index][:len(tokens)] = tokens  # in place: the sampler holds it
-            filled += len(tokens)
-            placeholders += n - len(tokens)
+            want = scheduled.get(rid)
+            if want:
+                d = drafts.get(cid)
+                tokens = [int(t) for t in d.tokens[:len(want)]] if d is not None else []
+                out[rid] = tokens + list(want[len(tokens):])
+                filled += len(tokens)
         self.metrics.inc("drafts_filled", filled)
-        self.metrics.inc("placeholders_verified", placeholders)
+        self.metrics.inc("placeholders_verified", sum(map(len, out.values())) - filled)
+        return out
+
+    def _share(self, drafts: dict[str, list[int]], scheduled: dict[str, list[int]],
+               ) -> dict[str, list[int]]:
+        """TP rank 0's drafts for every request scheduled with drafts (`drafts` at rank 0,
+        the scheduled tokens where it has none), on every rank: one broadcast of a tensor
+        whose layout each rank reads from the scheduler's output, the same on all."""
+        import torch
+        import torch.distributed as dist
+        flat = [t for rid, want in scheduled.items() for t in drafts.get(rid, want)]
+        tensor = torch.tensor(flat, dtype=torch.int32)
+        started = time.perf_counter()
+        dist.broadcast(tensor, src=self.group.ranks[0], group=self.group.cpu_group)
+        self.metrics.observe("tp_broadcast", time.perf_counter() - started)
+        values, out, start = tensor.tolist(), {}, 0
+        for rid, want in scheduled.items():
+            out[rid] = values[start:start + len(want)]
+            start += len(want)
+        return out
 
 
 def register() -> None:
@@ -387,10 +463,8 @@ def register() -> None:
         out = original_update(self, scheduler_output)
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
-            try:
-                drafter.fill(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
-            except Exception:  # noqa: BLE001 - never break the engine: placeholders stay
-                log.exception("writing deferred drafts failed; placeholders are verified")
+            # not caught: a failed broadcast or write would leave TP ranks with other inputs
+            drafter.fill(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
         return out
 
     original_take = GPUModelRunner.take_draft_token_ids
@@ -400,6 +474,6 @@ def register() -> None:
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner.take_draft_token_ids = take_draft_token_ids
     GPUModelRunner._update_states = _update_states
-    # inspect.getsource follows __wrapped__: deferred_refusal reads vLLM's own code
+    # inspect.getsource follows __wrapped__: refusal reads vLLM's own code
     take_draft_token_ids.__wrapped__, _update_states.__wrapped__ = original_take, original_update
     GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = setup_aux_hidden_state_outputs
