@@ -140,7 +140,8 @@ def test_identity_mismatch_is_refused(models, target, reference, worker, tmp_pat
 
 
 def test_capacity_exceeded_is_refused_clearly(models, target, reference):
-    w = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--max-requests", "2")
+    w = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--max-requests", "2",
+                      "--max-requests-per-client", "2")  # one client may fill the worker
     try:
         client = remote_client(models, w.address)
         result = decode(target, client)

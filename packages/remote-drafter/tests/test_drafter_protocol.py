@@ -91,3 +91,14 @@ def test_fuzzed_replies_parse_or_raise_protocol_error(noise):
             P.parse_reply(buf)
         except P.ProtocolError:
             pass
+
+
+def test_stats_replies_are_read_within_ofl_json_limits():
+    """Stats come from the wire: read by ofl.wire.decode_json (size and depth bounded, a
+    ProtocolError where json.loads would raise RecursionError or build anything it is sent)."""
+    head = P.encode_stats_reply({})[:P.REPLY_HEADER.itemsize]
+    assert P.parse_stats_reply(P.encode_stats_reply({"quota_refusals": 3})) == {"quota_refusals": 3}
+    for body, why in [(b"[" * 100_000 + b"]" * 100_000, "nested"), (b" " * (2 << 20), "exceed"),
+                      (b"[1, 2]", "expected a JSON object"), (b"\xff", "not JSON")]:
+        with pytest.raises(P.ProtocolError, match=why):
+            P.parse_stats_reply(head + body)

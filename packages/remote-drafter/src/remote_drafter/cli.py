@@ -58,11 +58,21 @@ def cmd_init(args) -> int:
 
 def _service_config(args):
     from .service import ServiceConfig
+    per_client = args.max_requests_per_client
+    if per_client is None:  # auto: half the slots, so one client cannot take them all
+        per_client = max(args.max_requests // 2, 1)
     return ServiceConfig(max_requests=args.max_requests, idle_timeout_s=args.idle_timeout_s,
+                         max_requests_per_client=per_client,
+                         max_history_bytes_per_client=args.max_history_bytes_per_client,
                          spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
                          spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)),
                          spec_cache_max_batch=args.spec_cache_max_batch,
                          inject_delay_s=args.inject_delay_ms / 1000)
+
+
+def quota(text: str) -> int | None:
+    """A per-client quota flag: a number, or auto (None)."""
+    return None if text == "auto" else int(text)
 
 
 def kernel_loader(name: str):
@@ -105,6 +115,7 @@ def cmd_worker(args) -> int:
         d = worker.service.describe()
         print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
               f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
+              f"{d['max_requests_per_client']} per client, "
               f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
               f"on {args.device}{', device locked' if lock else ''}, {args.backend} on {worker.address}",
               flush=True)
@@ -259,6 +270,17 @@ def main(argv=None) -> int:
                         "on this GPU). Not --backend: that names the ofl transport")
     p.add_argument("--max-requests", type=int, default=256,
                    help="requests held at once; more opens are refused with a clear reply")
+    p.add_argument("--max-requests-per-client", type=quota,
+                   default=env.REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT.get(),
+                   help="requests one client id may hold, so one client cannot take the slots "
+                        "another needs; more opens get status 'quota' (auto: half of "
+                        "--max-requests; default: $REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT, else auto)")
+    p.add_argument("--max-history-bytes-per-client", type=quota,
+                   default=env.REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT.get(),
+                   help="bytes of history one client id may hold, each request charged what its "
+                        "history can grow to (status: bytes_per_request) when it opens (auto: no "
+                        "bound beyond the request quota; default: "
+                        "$REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, else auto)")
     p.add_argument("--idle-timeout-s", type=float, default=600,
                    help="release a request not seen for this long")
     p.add_argument("--spec-cache", action="store_true",

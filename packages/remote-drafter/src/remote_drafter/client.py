@@ -31,7 +31,6 @@ from .metrics import Metrics
 
 log = logging.getLogger("remote_drafter.client")
 LOG_EVERY_S = 10.0
-MESSAGE_RESERVE = 512  # room kept per reply entry for a status message
 
 COUNTERS = {
     "rounds": "Rounds sent (sync calls and async submissions)",
@@ -41,6 +40,7 @@ COUNTERS = {
     "entries_failed": "Request entries without drafts because of an error status",
     "reopens": "Requests re-opened from the client's history (worker lost state)",
     "capacity_refusals": "Opens the worker refused because it was full",
+    "quota_refusals": "Opens the worker refused because this client holds its quota of requests there",
     "drafts": "Draft tokens received",
     "cache_hits": "Entries the worker answered from its speculation cache",
     "async_abandoned": "Async rounds superseded before they were collected",
@@ -193,8 +193,7 @@ class DrafterClient:
         self._adopted = True
 
     def _reply_bytes(self, k: int, info: WorkerInfo) -> int:
-        probs = 4 * k * info.vocab if self.want_probs else 0
-        return P.REPLY_ENTRY.itemsize + 4 * k + probs + MESSAGE_RESERVE
+        return P.reply_entry_bytes(k, info.vocab if self.want_probs else 0)
 
     def _entries(self, k: int, info: WorkerInfo) -> list[P.Entry]:
         """This step's entries, within the link's message size both ways. Requests left out
@@ -321,6 +320,8 @@ class DrafterClient:
                 unknown.append(e.request_id)
             elif r.status == P.STATUS_CAPACITY:
                 self.metrics.inc("capacity_refusals")
+            elif r.status == P.STATUS_QUOTA:
+                self.metrics.inc("quota_refusals")
             else:
                 self._warn("request %d: worker answered %s: %s", e.request_id,
                            P.STATUS_NAMES[r.status], r.message)

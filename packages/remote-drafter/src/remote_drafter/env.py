@@ -54,6 +54,16 @@ REMOTE_DRAFTER_METRICS_LISTEN = EnvVar(
     "vLLM: HOST:PORT of each engine rank's proposer /metrics and /health (rank r on PORT + r): "
     "the client's and the proposer's counters; empty = not served.")
 
+REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT = EnvVar(
+    "REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT", "auto",
+    "Worker: requests one client id (one engine rank) may hold at once; auto = half of "
+    "--max-requests, so no one client takes every slot (a TP2 engine's two ranks fit). Opens "
+    "past it get status 'quota'. The worker's --max-requests-per-client overrides it.")
+REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT = EnvVar(
+    "REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT", "auto",
+    "Worker: bytes of history one client id may hold, each request charged what its history "
+    "can grow to (bytes_per_request) when it opens, so no continue is ever refused; auto = no "
+    "bound beyond the request quota. The worker's --max-history-bytes-per-client overrides it.")
 REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
     "REMOTE_DRAFTER_CONFIDENCE_CUTOFF", "0",
     "Worker, dsv41 drafter: cut each draft before its first token the checkpoint's confidence "
@@ -73,9 +83,9 @@ REMOTE_DRAFTER_LOCK_DIR = EnvVar(
 ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
        REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
-       REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN,
-       REMOTE_DRAFTER_DEVICE_LOCK, REMOTE_DRAFTER_LOCK_DIR,
-       REMOTE_DRAFTER_CONFIDENCE_CUTOFF]
+       REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
+       REMOTE_DRAFTER_LOCK_DIR, REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT,
+       REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF]
 
 
 def capacity_mode() -> bool:

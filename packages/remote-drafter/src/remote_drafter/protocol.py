@@ -22,8 +22,9 @@ identity manifest both sides agreed on in the handshake; the worker refuses any 
                when has_probs, message utf-8[msg_len]
 
 A malformed message (framing, sizes, magic, version, fingerprint) is refused whole with an
-ofl error reply; a bad entry (ids out of range, wrong row count, ...) gets status INVALID
-and its message while the other entries are served.
+ofl error reply; a bad entry (ids out of range, wrong row count, a reply that would not fit
+the link, ...) gets status INVALID and its message, an open past its client's quota status
+QUOTA, while the other entries are served.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ofl.errors import ProtocolError as WireError
+from ofl.wire import decode_json
+
 VERSION = 1
 REQUEST_MAGIC = b"DRQ1"
 REPLY_MAGIC = b"DRP1"
 KIND_ROUND, KIND_STATS = 1, 2
 OP_CONTINUE, OP_OPEN, OP_RELEASE = 0, 1, 2
 FLAG_WANT_PROBS = 1
-STATUS_OK, STATUS_UNKNOWN, STATUS_CAPACITY, STATUS_INVALID, STATUS_RELEASED = range(5)
-STATUS_NAMES = ["ok", "unknown_request", "capacity", "invalid", "released"]
+STATUS_OK, STATUS_UNKNOWN, STATUS_CAPACITY, STATUS_INVALID, STATUS_RELEASED, STATUS_QUOTA = range(6)
+STATUS_NAMES = ["ok", "unknown_request", "capacity", "invalid", "released", "quota"]
 MAX_MESSAGE_BYTES = 480  # a reply entry's status message is cut here (clients budget for it)
 MAX_LENGTH = 1 << 40     # positions beyond this are refused (no real request gets there)
 CACHE_NONE, CACHE_HIT, CACHE_MISS = 0, 1, 2
@@ -230,6 +234,13 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
     return b"".join(parts)
 
 
+def reply_entry_bytes(k: int, vocab: int = 0) -> int:
+    """The most bytes one reply entry with up to k drafts takes: probabilities over `vocab`
+    tokens (0: none asked for) and its status message at its longest. The client budgets
+    rounds with it; the worker checks it before drafting."""
+    return REPLY_ENTRY.itemsize + 4 * k + 4 * k * vocab + MAX_MESSAGE_BYTES
+
+
 def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
     """The client validates replies as strictly as the worker validates requests."""
     if len(buf) < REPLY_HEADER.itemsize:
@@ -277,7 +288,10 @@ def parse_stats_reply(buf: bytes) -> dict:
     head = np.frombuffer(buf, REPLY_HEADER, 1)[0] if len(buf) >= REPLY_HEADER.itemsize else None
     if head is None or bytes(head["magic"]) != REPLY_MAGIC or int(head["kind"]) != KIND_STATS:
         raise ProtocolError("not a drafter stats reply")
-    return json.loads(bytes(buf[REPLY_HEADER.itemsize:]))
+    try:
+        return decode_json(buf[REPLY_HEADER.itemsize:], "drafter stats reply")  # size and depth bounded
+    except WireError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def entry_bytes(e: Entry, row_dtype: str) -> int:

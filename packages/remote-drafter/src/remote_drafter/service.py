@@ -6,14 +6,21 @@ One handle() call is one round: each entry is validated before it changes any st
 entries that want drafts are drafted in one batch on the device, and a bad entry gets its
 own error status while the others are served. Requests are named (client id, request id),
 so engines that share a worker never touch each other's state.
+
+Against a greedy or hostile client: a client id holds at most its quota of requests (the
+worker's CLI sets half the slots by default), so one client cannot take the slots another
+needs; and each entry's reply is sized before anything is drafted, so a small request
+cannot make the worker build a reply larger than the link carries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +46,8 @@ COUNTERS = {
     "unknown_requests": "Entries for a request this worker does not hold (client re-opens)",
     "out_of_step": "Continues whose committed count disagreed with the worker's (client re-opens)",
     "capacity_refusals": "Opens refused because the worker is full",
+    "quota_refusals": "Opens refused because their client holds its quota (per client: status)",
+    "reply_size_refusals": "Entries refused before drafting: their reply would not fit the link's",
     "invalid_entries": "Entries refused as invalid (ids, sizes, rows)",
     "draft_errors": "Batches whose drafting raised (their entries got no drafts)",
     "request_bytes": "Request bytes received",
@@ -67,8 +76,18 @@ class Session:
 
 
 @dataclass
+class ClientUsage:
+    requests: int = 0
+    quota_refusals: int = 0
+
+
+@dataclass
 class ServiceConfig:
     max_requests: int = 256
+    # Per client id (None: no bound of its own). Each request is charged bytes_per_request
+    # (what its history can grow to) at its open, so a continue is never refused.
+    max_requests_per_client: int | None = None
+    max_history_bytes_per_client: int | None = None
     idle_timeout_s: float = 600.0
     spec_cache: bool = False
     spec_cache_outcomes: int = 3
@@ -83,6 +102,12 @@ class DraftService:
         self.manifest = drafter.manifest()
         self.fingerprint = self.manifest.fingerprint
         self.sessions: dict[tuple[int, int], Session] = {}  # (client id, request id)
+        self.bytes_per_request = drafter.new_history().nbytes_max
+        self.quota = self._client_quota()
+        self.clients: dict[int, ClientUsage] = {}  # only clients holding requests: bounded
+        # Client ids are all that names a client's requests: status shows keyed digests.
+        self._label_key = secrets.token_bytes(16)
+        self.max_reply_bytes = 1 << 62  # local mode has no link; a Worker sets its server's limit
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
         self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
@@ -98,11 +123,27 @@ class DraftService:
             self.cache = SpeculationCache(self, self.config.spec_cache_outcomes,
                                           self.config.spec_cache_bytes)
 
+    def _client_quota(self) -> int:
+        """Requests one client id may hold: the tighter of its two quotas."""
+        c, per_request = self.config, self.bytes_per_request
+        requests = c.max_requests if c.max_requests_per_client is None else c.max_requests_per_client
+        if not 1 <= requests <= c.max_requests:
+            raise ValueError(f"max_requests_per_client {requests} is not between 1 and "
+                             f"max_requests {c.max_requests}")
+        if c.max_history_bytes_per_client is None:
+            return requests
+        if c.max_history_bytes_per_client < per_request:
+            raise ValueError(f"max_history_bytes_per_client {c.max_history_bytes_per_client} is "
+                             f"below one request's {per_request} bytes: no request could open")
+        return min(requests, c.max_history_bytes_per_client // per_request)
+
     # -- what the handshake tells clients --------------------------------------------------
     def describe(self) -> dict:
-        per_request = self.drafter.new_history().nbytes_max
+        per_request = self.bytes_per_request
         return {"manifest": self.manifest.to_json(), "protocol": P.VERSION,
                 "drafter": self.drafter.describe(), "max_requests": self.config.max_requests,
+                "max_requests_per_client": self.quota,
+                "max_history_bytes_per_client": self.quota * per_request,
                 "bytes_per_request": per_request, "spec_cache": self.cache is not None,
                 "round_bytes_per_token": {d: P.round_bytes_per_token(self.drafter.feature, d)
                                           for d in P.ROW_DTYPES}}
@@ -142,12 +183,19 @@ class DraftService:
         batch: list[tuple[P.Entry, DraftRequest]] = []
         # The cache serves small rounds only: they draft each request alone, which is what
         # makes a hit bit-identical to a fresh round; large rounds draft in one batch.
-        drafting = sum(1 for e in entries if e.k and e.op != P.OP_RELEASE)
-        cached = self.cache is not None and drafting <= self.config.spec_cache_max_batch
+        drafting = [e for e in entries if e.k and e.op != P.OP_RELEASE]
+        cached = self.cache is not None and len(drafting) <= self.config.spec_cache_max_batch
+        # The drafter builds probabilities for the whole batch when any entry wants them, so
+        # then every drafting entry is charged for its own, asked for or not.
+        vocab = self.drafter.vocab_size if any(e.want_probs for e in drafting) else 0
         with self.state_lock:
             self._expire_idle()
+            room = self.max_reply_bytes - P.REPLY_HEADER.itemsize
             for e in entries:
-                reply, draft_request = self._apply(client, e, cached)
+                size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
+                fits = size <= room
+                reply, draft_request = self._apply(client, e, cached, fits)
+                room -= size if fits else P.reply_entry_bytes(0)  # refused: status only (as the client counts)
                 if reply is not None:
                     replies[e.request_id] = reply
                 elif draft_request is not None:
@@ -156,8 +204,10 @@ class DraftService:
             self._draft(client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
 
-    def _apply(self, client: int, e: P.Entry, cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
-        """Validate and apply one entry; (reply now, None) or (None, what to draft)."""
+    def _apply(self, client: int, e: P.Entry, cached: bool,
+               fits: bool) -> tuple[P.Reply | None, DraftRequest | None]:
+        """Validate and apply one entry; (reply now, None) or (None, what to draft). `fits`:
+        its reply fits in what is left of the link's."""
         rid, key, now = e.request_id, (client, e.request_id), time.monotonic()
         if e.op == P.OP_RELEASE:
             self._release(key)
@@ -167,6 +217,12 @@ class DraftService:
         if why:
             self.metrics.inc("invalid_entries")
             return P.Reply(rid, P.STATUS_INVALID, message=why), None
+        if e.k and not fits:
+            self.metrics.inc("reply_size_refusals")
+            probs = f" with probabilities over {self.drafter.vocab_size} tokens" if e.want_probs else ""
+            return P.Reply(rid, P.STATUS_INVALID, message=(
+                f"reply too large: {e.k} drafts{probs} do not fit in what this round leaves of "
+                f"the {self.max_reply_bytes}-byte reply the link carries: ask for fewer")), None
         session = self.sessions.get(key)
         if e.op == P.OP_OPEN:
             history = self.drafter.new_history()
@@ -180,7 +236,18 @@ class DraftService:
                 self.metrics.inc("capacity_refusals")
                 return P.Reply(rid, P.STATUS_CAPACITY, message=(
                     f"worker full: {len(self.sessions)} of {self.config.max_requests} requests "
-                    f"open ({self.describe()['bytes_per_request']} bytes each)")), None
+                    f"open ({self.bytes_per_request} bytes each)")), None
+            usage = self.clients.get(client)
+            if session is None and usage is not None and usage.requests >= self.quota:
+                self.metrics.inc("quota_refusals")
+                usage.quota_refusals += 1
+                return P.Reply(rid, P.STATUS_QUOTA, message=(
+                    f"client quota: this client holds {usage.requests} requests "
+                    f"({usage.requests * self.bytes_per_request} bytes of history), the most one "
+                    "client may hold here (--max-requests-per-client, "
+                    "--max-history-bytes-per-client): release some first")), None
+            if session is None:
+                self.clients.setdefault(client, ClientUsage()).requests += 1
             history.reset(e.tokens, e.rows, e.length)
             session = self.sessions[key] = Session(history, e.temperature, e.seed, now)
             if self.cache is not None:
@@ -309,7 +376,11 @@ class DraftService:
 
     # -- lifetime of requests --------------------------------------------------------------
     def _release(self, key: tuple[int, int]) -> None:
-        self.sessions.pop(key, None)
+        if self.sessions.pop(key, None) is not None:
+            usage = self.clients[key[0]]
+            usage.requests -= 1
+            if not usage.requests:
+                del self.clients[key[0]]
         if self.cache is not None:
             self.cache.forget(key)
 
@@ -327,5 +398,13 @@ class DraftService:
         with self.state_lock:
             open_requests = len(self.sessions)
             cache_bytes = self.cache.nbytes if self.cache is not None else 0
+            clients = {self._label(c): {"requests": u.requests,
+                                        "history_bytes": u.requests * self.bytes_per_request,
+                                        "quota_refusals": u.quota_refusals}
+                       for c, u in self.clients.items()}
         return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
-                **self.metrics.snapshot(), **self.describe()}
+                "clients": clients, **self.metrics.snapshot(), **self.describe()}
+
+    def _label(self, client: int) -> str:
+        return hashlib.blake2b(client.to_bytes(4, "little"), digest_size=4,
+                               key=self._label_key).hexdigest()

@@ -64,11 +64,14 @@ class WrongEveryThird(LMDrafter):
 class WorkerProcess(ChildProcess):
     """A real `remote-drafter worker` process on 127.0.0.1."""
 
-    def __init__(self, drafter: str, target: str, backend: str = "tcp", port: int = 0, *extra):
-        self.args = [drafter, target, backend, *extra]
+    def __init__(self, drafter: str, target: str | None, backend: str = "tcp", port: int = 0,
+                 *extra, env: dict | None = None):
+        """`env` adds variables to the worker's environment; target None: no --target."""
+        self.args, self.env = [drafter, target, backend, *extra], env
         self.proc, self.address = spawn_worker(
-            ["--drafter", drafter, "--target", target, "--backend", backend,
-             "--listen", f"127.0.0.1:{port}", *extra], stderr=subprocess.DEVNULL)
+            ["--drafter", drafter, *(["--target", target] if target else []), "--backend", backend,
+             "--listen", f"127.0.0.1:{port}", *extra], stderr=subprocess.DEVNULL,
+            env={**os.environ, **env} if env else None)
 
     def restart(self) -> None:
         """Kill -9 and start again on the same port (state lost)."""
@@ -77,7 +80,8 @@ class WorkerProcess(ChildProcess):
         deadline = time.monotonic() + 10
         while True:
             try:
-                fresh = WorkerProcess(drafter, target, backend, int(self.address.rsplit(":", 1)[1]), *extra)
+                fresh = WorkerProcess(drafter, target, backend, int(self.address.rsplit(":", 1)[1]),
+                                      *extra, env=self.env)
                 break
             except RuntimeError:
                 if time.monotonic() > deadline:

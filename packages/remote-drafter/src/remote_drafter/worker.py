@@ -24,6 +24,7 @@ class Worker:
         self.service = DraftService(drafter, config)
         self.server = Server(backend, host, port, identity=identity, handler=self.service.handle,
                              metadata={"remote_drafter": self.service.describe()})
+        self.service.max_reply_bytes = self.server.max_message_bytes  # larger replies are refused whole
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="idle-sweeper", daemon=True)
 
