@@ -1,6 +1,7 @@
-"""An independent float64 reference of one DSpark draft block of DeepSeek-V4.1's drafter: a
-literal transcription of vLLM 0.33.0's forward, read in its wheel, kept apart from
-remote_drafter.dsv41.model so that the two can check each other (tests/test_dsv41_reference.py).
+"""An independent float64 reference of one DSpark draft block of DeepSeek-V4.1's drafter, and of
+DeepSeek-V4's (config model_type "deepseek_v4"): a literal transcription of vLLM 0.33.0's
+forward, read in its wheel, kept apart from remote_drafter.dsv41.model so that the two can
+check each other (tests/test_dsv41_reference.py).
 
 Inputs are the raw config.json (text fields under `text_config` or flat, read here with vLLM's
 getattr defaults) and {checkpoint name: dequantised tensor} (`embed.weight`, `head.weight`,
@@ -15,6 +16,29 @@ function; `draft_block` composes them. Where V4.1 in vLLM 0.33.0 is easy to get 
   the last FFN's pre-mix collapses the output;
 * with dspark_draft_topk set, the NVIDIA drafter has no apply_markov_bias_gathered (the
   speculator would fail), so only dense drafting is transcribed.
+
+Where DeepSeek-V4 (vllm/models/deepseek_v4/, the DSpark path of the V2 runner) differs:
+
+* the mHC is not delayed: DeepseekV4DecoderLayer.forward runs mhc_pre_tilelang /
+  mhc_fused_post_pre_tilelang, whose eager reference mhc_pre_torch collapses a sublayer's
+  input with the pre-mix its own mixer computes;
+* the output copies are collapsed by a learned hc_head (hc_head_fused_kernel_tilelang ->
+  hc_head_fuse_tilelang: sigmoid(mixes * scale + base) + hc_eps over the RMS-scaled stream);
+* each query head is RMS-normed without a weight before RoPE, eps rms_norm_eps
+  (_fused_qnorm_rope_kv_insert: "per-head RMSNorm (no weight) + GPT-J RoPE"; the op is
+  compiled, its text is that comment; exllamav3 1.6.5's modules/arch_specific/dspark.py
+  DSparkAttention.forward passes a weight of ones to its fused norm+rope);
+* the Markov factors are DSparkMarkovHead's own names, markov_head.markov_w1 / markov_w2
+  (_remap_dspark_name has no embed/head mapping);
+* the drafter's MoE takes the target's expert counts (DeepseekV4MoE built without
+  n_routed_experts; load_weights maps config.n_routed_experts experts);
+* n_mtp_layers or 3 stages (num_nextn_predict_layers is not read), never compressed
+  (DeepseekV4Attention.__init__: compress_ratio 1 past num_hidden_layers);
+* a tap is the mean of the hc copies of the OUTPUT of a listed layer
+  (DeepseekV4Model.forward captures after layer idx when idx + 1 is an aux id, and
+  get_eagle3_aux_layers_from_config adds 1 for every model type but deepseek_v41);
+* the config is transformers' DeepseekV4Config (flat, qk_rope_head_dim = head_dim x
+  partial_rotary_factor when that is given).
 
 Transcribed (vLLM 0.33.0 wheel: file::qualified name, then remote_drafter.vllm.source_digest
 of the function's source; tools/check-vllm-hooks.py fails when one changes):
@@ -79,6 +103,33 @@ of the function's source; tools/check-vllm-hooks.py fails when one changes):
   vllm/v1/worker/gpu/spec_decode/dspark/speculator.py::DSparkSpeculator._sample_sequential  28da5206e5dbe58c
   vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::_prepare_dflash_inputs_kernel  e898dff011af00ef
   vllm/v1/worker/gpu/spec_decode/utils.py::get_parallel_drafting_token_id  dbf4c973baa1a34d
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.__init__  cda420ae3dc6d4a8
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.combine_hidden_states  66046d35e77ca833
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.precompute_and_store_context_kv  879a04a46cdc77c8
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4Model.forward  46b6b74573d149a0
+  vllm/models/deepseek_v4/nvidia/dspark.py::_duplicate_context_wkv_weights  38e4f2eed030cf80
+  vllm/models/deepseek_v4/nvidia/dspark.py::_insert_context_kv  23ea15ea4a501b69
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_logits  b001fd3cc669115d
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_embed  db8523ac05d8dc23
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.markov_bias  6704ed0c367fa0db
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.compute_confidence  2f6974f952b26f6f
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM.load_weights  087ddce291e48f16
+  vllm/models/deepseek_v4/nvidia/dspark.py::DSparkDeepseekV4ForCausalLM._remap_dspark_name  c3570c04f6788332
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4DecoderLayer.__init__  bc042cbf6d2563d7
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4DecoderLayer.forward  063ce31ff7a2dc53
+  vllm/models/deepseek_v4/nvidia/model.py::DeepseekV4Model.forward  ec9f9b775f010762
+  vllm/models/deepseek_v4/attention.py::DeepseekV4Attention.__init__  126ad7f878f947f4
+  vllm/models/deepseek_v4/attention.py::DeepseekV4Attention.forward  f6cb1b89b5a9524e
+  vllm/models/deepseek_v4/attention.py::DeepseekV4Attention._split_qkv_and_norm  7cbd0809489969f7
+  vllm/models/deepseek_v4/attention.py::DeepseekV4Attention._fused_qnorm_rope_kv_insert  9e316b70e1fde9fb
+  vllm/models/deepseek_v4/nvidia/flashmla.py::DeepseekV4FlashMLAAttention._o_proj  06c31b0a411d8d0b
+  vllm/models/deepseek_v4/common/rope.py::build_deepseek_v4_rope  cd4dde327e8613a9
+  vllm/model_executor/kernels/mhc/torch.py::mhc_pre_torch  8c6a66de0dd0c2c6
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_pre_tilelang  4e87ca1ff87c6ee8
+  vllm/model_executor/kernels/mhc/tilelang.py::mhc_fused_post_pre_tilelang  19ed5cd49118fcef
+  vllm/model_executor/kernels/mhc/tilelang.py::hc_head_fused_kernel_tilelang  db8de18495f4278a
+  vllm/model_executor/kernels/mhc/tilelang_kernels.py::hc_head_fuse_tilelang  9887909cb366aa7f
+  vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py::get_eagle3_aux_layers_from_config  328f40b4ec461ab0
 """
 
 from __future__ import annotations
@@ -97,14 +148,29 @@ HC_POST_MULT = 2.0  # DeepseekV4DecoderLayer.__init__: self.hc_post_alpha = 2.0
 
 def text_config(config: dict) -> dict:
     """transformers_utils/configs/deepseek_v41.py DeepseekV41Config.__init__: text_config's keys
-    flattened onto the top level (whose own keys are set after them)."""
+    flattened onto the top level (whose own keys are set after them). DeepSeek-V4's
+    (transformers' DeepseekV4Config) is flat; its __post_init__ derives qk_rope_head_dim from
+    partial_rotary_factor when that is given."""
+    if config.get("model_type") == "deepseek_v4":
+        c = dict(config)
+        if c.get("partial_rotary_factor"):
+            c["qk_rope_head_dim"] = int(c["head_dim"] * c["partial_rotary_factor"])
+        return c
     flat = dict(config.get("text_config") or {})
     flat.update({k: v for k, v in config.items() if k not in ("text_config", "vision_config")})
     return flat
 
 
+def is_v4(c: dict) -> bool:
+    """A DeepSeek-V4 drafter (vllm/models/deepseek_v4/) rather than V4.1's."""
+    return c.get("model_type") == "deepseek_v4"
+
+
 def n_layers(c: dict) -> int:
-    """DSparkDeepseekV4Model.__init__: n_mtp_layers or num_nextn_predict_layers or 3."""
+    """DSparkDeepseekV4Model.__init__: n_mtp_layers or num_nextn_predict_layers or 3 (V4:
+    n_mtp_layers or 3)."""
+    if is_v4(c):
+        return c.get("n_mtp_layers") or 3
     return c.get("n_mtp_layers") or c.get("num_nextn_predict_layers") or 3
 
 
@@ -215,7 +281,9 @@ def taps_projection(c: dict, weights: dict, taps: torch.Tensor) -> torch.Tensor:
     """DSparkDeepseekV4Model.combine_hidden_states: main_x = main_norm(main_proj(taps)), taps
     [T, hidden * len(dspark_target_layer_ids)] concatenated in layer order, each the mean of
     the hc copies of the stream entering that target layer (DeepseekV4DecoderLayer.forward's
-    previous_post.mean(dim=1), the collapse kernel's write_aux)."""
+    previous_post.mean(dim=1), the collapse kernel's write_aux); V4: of the stream leaving it
+    (DeepseekV4Model.forward: mhc_post_tilelang(...).mean(dim=1) after layer idx, aux id
+    idx + 1)."""
     projected = linear(taps.to(F64), stage_weight(weights, "main_proj.weight"))
     return rms_norm(projected, stage_weight(weights, "main_norm.weight"), c["rms_norm_eps"])
 
@@ -241,14 +309,18 @@ def attention(c: dict, lw: dict, x: torch.Tensor, positions: torch.Tensor,
               context_rows: torch.Tensor) -> torch.Tensor:
     """DeepseekV4Attention.forward for the block x [W, hidden] at `positions`, attending
     non-causally to [context_rows (the window, already roped); the block's own rows]:
-    q = wq_b(q_norm(wq_a x)) per head (no per-head norm in V4.1), RoPE; one softmax over the
+    q = wq_b(q_norm(wq_a x)) per head (no per-head norm in V4.1; V4: each head RMS-normed
+    without a weight, _fused_qnorm_rope_kv_insert), RoPE; one softmax over the
     keys and the head's sink (FlashMLA's attn_sink; the sink term as
     _sparse_attn_prefill_ragged_kernel writes it), scale head_dim^-0.5; values are the key
     rows; then dsv41_o_proj / deep_gemm_fp8_o_proj: inverse RoPE of the output's rope dims,
     wo_a per group of heads (bmm over groups), wo_b."""
     heads, dim = c["num_attention_heads"], c["head_dim"]
     qr = rms_norm(linear(x, lw["attn.wq_a.weight"]), lw["attn.q_norm.weight"], c["rms_norm_eps"])
-    q = rope(linear(qr, lw["attn.wq_b.weight"]).view(-1, heads, dim), c, positions)
+    q = linear(qr, lw["attn.wq_b.weight"]).view(-1, heads, dim)
+    if is_v4(c):
+        q = rms_norm(q, None, c["rms_norm_eps"])
+    q = rope(q, c, positions)
     keys = torch.cat((context_rows, kv_rows(c, lw, x, positions)), dim=0)
     scores = torch.einsum("thd,kd->thk", q, keys) * dim ** -0.5
     sink = lw["attn.attn_sink"].view(1, heads, 1)
@@ -267,15 +339,16 @@ def attention(c: dict, lw: dict, x: torch.Tensor, positions: torch.Tensor,
 
 def route(c: dict, lw: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's router (DeepseekV4MoE.__init__: dspark_n_routed_experts /
-    dspark_num_experts_per_tok override the target's; gate.bias is loaded as
+    dspark_num_experts_per_tok override the target's in V4.1, V4 takes the target's; gate.bias
+    is loaded as
     e_score_correction_bias by load_weights): fp32 gate logits -> _dsv4_topk_kernel:
     w = sqrt(softplus(logit)) (softplus linear above 20), the top k of w + bias (the lowest id
     on a tie) chosen, w of the chosen renormalised to sum 1 (norm_topk_prob) and scaled by
     routed_scaling_factor (fused_topk_bias; MoERunner._maybe_apply_routed_scale_to_output is
     the same product). Returns (ids [T, k], weights [T, k])."""
     if c.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
-        raise NotImplementedError("V4.1 routes with sqrtsoftplus")
-    k = c.get("dspark_num_experts_per_tok") or c["num_experts_per_tok"]
+        raise NotImplementedError("V4.1 and V4 route with sqrtsoftplus")
+    k = (not is_v4(c) and c.get("dspark_num_experts_per_tok")) or c["num_experts_per_tok"]
     logits = linear(x, lw["ffn.gate.weight"])
     scores = torch.sqrt(torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))))
     bias = lw.get("ffn.gate.bias")
@@ -330,13 +403,16 @@ class HcPre:
 
 
 def hc_pre(c: dict, residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-           base: torch.Tensor, pre_mix: torch.Tensor | None, norm_weight: torch.Tensor) -> HcPre:
+           base: torch.Tensor, pre_mix: torch.Tensor | None, norm_weight: torch.Tensor,
+           delayed: bool = True) -> HcPre:
     """mhc_pre_delayed_torch / mhc_pre_delayed_tilelang with norm_weight
     (hc_prenorm_gemm_tilelang then mhc_pre_big_fuse_with_norm_tilelang): mixes from the whole
     stream [T, hc*hidden] RMS-scaled (rms_norm_eps, no weight); pre = sigmoid + hc_eps;
     post = sigmoid * 2; comb = softmax rows + hc_eps, then columns, rows, ... normalised
     (Sinkhorn, hc_sinkhorn_iters in all, hc_eps in each denominator); the input collapsed with
-    the carried pre_mix (stream 0 when None) and RMS-normed with the sublayer's norm."""
+    the carried pre_mix (stream 0 when None) and RMS-normed with the sublayer's norm.
+    delayed=False (V4: mhc_pre_torch, mhc_pre_tilelang / mhc_fused_post_pre_tilelang with
+    norm_weight): collapsed with the pre it computes, pre_mix unused."""
     hc, eps = c["hc_mult"], c["hc_eps"]
     x = residual.flatten(1)
     mixes = linear(x, fn) * torch.rsqrt(x.square().mean(-1, keepdim=True) + c["rms_norm_eps"])
@@ -348,7 +424,10 @@ def hc_pre(c: dict, residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tenso
     for _ in range(c["hc_sinkhorn_iters"] - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = residual[:, 0] if pre_mix is None else hc_collapse(residual, pre_mix)
+    if not delayed:
+        collapsed = hc_collapse(residual, pre)
+    else:
+        collapsed = residual[:, 0] if pre_mix is None else hc_collapse(residual, pre_mix)
     return HcPre(post, comb, rms_norm(collapsed, norm_weight, c["rms_norm_eps"]), pre)
 
 
@@ -362,6 +441,18 @@ def hc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
 def hc_collapse(streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
     """hc_collapse_triton (_hc_head_reduce_store_kernel): sum_m pre_mix[m] * copy m."""
     return (pre_mix.unsqueeze(-1) * streams).sum(dim=1)
+
+
+def hc_head_pre(c: dict, weights: dict, streams: torch.Tensor) -> torch.Tensor:
+    """V4's learned collapse weights, hc_head_fuse_tilelang pass 1: mixes = hc_head_fn . x
+    with x the whole stream [T, hc*hidden], times rsqrt(sqrsum / (hc*hidden) + rms_norm_eps);
+    pre = sigmoid(mixes * hc_head_scale[0] + hc_head_base) + hc_eps (pass 2 is hc_collapse).
+    The tensors are mtp.{last}.hc_head_* (_remap_dspark_name's head prefixes)."""
+    x = streams.flatten(1)
+    mixes = linear(x, stage_weight(weights, "hc_head_fn"))
+    mixes = mixes * torch.rsqrt(x.square().sum(-1, keepdim=True) / x.shape[-1] + c["rms_norm_eps"])
+    return torch.sigmoid(mixes * stage_weight(weights, "hc_head_scale")[0]
+                         + stage_weight(weights, "hc_head_base")) + c["hc_eps"]
 
 
 # -- a decoder layer -------------------------------------------------------------------------
@@ -381,17 +472,19 @@ def decoder_layer(c: dict, lw: dict, state: LayerState, positions: torch.Tensor,
     """DeepseekV4DecoderLayer.forward on the DSpark path (no Engram, no sequence parallel):
     layer 0 takes the embedding copies as its residual and collapses stream 0; later layers
     first apply the previous FFN's post (mhc_shifted_post_pre); attention's input is collapsed
-    with the carried pre-mix, the FFN's with attention's."""
+    with the carried pre-mix, the FFN's with attention's. V4 (its DeepseekV4DecoderLayer.forward:
+    mhc_pre_tilelang, then mhc_fused_post_pre_tilelang): each with its own."""
+    delayed = not is_v4(c)
     if state.residual is None:
         residual = state.x
     else:
         residual = hc_post(state.x, state.residual, state.post, state.comb)
     attn_hc = hc_pre(c, residual, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
-                     state.pre_mix, lw["attn_norm.weight"])
+                     state.pre_mix, lw["attn_norm.weight"], delayed)
     attn_out = attention(c, lw, attn_hc.layer_input, positions, context_rows)
     attn_residual, residual = residual, hc_post(attn_out, residual, attn_hc.post, attn_hc.comb)
     ffn_hc = hc_pre(c, residual, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"],
-                    attn_hc.pre, lw["ffn_norm.weight"])
+                    attn_hc.pre, lw["ffn_norm.weight"], delayed)
     ffn_out = moe(c, lw, ffn_hc.layer_input)
     if trace is not None:
         trace.update(attn_residual=attn_residual, attn_hc=attn_hc, attn_out=attn_out,
@@ -408,14 +501,23 @@ def head_logits(c: dict, weights: dict, head_hidden: torch.Tensor) -> torch.Tens
     return linear(normed, w(weights, "head.weight"))
 
 
+def markov_factor(weights: dict, factor: str) -> torch.Tensor:
+    """markov_w1 / markov_w2: V4.1's checkpoint calls them markov_head.embed / head (its
+    _remap_dspark_name maps them), V4's keeps markov_head.markov_w1 / markov_w2."""
+    v41 = {"markov_w1": "embed", "markov_w2": "head"}[factor]
+    if any(re.fullmatch(rf"mtp\.\d+\.markov_head\.{factor}\.weight", n) for n in weights):
+        return stage_weight(weights, f"markov_head.{factor}.weight")
+    return stage_weight(weights, f"markov_head.{v41}.weight")
+
+
 def markov_embed(weights: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """DSparkMarkovHead.embed: markov_w1 (checkpoint markov_head.embed) rows."""
-    return stage_weight(weights, "markov_head.embed.weight")[tokens]
+    """DSparkMarkovHead.embed: markov_w1 rows."""
+    return markov_factor(weights, "markov_w1")[tokens]
 
 
 def markov_bias(weights: dict, embed: torch.Tensor) -> torch.Tensor:
-    """DSparkMarkovHead.bias: markov_w2 (markov_head.head, stored [vocab, rank]) as a head."""
-    return linear(embed, stage_weight(weights, "markov_head.head.weight"))
+    """DSparkMarkovHead.bias: markov_w2 (stored [vocab, rank]) as a head."""
+    return linear(embed, markov_factor(weights, "markov_w2"))
 
 
 def confidence(weights: dict, head_hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
@@ -451,7 +553,8 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
     _prepare_dflash_inputs_kernel (sample_from_anchor): block = [seed, noise x (W-1)] at
     p0 .. p0+W-1, noise = get_parallel_drafting_token_id; W = num_speculative_tokens
     (block_size, else dspark_block_size). DSparkDeepseekV4Model.forward: embedding copied to
-    hc_mult streams, the layers, mhc_post of the last FFN, hc_collapse with its pre-mix.
+    hc_mult streams, the layers, mhc_post of the last FFN, hc_collapse with its pre-mix (V4:
+    with hc_head's, hc_head_fused_kernel_tilelang).
     DSparkSpeculator._sample_sequential: logits_i = base_i + markov_bias(markov_embed(x_{i-1})),
     x_0 = seed, draft_i = argmax; confidences from the same embeddings.
 
@@ -459,7 +562,7 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
     carried state, context rows, each mixer's residual and HcPre, attention and MoE outputs,
     the routing; then the last streams and pre-mix): what a stage-by-stage comparison feeds."""
     c = text_config(config)
-    for j in range(n_layers(c)):
+    for j in range(0 if is_v4(c) else n_layers(c)):  # V4's drafter layers: ratio 1, always
         ratios = c.get("compress_ratios")
         if ratios is not None and c["num_hidden_layers"] + j < len(ratios) \
                 and ratios[c["num_hidden_layers"] + j]:
@@ -485,7 +588,8 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
             layer_trace.update(state_in=state, context_rows=context_rows)
         state = decoder_layer(c, lw, state, block_positions, context_rows, layer_trace)
     streams = hc_post(state.x, state.residual, state.post, state.comb)
-    head_hidden = hc_collapse(streams, state.pre_mix)
+    head_pre = hc_head_pre(c, weights, streams) if is_v4(c) else state.pre_mix
+    head_hidden = hc_collapse(streams, head_pre)
     base = head_logits(c, weights, head_hidden)
     previous, logits, drafts, embeds = torch.tensor([seed_token]), [], [], []
     for i in range(width):
@@ -498,6 +602,6 @@ def draft_block(config: dict, weights: dict, taps: torch.Tensor, positions: torc
         re.fullmatch(r"mtp\.\d+\.confidence_head\.proj\.weight", n) for n in weights)
     confidences = confidence(weights, head_hidden, torch.stack(embeds)) if has_confidence else None
     if trace is not None:
-        trace.update(streams=streams, pre=state.pre_mix)
+        trace.update(streams=streams, pre=head_pre)
     return DraftBlock(main_x, head_hidden, base, torch.stack(logits), torch.tensor(drafts),
                       confidences, tokens, block_positions)

@@ -294,6 +294,109 @@ def test_describe_totals_match_the_load(tiny):
     assert d["trunk_tensors"] == 6 and d["scales"] == len(loaded.scales) and not d["problems"]
 
 
+# -- DeepSeek-V4 (variant v4) -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dsv4") / "tiny")
+    write_tiny(out, seed=0, n_mtp_layers=2, variant="v4")
+    return out
+
+
+def test_a_v4_checkpoint_loads_with_its_own_names_and_the_targets_expert_counts(tiny_v4, tmp_path):
+    folder = shutil.copytree(tiny_v4, tmp_path / "v4")
+    loaded = checkpoint.load(folder, dtype=torch.float32)
+    c, w = loaded.config, loaded.weights
+    assert c.variant == "v4" and c.name == "DeepSeek-V4" and c.n_mtp_layers == 2
+    assert c.hc_head and c.q_head_norm and not c.delayed_mhc
+    assert w["mtp.1.hc_head_fn"].shape == (4, 4 * 256) and w["mtp.1.hc_head_scale"].shape == (1,)
+    assert w["mtp.1.hc_head_base"].dtype == torch.float32
+    assert w["mtp.1.markov_head.markov_w1.weight"].shape == (1024, 32)
+    assert w["mtp.1.markov_head.markov_w2.weight"].shape == (1024, 32)  # stored [vocab, rank]
+    assert not any(".markov_head.embed." in n or ".markov_head.head." in n for n in w)
+    assert c.n_routed_experts == 4 and "mtp.0.ffn.experts.3.w1.weight" in w
+    # the Markov factors are digested apart, under their V4 names too
+    overwrite_bytes(folder, "mtp.1.markov_head.markov_w2.weight")
+    again = checkpoint.load(folder, dtype=torch.float32)
+    assert again.drafter_digest == loaded.drafter_digest and again.markov_digest != loaded.markov_digest
+
+
+def test_a_v4_config_is_read_as_vllm_reads_deepseek_v4(tiny_v4):
+    from remote_drafter.dsv41.config import Dsv41DrafterConfig
+    with open(os.path.join(tiny_v4, "config.json")) as f:
+        config = json.load(f)
+    assert config["num_nextn_predict_layers"] == 1 and "text_config" not in config
+    c = Dsv41DrafterConfig.from_json(config)
+    assert c.n_mtp_layers == 2  # n_mtp_layers alone counts V4's stages
+    # V4.1's drafter-only expert counts are V4.1's alone; a V4 drafter layer is never compressed
+    c = Dsv41DrafterConfig.from_json({**config, "dspark_n_routed_experts": 2,
+                                      "compress_ratios": [4] * 10})
+    assert c.n_routed_experts == 4
+    # transformers' DeepseekV4Config: rope dims = head_dim x partial_rotary_factor
+    assert Dsv41DrafterConfig.from_json({**config, "partial_rotary_factor": 0.5}).qk_rope_head_dim == 64
+    # V4's quant config reads expert_dtype off the top level only (default fp4)
+    quant = {**config["quantization_config"], "expert_dtype": "fp8"}
+    assert Dsv41DrafterConfig.from_json({**config, "quantization_config": quant}).expert_dtype == "fp4"
+    # transformers (1.5) and exllamav3 (1.0) default it differently: it must be given
+    with pytest.raises(ValueError, match="DeepSeek-V4 drafter config lacks 'routed_scaling_factor'"):
+        Dsv41DrafterConfig.from_json({k: v for k, v in config.items() if k != "routed_scaling_factor"})
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3'"):
+        Dsv41DrafterConfig.from_json({**config, "model_type": "deepseek_v3"})
+
+
+def test_a_v4_checkpoint_with_v41_names_is_refused_by_name(tiny_v4, tmp_path):
+    folder = shutil.copytree(tiny_v4, tmp_path / "v4")
+
+    def as_v41(t):
+        t["mtp.1.markov_head.embed.weight"] = t.pop("mtp.1.markov_head.markov_w1.weight")
+        t.pop("mtp.1.hc_head_fn")
+
+    edit_shard(folder, as_v41)
+    with pytest.raises(ValueError, match="not hold DeepSeek-V4's drafter") as refused:
+        checkpoint.load(folder)
+    for named in ("mtp.1.hc_head_fn: missing", "mtp.1.markov_head.markov_w1.weight: missing",
+                  "mtp.1.markov_head.embed.weight: extra"):
+        assert named in str(refused.value)
+
+
+@pytest.mark.parametrize("variant", ["v41", "v4"])
+def test_an_unquantized_checkpoint_stores_every_linear_bf16_unscaled(tmp_path, variant):
+    out = str(tmp_path / variant)
+    write_tiny(out, seed=0, n_mtp_layers=1, variant=variant, quantized=False)
+    with open(os.path.join(out, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    d = checkpoint.describe(out)
+    assert not d["problems"] and d["scales"] == 0
+    assert d["tensors"]["mtp.0.attn.wq_b.weight"]["dtype"] == "BF16"
+    assert d["tensors"]["mtp.0.ffn.experts.0.w1.weight"] == {"shape": [128, 256], "dtype": "BF16",
+                                                             "bytes": 128 * 256 * 2}
+    loaded = checkpoint.load(out, dtype=torch.float32)
+    assert not loaded.config.quantized and not loaded.scales
+    with safe_open(os.path.join(out, SHARD2), "pt") as f:
+        assert torch.equal(loaded.weights["mtp.0.attn.wq_b.weight"],
+                           f.get_tensor("mtp.0.attn.wq_b.weight").float())
+
+
+def test_a_full_v4_trunk_is_every_layer_of_the_drafters_sizes(tmp_path):
+    out = str(tmp_path / "v4")
+    made = write_tiny(out, seed=0, n_mtp_layers=1, variant="v4", quantized=False, full_trunk=True,
+                      config_overrides={"num_hidden_layers": 2, "dspark_target_layer_ids": [0, 1]})
+    assert made["config"]["compress_ratios"] == [0, 0, 0]  # exllamav3 counts stages by its tail
+    names = set(load_file(os.path.join(out, "model-00001-of-00002.safetensors"))) | set(
+        load_file(os.path.join(out, SHARD2)))
+    layer = {n.removeprefix("mtp.0.") for n in names if n.startswith("mtp.0.")} - {
+        "main_proj.weight", "main_norm.weight", "norm.weight", "hc_head_fn", "hc_head_base",
+        "hc_head_scale", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight"}
+    for i in (0, 1):
+        assert {n.removeprefix(f"layers.{i}.") for n in names if n.startswith(f"layers.{i}.")} == layer
+    assert {"norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale", "embed.weight",
+            "head.weight"} <= names
+    assert checkpoint.describe(out)["trunk_tensors"] == made["trunk"] == 2 * len(layer) + 4
+    with pytest.raises(ValueError, match="variant='v4'"):
+        write_tiny(str(tmp_path / "v41"), variant="v41", full_trunk=True)
+
+
 # -- the CLI -----------------------------------------------------------------------------
 
 def cli(*args):
@@ -322,3 +425,9 @@ def test_tiny_dsv41_then_inspect(tmp_path, capsys):
     edit_shard(out, lambda t: t.pop("mtp.0.attn.wkv.scale"))
     assert main(["inspect", out]) == 1
     assert "problem: mtp.0.attn.wkv.scale: missing" in capsys.readouterr().out
+    v4 = str(tmp_path / "v4")
+    assert main(["tiny-dsv41", v4, "--variant", "v4", "--unquantized", "--layers", "1"]) == 0
+    assert "(v4, " in capsys.readouterr().out
+    assert main(["inspect", v4]) == 0
+    text = capsys.readouterr().out
+    assert "DeepSeek-V4: hidden 256" in text and "mtp.0.hc_head_fn" in text

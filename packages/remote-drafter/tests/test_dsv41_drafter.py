@@ -1,7 +1,8 @@
 """Unit tier: DeepSeek-V4.1's drafter as a Drafter (drafters/dsv41.py) on the tiny random
 V4.1 checkpoint (dsv41/tiny.py), CPU, float32: batching, the device-resident context,
 greedy and sampled drafts, the confidence cut-off, and a worker serving it exactly at T = 0
-for a tiny Llama target as wide as the drafter (its hidden rows are the taps)."""
+for a tiny Llama target as wide as the drafter (its hidden rows are the taps); DeepSeek-V4's
+(variant v4, the same code) where the variants differ: loading, the greedy chain, the worker."""
 
 import numpy as np
 import pytest
@@ -27,13 +28,20 @@ TARGET = TargetConfig(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden
 def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("dsv41")
     tiny.write_tiny(str(base / "dsv41"))
+    tiny.write_tiny(str(base / "dsv4"), seed=1, variant="v4")
     random_target(TARGET, seed=0).save(str(base / "target"))
-    return {"dsv41": str(base / "dsv41"), "target": str(base / "target")}
+    return {"dsv41": str(base / "dsv41"), "dsv4": str(base / "dsv4"), "target": str(base / "target")}
 
 
 @pytest.fixture(scope="module")
 def drafter(folders):
     return load_drafter("dsv41:" + folders["dsv41"], folders["target"])
+
+
+@pytest.fixture(scope="module", params=["dsv41", "dsv4"])
+def either(folders, request):
+    """The V4.1 drafter, then the V4 one (kind dsv41 serves both)."""
+    return load_drafter("dsv41:" + folders[request.param], folders["target"])
 
 
 def history(d, n_tokens: int, seed: int, rows: int | None = None):
@@ -58,8 +66,8 @@ def assert_close(a, b):
         assert (x is None) == (y is None) and (x is None or np.allclose(x, y, atol=2e-5)), name
 
 
-def test_it_loads_as_configured(drafter):
-    c = drafter.config
+def test_it_loads_as_configured(either):
+    drafter, c = either, either.config
     described = drafter.describe()
     assert described["kind"] == "dsv41" and described["hidden_layers"] == list(c.target_layer_ids)
     assert drafter.feature == len(c.target_layer_ids) * c.hidden_size == described["feature"]
@@ -67,6 +75,7 @@ def test_it_loads_as_configured(drafter):
     m = drafter.manifest()
     assert m.kind == "dsv41" and len({m.target, m.drafter, m.markov}) == 3
     assert described["confidence_head"] and described["confidence_cutoff"] == 0.0
+    assert c.hc_head == (c.variant == "v4") and c.delayed_mhc == (c.variant == "v41")
 
 
 def test_a_drafter_for_another_vocabulary_is_refused(folders, tmp_path):
@@ -110,10 +119,10 @@ def test_incremental_context_equals_recomputing_it(drafter):
     assert torch.allclose(kept, want, atol=1e-5)
 
 
-def test_greedy_drafts_are_a_deterministic_markov_chain(drafter):
+def test_greedy_drafts_are_a_deterministic_markov_chain(either):
     """Draft i is the argmax of z_i plus the Markov bias of draft i-1 (draft 0: of the seed),
     the same every time; its probability is a point mass."""
-    d, h = fresh(drafter), history(drafter, 30, 9)
+    d, h = fresh(either), history(either, 30, 9)
     a, b = d.draft([DraftRequest(h, 5)], True)[0], d.draft([DraftRequest(h, 5)], True)[0]
     assert a.tokens.tobytes() == b.tokens.tobytes() and a.probs.tobytes() == b.probs.tobytes()
     assert np.array_equal(a.probs.argmax(-1), a.tokens) and np.all(a.probs.max(-1) == 1.0)
@@ -164,13 +173,14 @@ def test_the_confidence_cut_off_is_off_by_default_and_shortens_drafts(drafter, f
     assert load_drafter("dsv41:" + folders["dsv41"], folders["target"]).confidence_cutoff == cutoff
 
 
-def test_a_worker_serves_it_exactly_at_t0(folders):
-    """`remote-drafter worker --drafter dsv41:<folder>` through the client: decoding with its
-    drafts yields the tokens the target yields alone."""
+@pytest.mark.parametrize("variant", ["dsv41", "dsv4"])
+def test_a_worker_serves_it_exactly_at_t0(folders, variant):
+    """`remote-drafter worker --drafter dsv41:<folder>` through the client, for a V4.1 and a
+    V4 checkpoint: decoding with its drafts yields the tokens the target yields alone."""
     target = TargetLM.load(folders["target"])
     prompts = {1: [1, 2, 3, 4, 5], 2: list(range(10, 150))}  # 2 is longer than the window
     layers = (1, 2, 3)
-    worker = WorkerProcess("dsv41:" + folders["dsv41"], folders["target"])
+    worker = WorkerProcess("dsv41:" + folders[variant], folders["target"])
     try:
         client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(folders["target"], None)),
                                "8:5", deadline_s=20)

@@ -1,7 +1,8 @@
-"""DeepSeek-V4.1's drafter, remote_drafter.dsv41.model against the independent float64
-transcription of vLLM 0.33.0 in dsv41_reference.py, on random toy-width weights: stage by
-stage in float32 (relative error <= 1e-5 each) and the whole block's greedy drafts; and the
-reference's own invariants (window, RoPE, Sinkhorn, routing, the Markov chain)."""
+"""DeepSeek-V4.1's drafter and DeepSeek-V4's (each test runs for both variants),
+remote_drafter.dsv41.model against the independent float64 transcription of vLLM 0.33.0 in
+dsv41_reference.py, on random toy-width weights: stage by stage in float32 (relative error
+<= 1e-5 each) and the whole block's greedy drafts; and the reference's own invariants (window,
+RoPE, Sinkhorn, routing, the Markov chain)."""
 
 import glob
 import importlib.util
@@ -23,11 +24,9 @@ CONTEXT, P0 = 24, 40  # context rows at positions 16..39; the window (16) cuts t
 TOLERANCE = 1e-5     # float32 model stage against the float64 reference, relative (2-norm)
 
 
-def toy_config() -> dict:
-    config = tiny_config()
+def toy_config(variant: str) -> dict:
     # a window shorter than the context given, and a SwiGLU clamp that bites
-    config["text_config"].update(sliding_window=16, swiglu_limit=1.0)
-    return config
+    return tiny_config(variant=variant, overrides={"sliding_window": 16, "swiglu_limit": 1.0})
 
 
 def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
@@ -56,9 +55,9 @@ def random_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def toy():
-    config = toy_config()
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def toy(request):
+    config = toy_config(request.param)
     c = ref.text_config(config)
     gen = torch.Generator().manual_seed(SEED + 1)
     taps = torch.randn(CONTEXT, len(c["dspark_target_layer_ids"]) * c["hidden_size"], generator=gen)
@@ -119,13 +118,14 @@ def test_sinkhorn_leaves_the_residual_mix_doubly_stochastic(toy):
     lw = ref.layer_weights(weights, 0)
     streams = torch.randn(3, c["hc_mult"], c["hidden_size"], dtype=torch.float64)
     mix = ref.hc_pre(c, streams, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
-                     None, lw["attn_norm.weight"])
+                     None, lw["attn_norm.weight"], delayed=not ref.is_v4(c))
     torch.testing.assert_close(mix.comb.sum(dim=-1), torch.ones(3, c["hc_mult"], dtype=torch.float64),
                                rtol=0, atol=1e-4)
     torch.testing.assert_close(mix.comb.sum(dim=-2), torch.ones(3, c["hc_mult"], dtype=torch.float64),
                                rtol=0, atol=1e-5)
-    # the first sublayer collapses stream 0 alone
-    torch.testing.assert_close(mix.layer_input, ref.rms_norm(streams[:, 0], lw["attn_norm.weight"],
+    # V4.1's first sublayer collapses stream 0 alone; V4's with the pre it computes
+    collapsed = ref.hc_collapse(streams, mix.pre) if ref.is_v4(c) else streams[:, 0]
+    torch.testing.assert_close(mix.layer_input, ref.rms_norm(collapsed, lw["attn_norm.weight"],
                                                              c["rms_norm_eps"]))
 
 
@@ -137,7 +137,8 @@ def test_routing_picks_the_top_k_of_score_plus_bias_and_weighs_them_to_the_scali
     ids, chosen = ref.route(c, lw, x)
     logits = x @ lw["ffn.gate.weight"].T
     scores = torch.nn.functional.softplus(logits).sqrt()
-    want = (scores + lw["ffn.gate.bias"]).topk(c["dspark_num_experts_per_tok"]).indices
+    k = c["num_experts_per_tok"] if ref.is_v4(c) else c["dspark_num_experts_per_tok"]
+    want = (scores + lw["ffn.gate.bias"]).topk(k).indices
     assert ids.tolist() == want.tolist()
     torch.testing.assert_close(chosen.sum(-1), torch.full((6,), c["routed_scaling_factor"],
                                                           dtype=torch.float64))
@@ -206,6 +207,8 @@ def test_each_layer_mixers_attention_routing_and_moe_match(compared):
 
 def test_collapse_head_markov_and_confidence_match(toy, compared):
     c, model, out, trace, _ = compared
+    if ref.is_v4(c):
+        close(model.head_pre(f32(trace["streams"])), trace["pre"], "hc_head's collapse weights")
     close(model.collapse(f32(trace["streams"]), f32(trace["pre"])), out.head_hidden, "collapse")
     close(model.logits(f32(out.head_hidden)), out.base_logits, "head logits")
     previous = torch.tensor([7] + out.drafts.tolist()[:-1])

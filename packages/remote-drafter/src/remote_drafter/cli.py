@@ -5,8 +5,8 @@
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
-  remote-drafter inspect   DIR [--json]      (DeepSeek-V4.1's drafter in a checkpoint folder)
-  remote-drafter tiny-dsv41 OUT [--seed N] [--experts-dtype fp4|fp8] [--layers 3]
+  remote-drafter inspect   DIR [--json]      (DeepSeek-V4.1's or V4's drafter in a checkpoint folder)
+  remote-drafter tiny-dsv41 OUT [--variant v41|v4] [--seed N] [--experts-dtype fp4|fp8] [--unquantized] [--layers 3]
   remote-drafter env
 """
 
@@ -212,7 +212,8 @@ def cmd_inspect(args) -> int:
     print(f"{len(d['tensors'])} drafter tensors ({d['scales']} scales), {d['stored_bytes']:,} B stored, "
           f"{d['loaded_bytes_bf16']:,} B loaded at bfloat16; {d['trunk_tensors']} target tensors "
           "not read")
-    print(f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {c['n_mtp_layers']} drafter layers, "
+    print(f"{d['drafter']}: hidden {c['hidden_size']}, vocab {c['vocab_size']}, "
+          f"{c['n_mtp_layers']} drafter layers, "
           f"taps {c['target_layer_ids']}, W {c['block_size']}, Markov rank {c['markov_rank']}, "
           f"window {c['sliding_window']}, {c['n_routed_experts']} experts "
           f"(top {c['num_experts_per_tok']}, {c['expert_dtype']}), {c['num_attention_heads']} heads "
@@ -225,9 +226,11 @@ def cmd_inspect(args) -> int:
 
 def cmd_tiny_dsv41(args) -> int:
     tiny = worker_side("remote_drafter.dsv41.tiny", "tiny-dsv41")
-    made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers)
-    print(f"remote-drafter tiny-dsv41: {args.out} ({made['drafter']} drafter tensors, "
-          f"{made['trunk']} target tensors, {args.experts_dtype} experts, {made['bytes']:,} B in "
+    made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers, args.variant,
+                           quantized=not args.unquantized)
+    stored = "bf16 linears and" if args.unquantized else args.experts_dtype
+    print(f"remote-drafter tiny-dsv41: {args.out} ({args.variant}, {made['drafter']} drafter tensors, "
+          f"{made['trunk']} target tensors, {stored} experts, {made['bytes']:,} B in "
           f"{len(made['files'])} shards); random weights: for tests, not for drafting")
     return 0
 
@@ -319,7 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(fn=cmd_shadow)
 
-    p = sub.add_parser("inspect", help="DeepSeek-V4.1's drafter in a checkpoint folder: its tensors, "
+    p = sub.add_parser("inspect", help="DeepSeek-V4.1's or V4's drafter in a checkpoint folder: its tensors, "
                                        "dtypes, bytes and config, read from the headers; exit 1 "
                                        "when a tensor differs from DeepSeek's layout")
     p.add_argument("folder", help="config.json + model.safetensors.index.json and shards, or "
@@ -327,7 +330,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="machine output")
     p.set_defaults(fn=cmd_inspect)
 
-    p = sub.add_parser("tiny-dsv41", help="write a tiny random DeepSeek-V4.1 checkpoint (its "
+    p = sub.add_parser("tiny-dsv41", help="write a tiny random DeepSeek-V4.1 or V4 checkpoint (its "
                                           "drafter at toy width, DeepSeek's names and dtypes, "
                                           "a few target tensors) for tests")
     p.add_argument("out")
@@ -336,6 +339,11 @@ def main(argv=None) -> int:
                    help="fp4: MXFP4 experts, UE8M0 linear scales (V4.1-Flash); fp8: block-FP8 "
                         "experts, float32 scales (Flash-Base)")
     p.add_argument("--layers", type=int, default=3, help="drafter layers (mtp.0 .. mtp.N-1)")
+    p.add_argument("--variant", default="v41", choices=["v41", "v4"],
+                   help="v41: DeepSeek-V4.1 (config under text_config); v4: DeepSeek-V4 (flat "
+                        "config, hc_head, markov_w1/w2)")
+    p.add_argument("--unquantized", action="store_true",
+                   help="no quantization_config: every linear and expert stored bf16")
     p.set_defaults(fn=cmd_tiny_dsv41)
 
     p = sub.add_parser("env", help="every environment variable, its default and meaning")

@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's own DSpark drafter (the `mtp.*` tensors of its checkpoint) behind the
-Drafter interface: kind "dsv41", served as `remote-drafter worker --drafter dsv41:<folder>`.
+Drafter interface: kind "dsv41", served as `remote-drafter worker --drafter dsv41:<folder>`;
+a DeepSeek-V4 checkpoint's drafter the same way (its config's model_type picks the variant).
 
 A round for B requests: each request's context rows (every drafter layer's key/value row
 of each of its last `sliding_window` committed positions, post kv_norm and RoPE) live on the

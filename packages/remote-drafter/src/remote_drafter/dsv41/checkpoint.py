@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's drafter read out of its checkpoint folder: config.json plus
+"""DeepSeek-V4.1's (or DeepSeek-V4's: config.py) drafter read out of its checkpoint folder: config.json plus
 model.safetensors.index.json and its shards, or one model.safetensors.
 
 Only the drafter's tensors are read (`mtp.*`, `embed.weight`, `head.weight`; vLLM's
@@ -7,7 +7,8 @@ safetensors' safe_open: the target's layers are never read, and shards holding n
 drafter's tensors are never opened. What is there is checked against
 `config.expected_tensors` before anything is read: a missing, extra or mis-shaped tensor, or
 one stored in another dtype than DeepSeek's, is refused by name. FP8 and FP4 tensors are
-dequantised at load (`quant`), their `.scale` tensors consumed.
+dequantised at load (`quant`), their `.scale` tensors consumed; a checkpoint without a
+quantization_config stores them bf16.
 """
 
 from __future__ import annotations
@@ -134,10 +135,10 @@ def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor]) -> lis
     return found
 
 
-def refuse(folder: str, found: list[str]) -> None:
+def refuse(folder: str, found: list[str], name: str) -> None:
     if found:
         more = f"; and {len(found) - REFUSALS_SHOWN} more" if len(found) > REFUSALS_SHOWN else ""
-        raise ValueError(f"{folder} does not hold DeepSeek-V4.1's drafter as its config "
+        raise ValueError(f"{folder} does not hold {name}'s drafter as its config "
                          f"describes it: {'; '.join(found[:REFUSALS_SHOWN])}{more}")
 
 
@@ -147,7 +148,7 @@ def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") 
     config = Dsv41DrafterConfig.from_json(read_config(folder))
     stored = stored_drafter_tensors(folder)
     config = with_optional_heads(config, stored)
-    refuse(folder, problems(config, stored))
+    refuse(folder, problems(config, stored), config.name)
     raw = read_tensors(stored)
     drafter_digest = digest_tensors(
         [("config", json.dumps(asdict(config), sort_keys=True).encode())]
@@ -194,6 +195,7 @@ def describe(folder: str) -> dict:
     files = tensor_files(folder)
     return {
         "folder": folder,
+        "drafter": config.name,
         "config": asdict(config),
         "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype, "bytes": s.nbytes}
                     for n, s in sorted(stored.items())},

@@ -7,6 +7,16 @@ Source of truth: vLLM 0.33.0, read in its wheel: `transformers_utils/configs/dee
 attention.py`, `models/deepseek_v41/quant_config.py`, `v1/worker/gpu/spec_decode/utils.py`
 (the noise token) and `config/speculative.py` (block size). Defaults are vLLM's `getattr`
 defaults; a key vLLM reads without a default is required here and refused by name.
+
+DeepSeek-V4 (model_type "deepseek_v4", the variant "v4") is served by the same code, as vLLM
+0.33.0 computes it in `models/deepseek_v4/nvidia/dspark.py` and exllamav3 1.6.5 in
+`architecture/deepseek_v4_mtp.py`: a learned `hc_head` collapses the copies, the mHC is not
+delayed, the query has a per-head RMS norm, the Markov factors are `markov_head.markov_w1` /
+`markov_w2`, the drafter has the target's expert counts (no `dspark_*` override), drafter
+layers are never compressed, `n_mtp_layers` alone counts them, and the taps are the outputs of
+the listed layers (vLLM's eagle3_utils adds 1 for every model type but deepseek_v41). vLLM
+reads a V4 config through transformers' DeepseekV4Config, whose defaults are V4-Flash's
+sizes; a key it has a default for that is missing here is still refused by name.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 KINDS = ("bf16", "f32", "fp8", "fp4", "e8m0")
 FP4_SCALE_BLOCK = 32  # one e8m0 scale per 32 input values of an fp4 expert weight
 _NOISE_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
+VARIANTS = {"deepseek_v41": "v41", "deepseek_v4": "v4"}  # config.json model_type -> variant
+NAMES = {"v41": "DeepSeek-V4.1", "v4": "DeepSeek-V4"}
 
 
 class TensorSpec(NamedTuple):
@@ -68,6 +80,28 @@ class Dsv41DrafterConfig:
     expert_dtype: str            # "fp4" (MXFP4 experts) or "fp8" (block-fp8 experts)
     weight_block_size: tuple[int, int]  # fp8 linear scale block (rows, cols)
     vision: bool                 # vision checkpoints add ffn.gate.bias_vl (unused for text)
+    variant: str = "v41"         # "v41" (DeepSeek-V4.1) or "v4" (DeepSeek-V4): VARIANTS
+    quantized: bool = True       # False: no quantization_config, every linear stored bf16
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.variant]
+
+    @property
+    def delayed_mhc(self) -> bool:
+        """V4.1: a sublayer's input is collapsed with the PREVIOUS sublayer's pre weight, and
+        the last FFN's collapses the output; V4: each with its own, then hc_head's."""
+        return self.variant == "v41"
+
+    @property
+    def hc_head(self) -> bool:
+        """V4: a learned hc_head (hc_head_fn/base/scale) collapses the output copies."""
+        return self.variant == "v4"
+
+    @property
+    def q_head_norm(self) -> bool:
+        """V4: a weightless RMS norm of each query head (V4.1: "qr is normed before wq_b")."""
+        return self.variant == "v4"
 
     @property
     def feature_width(self) -> int:
@@ -93,40 +127,62 @@ class Dsv41DrafterConfig:
     def from_json(cls, config: dict) -> Dsv41DrafterConfig:
         """The whole config.json (text fields under `text_config` or flat)."""
         flat = flatten(config)
+        variant = VARIANTS.get(flat.get("model_type"))
+        if variant is None:
+            raise ValueError(f"model_type {flat.get('model_type')!r}: a DeepSeek drafter's config "
+                             f"is one of {sorted(VARIANTS)}")
+        name = NAMES[variant]
 
         def need(key):
             if flat.get(key) is None:
-                raise ValueError(f"DeepSeek-V4.1 drafter config lacks {key!r}")
+                raise ValueError(f"{name} drafter config lacks {key!r}")
             return flat[key]
 
         n_layers = int(need("num_hidden_layers"))
-        n_mtp = int(flat.get("n_mtp_layers") or flat.get("num_nextn_predict_layers") or 3)
-        _refuse_compressed_drafter_layers(flat.get("compress_ratios"), n_layers, n_mtp)
+        if variant == "v41":
+            n_mtp = int(flat.get("n_mtp_layers") or flat.get("num_nextn_predict_layers") or 3)
+            _refuse_compressed_drafter_layers(flat.get("compress_ratios"), n_layers, n_mtp)
+        else:  # V4 ships num_nextn_predict_layers 1 beside three stages; its layers are never
+            n_mtp = int(flat.get("n_mtp_layers") or 3)  # compressed (attention.py: ratio 1)
         if flat.get("sample_from_anchor", True) is not True:
-            raise ValueError("only sample_from_anchor=true (the seed predicts the first "
-                             "draft) is a DeepSeek-V4.1 DSpark layout")
+            raise ValueError(f"only sample_from_anchor=true (the seed predicts the first "
+                             f"draft) is a {name} DSpark layout")
         vocab = int(need("vocab_size"))
         if (flat.get("draft_vocab_size") or vocab) != vocab:
-            raise ValueError("a reduced draft vocabulary (draft_vocab_size) is not "
-                             "DeepSeek-V4.1's drafter: it shares the target's head")
+            raise ValueError(f"a reduced draft vocabulary (draft_vocab_size) is not "
+                             f"{name}'s drafter: it shares the target's head")
         if need("hidden_act") != "silu":
             raise ValueError(f"hidden_act {flat['hidden_act']!r}: vLLM's DeepseekV4MLP "
                              "supports silu only")
         scoring = flat.get("scoring_func", "sqrtsoftplus")
         if scoring not in SCORING_FUNCS:
             raise ValueError(f"scoring_func {scoring!r}: one of {SCORING_FUNCS}")
-        expert_dtype = flat.get("expert_dtype", "fp4")
+        # V4's quant config reads expert_dtype off the config's top level alone
+        expert_dtype = (flat if variant == "v41" else config).get("expert_dtype", "fp4")
         if expert_dtype not in ("fp4", "fp8"):
             raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
-        quant = flat.get("quantization_config") or {}
-        block = tuple(quant.get("weight_block_size") or (128, 128))
+        quant = flat.get("quantization_config")
+        block = tuple((quant or {}).get("weight_block_size") or (128, 128))
         if flat.get("dspark_draft_topk") is not None:
-            raise ValueError("dspark_draft_topk: vLLM 0.33 supports it for Qwen3 DSpark drafters "
-                             "only (config/speculative.py), not DeepSeek-V4.1's")
+            raise ValueError(f"dspark_draft_topk: vLLM 0.33 supports it for Qwen3 DSpark drafters "
+                             f"only (config/speculative.py), not {name}'s")
         # vLLM reads the block size from block_size, then dspark_block_size
         block_size = flat.get("block_size") or need("dspark_block_size")
-        swiglu_limit = need_key(flat, "swiglu_limit")
-        n_shared = need_key(flat, "n_shared_experts")
+        swiglu_limit = need_key(flat, "swiglu_limit", name)
+        n_shared = need_key(flat, "n_shared_experts", name)
+        # V4: transformers' default (1.5) and exllamav3's (1.0) differ, so it must be given
+        scaling = flat.get("routed_scaling_factor", 1.0) if variant == "v41" else need(
+            "routed_scaling_factor")
+        head_dim = int(need("head_dim"))
+        # transformers' DeepseekV4Config: qk_rope_head_dim = head_dim * partial_rotary_factor
+        rope_factor = flat.get("partial_rotary_factor") if variant == "v4" else None
+        rope_dims = int(head_dim * rope_factor) if rope_factor else int(need("qk_rope_head_dim"))
+        # V4.1's drafter has its own expert counts; V4's DeepseekV4MoE takes the target's
+        own = (lambda key: flat.get(key)) if variant == "v41" else (lambda key: None)
+        if variant == "v41":
+            vision = bool((config.get("vision_config") or {}).get("num_hidden_layers", 0))
+        else:
+            vision = bool(flat.get("vision_n_layers", 0))
         return cls(
             hidden_size=int(need("hidden_size")), vocab_size=vocab,
             num_hidden_layers=n_layers, n_mtp_layers=n_mtp,
@@ -134,25 +190,25 @@ class Dsv41DrafterConfig:
             hc_mult=int(need("hc_mult")), hc_eps=float(need("hc_eps")),
             hc_sinkhorn_iters=int(need("hc_sinkhorn_iters")),
             num_attention_heads=int(need("num_attention_heads")),
-            head_dim=int(need("head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            head_dim=head_dim, qk_rope_head_dim=rope_dims,
             q_lora_rank=int(need("q_lora_rank")), o_groups=int(need("o_groups")),
             o_lora_rank=int(need("o_lora_rank")), sliding_window=int(need("sliding_window")),
             rope_theta=float(need("rope_theta")),
-            n_routed_experts=int(flat.get("dspark_n_routed_experts") or need("n_routed_experts")),
-            num_experts_per_tok=int(flat.get("dspark_num_experts_per_tok")
+            n_routed_experts=int(own("dspark_n_routed_experts") or need("n_routed_experts")),
+            num_experts_per_tok=int(own("dspark_num_experts_per_tok")
                                     or need("num_experts_per_tok")),
             moe_intermediate_size=int(need("moe_intermediate_size")),
             n_shared_experts=int(n_shared or 0),
             swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
-            routed_scaling_factor=float(flat.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(scaling),
             scoring_func=scoring, norm_topk_prob=bool(need("norm_topk_prob")),
             gate_bias=flat.get("topk_method") == "noaux_tc",
             target_layer_ids=tuple(int(i) for i in need("dspark_target_layer_ids")),
             block_size=int(block_size), markov_rank=int(need("dspark_markov_rank")),
-            noise_token_id=_noise_token_id(flat),
+            noise_token_id=_noise_token_id(flat, name),
             enable_confidence_head=bool(flat.get("enable_confidence_head", True)),
             expert_dtype=expert_dtype, weight_block_size=(int(block[0]), int(block[1])),
-            vision=bool((config.get("vision_config") or {}).get("num_hidden_layers", 0)),
+            vision=vision, variant=variant, quantized=quant is not None,
         )
 
 
@@ -167,14 +223,14 @@ def flatten(config: dict) -> dict:
     return flat
 
 
-def need_key(flat: dict, key: str):
+def need_key(flat: dict, key: str, name: str):
     """A key vLLM reads without a default whose value may be null (no clamp, no shared expert)."""
     if key not in flat:
-        raise ValueError(f"DeepSeek-V4.1 drafter config lacks {key!r}")
+        raise ValueError(f"{name} drafter config lacks {key!r}")
     return flat[key]
 
 
-def _noise_token_id(flat: dict) -> int:
+def _noise_token_id(flat: dict, name: str) -> int:
     """vLLM's get_parallel_drafting_token_id order."""
     nested = (flat.get("dflash_config") or {}).get("mask_token_id")
     if nested is not None:
@@ -182,7 +238,7 @@ def _noise_token_id(flat: dict) -> int:
     for key in _NOISE_TOKEN_KEYS:
         if flat.get(key) is not None:
             return int(flat[key])
-    raise ValueError("DeepSeek-V4.1 drafter config lacks 'dspark_noise_token_id' (or "
+    raise ValueError(f"{name} drafter config lacks 'dspark_noise_token_id' (or "
                      "dflash_config.mask_token_id / mask_token_id / pard_token / ptd_token_id)")
 
 
@@ -206,66 +262,101 @@ def last_stage(config: Dsv41DrafterConfig) -> str:
     return f"mtp.{config.n_mtp_layers - 1}"
 
 
+def markov_names(config: Dsv41DrafterConfig) -> tuple[str, str]:
+    """The Markov head's factors (embedding W1 [V, r], head W2 stored [V, r]): V4.1's checkpoint
+    calls them markov_head.embed / head (vLLM's _remap_dspark_name maps them), V4's carries
+    DSparkMarkovHead's own names, markov_w1 / markov_w2."""
+    stem = f"{last_stage(config)}.markov_head."
+    if config.variant == "v4":
+        return stem + "markov_w1.weight", stem + "markov_w2.weight"
+    return stem + "embed.weight", stem + "head.weight"
+
+
+def hc_head_names(config: Dsv41DrafterConfig) -> tuple[str, str, str]:
+    """V4's learned output collapse (fn [K, K*H], base [K], scale [1]) at the last stage."""
+    return tuple(f"{last_stage(config)}.hc_head_{p}" for p in ("fn", "base", "scale"))
+
+
 def weight_table(config: Dsv41DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (dequantised shape, storage)}: what the model receives after dequantisation
     (no scale tensors); storage is "bf16", "f32", "fp8" (block-scaled linear) or "expert"
     (fp4 or fp8 per expert_dtype)."""
     c = config
-    h, hc_dim = c.hidden_size, c.hc_mult * c.hidden_size
+    h = c.hidden_size
+    embed, head = markov_names(c)
     table = {"embed.weight": ((c.vocab_size, h), "bf16"),
              "head.weight": ((c.vocab_size, h), "bf16"),
              f"{first_stage(c)}.main_proj.weight": ((h, c.feature_width), "fp8"),
              f"{first_stage(c)}.main_norm.weight": ((h,), "bf16"),
              f"{last_stage(c)}.norm.weight": ((h,), "bf16"),
-             f"{last_stage(c)}.markov_head.embed.weight": ((c.vocab_size, c.markov_rank), "bf16"),
-             f"{last_stage(c)}.markov_head.head.weight": ((c.vocab_size, c.markov_rank), "bf16")}
+             embed: ((c.vocab_size, c.markov_rank), "bf16"),
+             head: ((c.vocab_size, c.markov_rank), "bf16")}
+    if c.hc_head:
+        fn, base, scale = hc_head_names(c)
+        table.update({fn: ((c.hc_mult, c.hc_mult * h), "f32"), base: ((c.hc_mult,), "f32"),
+                      scale: ((1,), "f32")})
     if c.enable_confidence_head:
         table[f"{last_stage(c)}.confidence_head.proj.weight"] = ((1, h + c.markov_rank), "f32")
+    for j in range(c.n_mtp_layers):
+        table.update(layer_table(c, f"mtp.{j}."))
+    return table
+
+
+def layer_table(config: Dsv41DrafterConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One DeepseekV4DecoderLayer (sliding-window attention, routed MoE) under `prefix`: a
+    drafter stage's layer, or a trunk layer's with the same sizes (tiny.py)."""
+    c, p = config, prefix
+    h, hc_dim = c.hidden_size, c.hc_mult * c.hidden_size
     heads_width = c.num_attention_heads * c.head_dim
     shared = c.n_shared_experts * c.moe_intermediate_size
-    for j in range(c.n_mtp_layers):
-        p = f"mtp.{j}."
-        table.update({
-            p + "attn_norm.weight": ((h,), "bf16"),
-            p + "ffn_norm.weight": ((h,), "bf16"),
-            p + "attn.wq_a.weight": ((c.q_lora_rank, h), "fp8"),
-            p + "attn.q_norm.weight": ((c.q_lora_rank,), "bf16"),
-            p + "attn.wq_b.weight": ((heads_width, c.q_lora_rank), "fp8"),
-            p + "attn.wkv.weight": ((c.head_dim, h), "fp8"),
-            p + "attn.kv_norm.weight": ((c.head_dim,), "bf16"),
-            p + "attn.wo_a.weight": ((c.o_groups * c.o_lora_rank, heads_width // c.o_groups),
-                                     "fp8"),
-            p + "attn.wo_b.weight": ((h, c.o_groups * c.o_lora_rank), "fp8"),
-            p + "attn.attn_sink": ((c.num_attention_heads,), "f32"),
-            p + "ffn.gate.weight": ((c.n_routed_experts, h), "bf16"),
-        })
-        for mixer in ("hc_attn", "hc_ffn"):
-            table[p + f"{mixer}_fn"] = ((c.mix_hc, hc_dim), "f32")
-            table[p + f"{mixer}_base"] = ((c.mix_hc,), "f32")
-            table[p + f"{mixer}_scale"] = ((3,), "f32")
-        if c.gate_bias:
-            table[p + "ffn.gate.bias"] = ((c.n_routed_experts,), "f32")
-        if c.vision:
-            table[p + "ffn.gate.bias_vl"] = ((c.n_routed_experts,), "f32")
-        for e in range(c.n_routed_experts):
-            q = p + f"ffn.experts.{e}."
-            table[q + "w1.weight"] = ((c.moe_intermediate_size, h), "expert")
-            table[q + "w3.weight"] = ((c.moe_intermediate_size, h), "expert")
-            table[q + "w2.weight"] = ((h, c.moe_intermediate_size), "expert")
-        if shared:
-            table[p + "ffn.shared_experts.w1.weight"] = ((shared, h), "fp8")
-            table[p + "ffn.shared_experts.w3.weight"] = ((shared, h), "fp8")
-            table[p + "ffn.shared_experts.w2.weight"] = ((h, shared), "fp8")
+    table = {
+        p + "attn_norm.weight": ((h,), "bf16"),
+        p + "ffn_norm.weight": ((h,), "bf16"),
+        p + "attn.wq_a.weight": ((c.q_lora_rank, h), "fp8"),
+        p + "attn.q_norm.weight": ((c.q_lora_rank,), "bf16"),
+        p + "attn.wq_b.weight": ((heads_width, c.q_lora_rank), "fp8"),
+        p + "attn.wkv.weight": ((c.head_dim, h), "fp8"),
+        p + "attn.kv_norm.weight": ((c.head_dim,), "bf16"),
+        p + "attn.wo_a.weight": ((c.o_groups * c.o_lora_rank, heads_width // c.o_groups), "fp8"),
+        p + "attn.wo_b.weight": ((h, c.o_groups * c.o_lora_rank), "fp8"),
+        p + "attn.attn_sink": ((c.num_attention_heads,), "f32"),
+        p + "ffn.gate.weight": ((c.n_routed_experts, h), "bf16"),
+    }
+    for mixer in ("hc_attn", "hc_ffn"):
+        table[p + f"{mixer}_fn"] = ((c.mix_hc, hc_dim), "f32")
+        table[p + f"{mixer}_base"] = ((c.mix_hc,), "f32")
+        table[p + f"{mixer}_scale"] = ((3,), "f32")
+    if c.gate_bias:
+        table[p + "ffn.gate.bias"] = ((c.n_routed_experts,), "f32")
+    if c.vision:
+        table[p + "ffn.gate.bias_vl"] = ((c.n_routed_experts,), "f32")
+    for e in range(c.n_routed_experts):
+        q = p + f"ffn.experts.{e}."
+        table[q + "w1.weight"] = ((c.moe_intermediate_size, h), "expert")
+        table[q + "w3.weight"] = ((c.moe_intermediate_size, h), "expert")
+        table[q + "w2.weight"] = ((h, c.moe_intermediate_size), "expert")
+    if shared:
+        table[p + "ffn.shared_experts.w1.weight"] = ((shared, h), "fp8")
+        table[p + "ffn.shared_experts.w3.weight"] = ((shared, h), "fp8")
+        table[p + "ffn.shared_experts.w2.weight"] = ((h, shared), "fp8")
     return table
 
 
 def expected_tensors(config: Dsv41DrafterConfig) -> dict[str, TensorSpec]:
     """Every tensor of the drafter as DeepSeek's checkpoint stores it: {name: (shape, kind)},
     `.scale` tensors included (`<module>.weight` is scaled by `<module>.scale`): fp8 linears
-    one scale per weight_block_size block, fp4 experts one e8m0 scale per 32 inputs."""
+    one scale per weight_block_size block, fp4 experts one e8m0 scale per 32 inputs. Without
+    a quantization_config every linear is stored bf16, unscaled."""
+    return stored_tensors(config, weight_table(config))
+
+
+def stored_tensors(config: Dsv41DrafterConfig, table: dict) -> dict[str, TensorSpec]:
+    """A weight_table-like table as the checkpoint stores it (see expected_tensors)."""
     rows_block, cols_block = config.weight_block_size
     found = {}
-    for name, (shape, storage) in weight_table(config).items():
+    for name, (shape, storage) in table.items():
+        if not config.quantized and storage in ("fp8", "expert"):
+            storage = "bf16"
         if storage in ("bf16", "f32"):
             found[name] = TensorSpec(shape, storage)
             continue

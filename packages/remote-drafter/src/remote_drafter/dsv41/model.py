@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's DSpark drafter, forward only, in plain torch (readable in one sitting).
+"""DeepSeek-V4.1's (and DeepSeek-V4's) DSpark drafter, forward only, in plain torch (readable in one sitting).
 
 What vLLM 0.33.0 computes (read in its wheel: `models/deepseek_v41/nvidia/dspark.py`,
 `nvidia/model.py` (DeepseekV4DecoderLayer), `models/deepseek_v41/attention.py`,
@@ -37,6 +37,17 @@ model.py` (DeepseekV4MoE, DeepseekV4MLP), `fused_moe/router/cpu_router.py`,
   left to right (dense: vLLM 0.33 refuses dspark_draft_topk for this drafter).
 * Confidence head: c_i = sigmoid(confidence_head.proj [h_i ; markov_head.embed[x_{i-1}]]).
 
+DeepSeek-V4 (config.variant "v4"; vLLM 0.33.0's `models/deepseek_v4/nvidia/dspark.py`,
+`nvidia/model.py`, `models/deepseek_v4/attention.py`, `kernels/mhc/torch.py` mhc_pre_torch and
+`tilelang_kernels.py` hc_head_fuse_tilelang; exllamav3 1.6.5's `architecture/deepseek_v4_mtp.py`
+and `modules/arch_specific/dspark.py`) differs in three stages, each a branch below:
+* hc_pre: the sublayer's input is collapsed with the pre weight its own mixer computes (no
+  delay, no stream-0 start).
+* attention: each query head is RMS-normed without a weight (eps rms_norm_eps) before RoPE.
+* out: the copies are collapsed by the learned hc_head: pre = sigmoid(hc_head_fn . x *
+  rsqrt(mean(x^2) + eps) * hc_head_scale + hc_head_base) + hc_eps over the whole stream x.
+Its Markov factors are named markov_w1 / markov_w2 (config.markov_names).
+
 Not reproduced: vLLM stores context and block rows in an FP8 KV cache (fp8_ds_mla) and
 runs fp8/fp4 GEMMs; here weights are dequantised and rows are kept in the model's dtype.
 
@@ -55,6 +66,7 @@ everything in float64):
   hc_post(out [..., H], residual [..., K, H], post, comb) -> residual [..., K, H]
   layer(j, residual, carried_pre, positions, ctx, ctx_valid) -> (residual, ffn pre)
   collapse(residual [..., K, H], pre [..., K]) -> [..., H]
+  head_pre(residual [..., K, H]) -> [..., K]                    (V4's hc_head)
   block_hidden(ctx [B, C, L, D], ctx_valid [B, C], seed [B], p0 [B]) -> h [B, W, H] (pre-norm)
   logits(h [..., H]) -> z [..., V] float
   markov_embed(previous [B]) -> [B, r];  markov_bias(m [B, r]) -> [B, V] float
@@ -67,16 +79,25 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from .config import HC_POST_ALPHA, Dsv41DrafterConfig, first_stage, last_stage, weight_table
+from .config import (
+    HC_POST_ALPHA,
+    Dsv41DrafterConfig,
+    first_stage,
+    hc_head_names,
+    last_stage,
+    markov_names,
+    weight_table,
+)
 
 _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid,
            "softmax": lambda x: x.softmax(-1)}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, wide: torch.dtype) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             wide: torch.dtype) -> torch.Tensor:
     h = x.to(wide)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * weight.to(wide)).to(x.dtype)
+    return (h if weight is None else h * weight.to(wide)).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
@@ -118,7 +139,7 @@ class Dsv41Model:
             del table[confidence]
         missing = sorted(set(table) - set(weights))
         if missing:
-            raise ValueError(f"DeepSeek-V4.1 drafter weights lack {missing[0]!r}"
+            raise ValueError(f"{config.name} drafter weights lack {missing[0]!r}"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         self.config, self.device = config, torch.device(device)
         self.dtype = dtype or weights["embed.weight"].dtype
@@ -131,6 +152,7 @@ class Dsv41Model:
             self.w[name] = t.to(self.device, self.wide if storage == "f32" else self.dtype)
         self.has_confidence = confidence in table
         self.first, self.last = first_stage(config), last_stage(config)
+        self.markov_w1, self.markov_w2 = markov_names(config)
 
     def parameters(self):
         """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
@@ -164,11 +186,15 @@ class Dsv41Model:
         ids[:, 0] = seed
         return self.w["embed.weight"][ids], ids
 
+    def _mixes(self, fn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """fn . x * rsqrt(mean(x^2) + eps) over the whole stream x [..., K*H], in `wide`."""
+        x = residual.flatten(-2).to(self.wide)
+        return (x @ fn.T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+
     def hc_pre(self, j: int, mixer: str, residual: torch.Tensor, carried_pre: torch.Tensor | None):
         c, k = self.config, self.config.hc_mult
         fn, scale, base = (self._w(j, f"hc_{mixer}_{p}") for p in ("fn", "scale", "base"))
-        x = residual.flatten(-2).to(self.wide)
-        mixes = (x @ fn.T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        mixes = self._mixes(fn, residual)
         pre = torch.sigmoid(mixes[..., :k] * scale[0] + base[:k]) + c.hc_eps
         post = torch.sigmoid(mixes[..., k:2 * k] * scale[1] + base[k:2 * k]) * HC_POST_ALPHA
         comb = mixes[..., 2 * k:].unflatten(-1, (k, k)) * scale[2] + base[2 * k:].view(k, k)
@@ -177,7 +203,8 @@ class Dsv41Model:
         for _ in range(c.hc_sinkhorn_iters - 1):  # Sinkhorn: rows, then columns
             comb = comb / (comb.sum(-1, keepdim=True) + c.hc_eps)
             comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
-        collapsed = residual[..., 0, :] if carried_pre is None else self.collapse(residual, carried_pre)
+        collapse_with = carried_pre if c.delayed_mhc else pre  # V4: no delay
+        collapsed = residual[..., 0, :] if collapse_with is None else self.collapse(residual, collapse_with)
         norm = self._w(j, f"{mixer}_norm.weight")
         return rms_norm(collapsed, norm, c.rms_norm_eps, self.wide), post, comb, pre
 
@@ -189,6 +216,11 @@ class Dsv41Model:
     def collapse(self, residual: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return (pre[..., None] * residual.to(self.wide)).sum(-2).to(residual.dtype)
 
+    def head_pre(self, residual: torch.Tensor) -> torch.Tensor:
+        """V4's hc_head: the output copies' collapse weights, learned (hc_head_fn/base/scale)."""
+        fn, base, scale = (self.w[n] for n in hc_head_names(self.config))
+        return torch.sigmoid(self._mixes(fn, residual) * scale[0] + base) + self.config.hc_eps
+
     def attention(self, j: int, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
                   ctx_valid: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -197,6 +229,8 @@ class Dsv41Model:
         qr = rms_norm(x @ self._w(j, "attn.wq_a.weight").T, self._w(j, "attn.q_norm.weight"),
                       c.rms_norm_eps, self.wide)
         q = (qr @ self._w(j, "attn.wq_b.weight").T).view(b, w, heads, d)
+        if c.q_head_norm:
+            q = rms_norm(q, None, c.rms_norm_eps, self.wide)
         q = rope(q, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide)
         keys = torch.cat([ctx.to(x.dtype), self.context_rows(j, x, positions)], 1)  # [B, C+W, D]
         scores = torch.einsum("bwhd,bkd->bhwk", q.to(self.wide), keys.to(self.wide)) * d ** -0.5
@@ -250,7 +284,7 @@ class Dsv41Model:
         pre = None
         for j in range(c.n_mtp_layers):
             residual, pre = self.layer(j, residual, pre, positions, ctx[:, :, j], ctx_valid)
-        return self.collapse(residual, pre)
+        return self.collapse(residual, self.head_pre(residual) if c.hc_head else pre)
 
     # -- heads ---------------------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -258,10 +292,10 @@ class Dsv41Model:
         return (normed @ self.w["head.weight"].T).to(self.wide)
 
     def markov_embed(self, previous: torch.Tensor) -> torch.Tensor:
-        return self.w[f"{self.last}.markov_head.embed.weight"][previous]
+        return self.w[self.markov_w1][previous]
 
     def markov_bias(self, m: torch.Tensor) -> torch.Tensor:
-        return (m @ self.w[f"{self.last}.markov_head.head.weight"].T).to(self.wide)
+        return (m @ self.w[self.markov_w2].T).to(self.wide)
 
     def markov_logits(self, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         return z + self.markov_bias(m)
