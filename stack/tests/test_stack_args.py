@@ -151,6 +151,18 @@ def worker_line(out: str) -> str:
     return next(line for line in out.splitlines() if " --drafter " in line)
 
 
+@pytest.mark.parametrize("tp2", ["0", "1"])
+def test_both_kinds_of_worker_get_their_quotas_and_cut_off_from_the_env_file(tmp_path, capsys, tp2):
+    settings = ("REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT=3", "REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT=4096",
+                "REMOTE_DRAFTER_CONFIDENCE_CUTOFF=0.5")
+    env = ["--env", str(filled(tmp_path, "production-D")),
+           "--env", delta(tmp_path, f"STACK_DRAFTER_TP2={tp2}\n" + "\n".join(settings) + "\n")]
+    assert main(["args", *env, "--role", "drafter-worker"]) == 0
+    out = capsys.readouterr().out
+    for setting in settings:
+        assert setting in out
+
+
 def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp_path, capsys):
     env = ["--env", str(filled(tmp_path, "production-D")), "--env", delta(tmp_path, "STACK_DRAFTER_TP2=1\n")]
     main(["args", *env, "--role", "drafter-worker"])

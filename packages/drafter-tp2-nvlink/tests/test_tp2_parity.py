@@ -25,7 +25,8 @@ MAX_REQUESTS = 6
 @pytest.fixture(scope="module")
 def pair(models, tmp_path_factory):
     env = tp2_env(REMOTE_DRAFTER_LOCK_DIR=str(tmp_path_factory.mktemp("locks")))
-    w = PairProcess(worker_args(models, "cpu:0,cpu:1", "--max-requests", str(MAX_REQUESTS)), env)
+    w = PairProcess(worker_args(models, "cpu:0,cpu:1", "--max-requests", str(MAX_REQUESTS),
+                                "--max-requests-per-client", str(MAX_REQUESTS)), env)
     yield w
     w.stop()
 
@@ -73,7 +74,8 @@ def test_batched_decoding_matches_the_one_card_service_round_by_round(models, pa
 
 
 def test_the_handshake_differs_from_the_one_card_worker_only_by_topology(models, pair):
-    one = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--max-requests", str(MAX_REQUESTS))
+    one = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--max-requests", str(MAX_REQUESTS),
+                        "--max-requests-per-client", str(MAX_REQUESTS))
     try:
         described = []
         for address in (pair.address, one.address):
@@ -153,3 +155,20 @@ def test_uneven_shards_odd_vocabulary_and_untied_head(tmp_path, lock_dir):
         assert compare_single_rounds(client, one, 40, 30, seed=5)["identical"] == 40
     finally:
         w.stop()
+
+
+def test_the_pair_holds_the_one_card_workers_per_client_quotas():
+    """Same capacity flags as `remote-drafter worker` (one definition): half the slots per
+    client by default, and what the launcher passes both ranks keeps an explicit quota."""
+    import argparse
+
+    from drafter_tp2.cli import add_worker_args, rank_config, worker_argv
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--master", default="127.0.0.1:1")
+    base = ["--drafter", "d", "--target", "t", "--devices", "cpu:0,cpu:1", "--max-requests", "8"]
+    assert rank_config(p.parse_args(base)).service.max_requests_per_client == 4
+    given = p.parse_args([*base, "--max-requests-per-client", "8"])
+    assert rank_config(given).service.max_requests_per_client == 8
+    assert rank_config(p.parse_args(worker_argv(given))).service.max_requests_per_client == 8

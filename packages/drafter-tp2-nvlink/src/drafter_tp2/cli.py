@@ -18,6 +18,7 @@ import os
 import sys
 
 from ofl.env import describe
+from remote_drafter.cli import add_capacity_args, capacity_argv
 
 from . import env
 
@@ -30,10 +31,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="0.0.0.0:7480", help="rank 0's HOST:PORT (port 0: any free)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
-    p.add_argument("--max-requests", type=int, default=256,
-                   help="requests held at once; more opens get a capacity reply")
-    p.add_argument("--idle-timeout-s", type=float, default=600,
-                   help="release a request not seen for this long")
+    add_capacity_args(p)  # the one-card worker's: slots, per-client quotas, idle release
 
 
 def checked(args) -> tuple[list[str], str]:
@@ -48,6 +46,7 @@ def checked(args) -> tuple[list[str], str]:
 
 
 def rank_config(args):
+    from remote_drafter.cli import capacity_config
     from remote_drafter.service import ServiceConfig
 
     from .rank import RankConfig
@@ -55,7 +54,7 @@ def rank_config(args):
     return RankConfig(
         rank=args.rank, devices=devices, master=args.master, drafter=args.drafter,
         target=args.target, dtype=args.dtype, backend=args.backend, listen=args.listen,
-        service=ServiceConfig(max_requests=args.max_requests, idle_timeout_s=args.idle_timeout_s),
+        service=ServiceConfig(**capacity_config(args)),
         graphs=mode == "auto",
         graph_batches=[int(x) for x in env.DRAFTER_TP2_GRAPH_BATCHES.get().split(",")],
         timeout_s=env.DRAFTER_TP2_TIMEOUT_S.get_float(),
@@ -68,7 +67,7 @@ def worker_argv(args) -> list[str]:
     """The worker arguments as given, for the ranks (both get the same)."""
     return ["--drafter", args.drafter, "--target", args.target, "--devices", args.devices,
             "--listen", args.listen, "--dtype", args.dtype, "--backend", args.backend,
-            "--max-requests", str(args.max_requests), "--idle-timeout-s", str(args.idle_timeout_s)]
+            *capacity_argv(args)]
 
 
 def cmd_rank(args) -> int:
