@@ -6,7 +6,8 @@ in the reference deployment's configurations, one engine launch each:
   A        stock: the Engram tables and the drafter inside the engine
   B        remote Engram (server + exact local fallback), the drafter inside the engine
   D        remote Engram and remote drafter, synchronous rounds
-  D-async  D with rounds through the torch-free proxy
+  D-async  D with rounds through the torch-free proxy, their drafts deferred to the next
+           step's inputs (REMOTE_DRAFTER_VLLM_COLLECT=input)
 Every engine gets one memory budget for its KV pool plus what it holds itself, so the KV
 pool is the budget minus the tables' and the local drafter's bytes where they are inside.
 longctx-bench measures each; the greedy fingerprint must be the same in all four.
@@ -32,7 +33,8 @@ CONFIGS = [
     ("A", "stock: tables and drafter inside the engine", {"engram": "model", "drafter": "local"}),
     ("B", "remote Engram, drafter inside", {"engram": "remote", "drafter": "local"}),
     ("D", "remote Engram + remote drafter, sync", {"engram": "remote", "drafter": "remote"}),
-    ("D-async", "D through the proxy", {"engram": "remote", "drafter": "remote", "async": True}),
+    ("D-async", "D through the proxy, drafts deferred to the next step's inputs",
+     {"engram": "remote", "drafter": "remote", "async": True}),
 ]
 
 
@@ -62,6 +64,7 @@ def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfi
         drafter_env.REMOTE_DRAFTER_DRAFTER.name: None if remote_drafter else cfg["STACK_DRAFTER"],
         drafter_env.REMOTE_DRAFTER_TARGET.name: cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
         handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: "1" if setting.get("async") else None,
+        drafter_env.REMOTE_DRAFTER_VLLM_COLLECT.name: "input" if setting.get("async") else None,
     }
 
 
