@@ -17,6 +17,13 @@ if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter 
   python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"
   exit
 fi
+if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: only DeepSeek-V4's drafter against exllamav3's
+  # (its wheel and missing deps carried in .whl; its CUDA extension builds on import, ~5 min)
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 packages/remote-drafter/benchmarks/dsv4_exl3_check.py --out "$OUT/dsv4-exl3.json" \
+    2>&1 | tee "$OUT/dsv4-exl3.log"
+  exit
+fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
 python3 -m remote_drafter.bench --device cuda --width smollm2 --verify-ms 60 --tokens 96 --json \
   --out "$OUT/bench-cuda-f32.json" > /dev/null

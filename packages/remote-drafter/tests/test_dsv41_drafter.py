@@ -209,3 +209,45 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
                         "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["flash"]["rounds"]
     assert row["batch"] == 1 and min(row["device_p50_ms"], row["local_p50_ms"], row["tcp_p50_ms"]) > 0
+
+
+def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(folders):
+    """benchmarks/dsv4_exl3_check.py's comparison (its GPU run feeds it exllamav3's passes) on
+    passes recorded from this drafter itself: every chain and logit the same; a pass whose
+    third draft was changed is reported at that position, and only its chain differs."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dsv4_exl3_check.py"
+    spec = importlib.util.spec_from_file_location("dsv4_exl3_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    d = load_drafter("dsv41:" + folders["dsv4"], folders["target"])
+    m, c, rng, passes = d.model, d.config, np.random.default_rng(3), []
+    for p0 in (7, d.window + 30):
+        rows = rng.standard_normal((p0, d.feature)).astype(np.float32)
+        seed = int(rng.integers(0, d.vocab_size))
+        h = d.new_history()
+        h.reset(np.r_[np.zeros(p0, np.int32), seed], rows)
+        drafts = d.draft([DraftRequest(h, d.max_depth)], False)[0].tokens.tolist()
+        k, n = min(p0, d.window), d.window
+        ctx = torch.zeros(1, n, c.n_mtp_layers * c.head_dim)
+        ctx[0, n - k:] = m.encode_rows(torch.tensor(rows[p0 - k:]), torch.arange(p0 - k, p0))
+        valid = torch.zeros(1, n, dtype=torch.bool)
+        valid[0, n - k:] = True
+        hidden = m.block_hidden(ctx.view(1, n, c.n_mtp_layers, -1), valid, torch.tensor([seed]),
+                                torch.tensor([p0]))
+        z, embs = m.logits(hidden), [m.markov_embed(torch.tensor([t])) for t in [seed] + drafts[:-1]]
+        passes.append({"job": 0, "p0": p0, "seed": seed, "drafts": drafts, "rows": rows,
+                       "taps_complete": True,
+                       "logits": np.stack([m.markov_logits(z[:, i], e)[0].numpy() for i, e in enumerate(embs)]),
+                       "confidence": np.array([float(m.confidence(hidden[:, i], e)) for i, e in enumerate(embs)])})
+    changed = {**passes[1], "drafts": passes[1]["drafts"][:2] + [(passes[1]["drafts"][2] + 1) % d.vocab_size]
+               + passes[1]["drafts"][3:]}
+    got = script.compare(d, passes)
+    assert got["chains_identical"] == got["passes_compared"] == 2
+    assert got["positions_identical"] == got["positions"] == 2 * d.max_depth
+    assert got["max_logit_diff"] < 1e-5 and got["max_confidence_diff"] < 1e-6 and not got["disagreements"]
+    got = script.compare(d, passes + [changed])
+    assert got["chains_identical"] == 2
+    [first, *_] = got["disagreements"]
+    assert (first["position"], first["exl3"]) == (2, changed["drafts"][2]) and first["ours_margin"] > 0
