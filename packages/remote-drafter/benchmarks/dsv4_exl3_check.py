@@ -294,6 +294,54 @@ def compare(drafter: Dsv41Drafter, passes: list[dict]) -> dict:
             "passes_without_taps": sum(1 for r in passes if not r.get("taps_complete"))}
 
 
+@torch.inference_mode()
+def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) -> dict:
+    """What exllamav3's router does to our drafter alone: its expert CHOICE made as it makes it
+    (hidden and gate in fp16, the noaux bias mean-centred in fp16: block_sparse_mlp_routing.py
+    routing_sqrtsp, routing_ds3_nogroup's kHalf inputs), the weights kept float32, against our
+    float32 router, on random taps (CPU, no exllamav3). A near-tie between the k-th and
+    (k+1)-th expert flips the choice: the position's logits move by O(1), the others not at all."""
+    from torch.nn import functional as F
+
+    from remote_drafter.dsv41.model import Dsv41Model
+    m, c, rng = drafter.model, drafter.config, np.random.default_rng(seed)
+    exact = Dsv41Model.route
+
+    def route_half(self, j, x):
+        gate, bias = self._w(j, "ffn.gate.weight"), self._w(j, "ffn.gate.bias")
+        scores = F.softplus(x.half().float() @ gate.half().float().T).sqrt()
+        experts = (scores + (bias - bias.mean()).half().float()).topk(c.num_experts_per_tok, -1).indices
+        exact_scores = F.softplus((x @ gate.T).to(self.wide)).sqrt().gather(-1, experts)
+        weights = exact_scores / exact_scores.sum(-1, keepdim=True) * c.routed_scaling_factor
+        return weights, experts
+
+    diffs, flipped = [], 0
+    n = drafter.window
+    try:
+        for _ in range(passes):
+            p0 = int(rng.integers(12, 440))
+            k = min(p0, n)
+            rows = torch.tensor(rng.standard_normal((k, drafter.feature)).astype(np.float32))
+            ctx = torch.zeros(1, n, c.n_mtp_layers * c.head_dim)
+            ctx[0, n - k:] = m.encode_rows(rows, torch.arange(p0 - k, p0))
+            valid = torch.zeros(1, n, dtype=torch.bool)
+            valid[0, n - k:] = True
+            block = (ctx.view(1, n, c.n_mtp_layers, -1), valid,
+                     torch.tensor([int(rng.integers(0, drafter.vocab_size))]), torch.tensor([p0]))
+            Dsv41Model.route = exact
+            ours = m.logits(m.block_hidden(*block))[0]
+            Dsv41Model.route = route_half
+            half = m.logits(m.block_hidden(*block))[0]
+            diffs += (ours - half).abs().max(-1).values.tolist()
+            flipped += int((ours.argmax(-1) != half.argmax(-1)).sum())
+    finally:
+        Dsv41Model.route = exact
+    diffs = np.array(diffs)
+    return {"passes": passes, "positions": len(diffs), "max_logit_diff": float(diffs.max()),
+            "positions_moved_over_0.1": int((diffs > 0.1).sum()),
+            "positions_moved_at_all": int((diffs > 0).sum()), "argmax_changed": flipped}
+
+
 def check(label: str, model_dir: str, src: str, token_prompts, new_tokens: int) -> dict:
     t0 = time.time()
     ran = run_exl3(model_dir, token_prompts, new_tokens)
@@ -334,7 +382,19 @@ def main(argv=None) -> int:
                     help="wall time for the whole run: the conversion gets what is left, less a "
                          "minute for its check (skipped, and said so, below two minutes)")
     ap.add_argument("--skip", default="", help="comma list of: unconverted, converted")
+    ap.add_argument("--routing-study", action="store_true",
+                    help="instead, on the CPU without exllamav3: our drafter with exllamav3's "
+                         "fp16 router choice against our float32 one (routing_flip_study)")
     args = ap.parse_args(argv)
+    if args.routing_study:
+        src = os.path.join(args.work, "src")
+        write_checkpoint(src, args.seed)
+        study = routing_flip_study(Dsv41Drafter.load(src, device="cpu", dtype=torch.float32),
+                                   seed=args.seed)
+        with open(args.out, "w") as f:
+            json.dump({"sizes": SIZES, "routing_flip_study": study}, f, indent=1)
+        print(study)
+        return 0
     os.environ.setdefault("EXL3_DSPARK_CONF", "0")  # read when the drafter is built
     skip = set(filter(None, args.skip.split(",")))
     src, conv = os.path.join(args.work, "src"), os.path.join(args.work, "exl3")
