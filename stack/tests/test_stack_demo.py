@@ -31,6 +31,7 @@ def test_the_demo_runs_the_four_configurations(tmp_path, monkeypatch, capsys):
     rows = {r["config"]: r for r in report["configs"]}
     assert list(rows) == ["A", "B", "D", "D-async"]
     assert all(r["errors"] == 0 and r["bench_exit"] == 0 for r in rows.values())
+    assert rows["D-async"]["deferred_rounds"] > 0  # its drafts went into the next inputs
     # what leaves the engine (tables from A to B, the drafter from B to D) becomes KV pool,
     # in vLLM's own count
     budget, tables, drafter = (report[k] for k in ("kv_budget_bytes", "engram_table_bytes",

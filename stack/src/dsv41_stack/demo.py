@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 from async_handoff import env as handoff_env
@@ -65,7 +66,22 @@ def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfi
         drafter_env.REMOTE_DRAFTER_TARGET.name: cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
         handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: "1" if setting.get("async") else None,
         drafter_env.REMOTE_DRAFTER_VLLM_COLLECT.name: "input" if setting.get("async") else None,
+        # where its proposer's counters show the deferral (deferred_rounds)
+        drafter_env.REMOTE_DRAFTER_METRICS_LISTEN.name:
+            f"127.0.0.1:{free_port()}" if setting.get("async") else None,
     }
+
+
+def deferral(cfg: StackConfig) -> dict:
+    """Async rounds deferred to the next step's inputs and their host gap, from the engine
+    proposer's /health (none without REMOTE_DRAFTER_METRICS_LISTEN)."""
+    listen = cfg[drafter_env.REMOTE_DRAFTER_METRICS_LISTEN]
+    if not listen:
+        return {}
+    with urllib.request.urlopen(f"http://{listen}/health", timeout=10) as r:
+        proposer = json.loads(r.read())["proposer"]
+    return {"deferred_rounds": proposer["rounds_deferred"],
+            "host_gap_p50_ms": proposer.get("host_gap_p50_ms")}
 
 
 def summarize(name: str, description: str, kv_budget: int, result: dict) -> dict:
@@ -116,9 +132,10 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
                           "--ignore-eos", "--label", name, "--hardware", "miniature, one machine",
                           "--save-result", "--result-dir", str(out),
                           "--result-filename", f"{name}.json"])
+            deferred = deferral(run_cfg)
             processes.stop(running)
             result = json.loads((out / f"{name}.json").read_text())
-            rows.append({**summarize(name, description, kv, result), "bench_exit": code})
+            rows.append({**summarize(name, description, kv, result), **deferred, "bench_exit": code})
     fingerprints = {r["fingerprint"] for r in rows}
     report = {"configs": rows, "identical_output": len(fingerprints) == 1 and None not in fingerprints,
               "inject_delay_ms": cfg.int("STACK_INJECT_DELAY_MS"), "kv_budget_bytes": budget,
