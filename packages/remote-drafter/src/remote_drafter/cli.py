@@ -7,6 +7,7 @@
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
   remote-drafter inspect   DIR [--json]      (DeepSeek-V4.1's or V4's drafter in a checkpoint folder)
   remote-drafter tiny-dsv41 OUT [--variant v41|v4] [--seed N] [--experts-dtype fp4|fp8] [--unquantized] [--layers 3]
+  remote-drafter exl3 convert FOLDER OUT --bits B [--head-bits H] [--device cuda:0]
   remote-drafter env
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from importlib.metadata import entry_points
@@ -122,6 +124,41 @@ def kernel_loader(name: str):
         raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
 
 
+def drafter_folder(spec: str) -> str:
+    return spec.removeprefix("dsv41:")
+
+
+def check_exl3_pack(spec: str, device: str) -> None:
+    """--weights exl3: refused without CUDA or exllamav3, or for a folder that is no EXL3
+    pack; then exllamav3 is imported (its extension built, said while it waits)."""
+    exl3 = worker_side("remote_drafter.exl3", "--weights exl3")
+    exl3.require(device)
+    if not exl3.is_pack(drafter_folder(spec)):
+        raise ValueError(f"{drafter_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
+                         "make them with `remote-drafter exl3 convert`")
+    exl3.load_exllamav3()
+
+
+def cmd_exl3_convert(args) -> int:
+    worker_side("torch", "exl3 convert")
+    exl3 = worker_side("remote_drafter.exl3", "exl3 convert")
+    exl3.require(args.device)
+    exl3.load_exllamav3()
+    folder, log = drafter_folder(args.folder), (lambda m: print(m, flush=True))
+    if os.path.exists(os.path.join(folder, "drafter.json")):
+        if args.head_bits:
+            raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
+        from .drafters.dspark import DSparkDrafter
+        meta = DSparkDrafter.convert_exl3(folder, args.out, args.bits, args.device, log)
+    else:
+        from .drafters.dsv41 import Dsv41Drafter
+        meta = Dsv41Drafter.convert_exl3(folder, args.out, args.bits, args.head_bits, args.device, log)
+    print(f"remote-drafter exl3 convert: {args.out} ({meta['kind']}, {len(meta['linears'])} linears "
+          f"at {args.bits} bits{f', head at {args.head_bits}' if args.head_bits else ''}); serve it "
+          "with --weights exl3")
+    return 0
+
+
 def cmd_worker(args) -> int:
     torch = worker_side("torch", "the worker")
     with_kernels = None if args.kernels == "torch" else kernel_loader(args.kernels)
@@ -131,6 +168,8 @@ def cmd_worker(args) -> int:
     from .device_lock import DeviceBusy, worker_lock
     from .drafters import load_drafter
     from .worker import Worker
+    if args.weights == "exl3":  # refused before the card is locked; then exllamav3 builds
+        check_exl3_pack(args.drafter, args.device)
     stop = shutdown_event()
     try:  # before anything lands on the card: one drafter worker per device, of any kind
         lock = worker_lock(args.device)
@@ -298,6 +337,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None, help="the target folder (embedding, head, identity)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="dense", choices=["dense", "exl3"],
+                   help="exl3: the drafter folder is an EXL3 pack (`exl3 convert`) whose linears "
+                        "run through exllamav3's kernels (CUDA and the [exl3] extra)")
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
     p.add_argument("--kernels", default="torch",
                    help="what computes the drafter's round: torch, or a back end another package "
@@ -364,6 +406,19 @@ def main(argv=None) -> int:
     p.add_argument("--unquantized", action="store_true",
                    help="no quantization_config: every linear and expert stored bf16")
     p.set_defaults(fn=cmd_tiny_dsv41)
+
+    p = sub.add_parser("exl3", help="EXL3 weights (exllamav3) for a drafter")
+    exl3_sub = p.add_subparsers(dest="exl3_cmd", required=True)
+    p = exl3_sub.add_parser("convert", help="quantise a drafter's linears with exllamav3's quantiser "
+                                            "into an EXL3 pack (a drafter folder; needs CUDA)")
+    p.add_argument("folder", help="a DSpark drafter folder, or DeepSeek-V4.1's / V4's checkpoint "
+                                  "folder (dsv41:<folder> accepted)")
+    p.add_argument("out")
+    p.add_argument("--bits", type=float, required=True, help="bits per weight of the drafter's linears")
+    p.add_argument("--head-bits", type=float, default=None,
+                   help="DeepSeek's drafter: quantise the stored head too (default: kept as stored)")
+    p.add_argument("--device", default="cuda:0")
+    p.set_defaults(fn=cmd_exl3_convert)
 
     p = sub.add_parser("env", help="every environment variable, its default and meaning")
     p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)

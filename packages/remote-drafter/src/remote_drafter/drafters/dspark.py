@@ -10,8 +10,10 @@ Embedding and output head are the target's, frozen, and are not stored in the ch
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -20,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import exl3
 from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
 from ..layers import Block, RMSNorm
 from . import Draft, Drafter, DraftRequest
@@ -95,6 +98,20 @@ class DSparkModel(nn.Module):
         for layer in self.layers:
             x = layer(x, block_pos, allowed, context=ctx, ctx_pos=ctx_pos)
         return (self.norm(x) @ self.head.T).float()
+
+
+def exl3_linears(state: dict) -> list[str]:
+    """The weights an EXL3 pack quantises: every linear but the Markov head's."""
+    return sorted(n for n in state if n.endswith(".weight")
+                  and (n == "ctx_proj.weight" or ".self_attn." in n or ".mlp." in n))
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSparkModel:
@@ -178,8 +195,19 @@ class DSparkDrafter(Drafter):
         state = load_file(os.path.join(folder, WEIGHTS_FILE))
         embed, head = load_target_embedding(target)
         model = DSparkModel(config, embed, head)
-        model.load_state_dict(state, strict=True)
+        quantised = exl3.read_pack(folder)["linears"] if exl3.is_pack(folder) else []
+        if quantised:
+            exl3.require(device)
+            dense = {k: v for k, v in state.items() if not exl3.is_exl3_tensor(k)}
+            missing, unexpected = model.load_state_dict(dense, strict=False)
+            if sorted(missing) != sorted(quantised) or unexpected:
+                raise ValueError(f"{folder}: EXL3 pack does not match its drafter.json "
+                                 f"(missing {sorted(set(missing) - set(quantised))[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+        else:
+            model.load_state_dict(state, strict=True)
         model = model.to(device=device, dtype=dtype).eval()
+        exl3.install(model, state, quantised, device)
         config_bytes = json.dumps(asdict(config), sort_keys=True).encode()
         names = sorted(state)
         manifest = Manifest(
@@ -189,6 +217,22 @@ class DSparkDrafter(Drafter):
             markov=digest_tensors([(n, tensor_bytes(state[n])) for n in names
                                    if n.startswith("markov.")]))
         return cls(config, model, manifest, device)
+
+    @staticmethod
+    def convert_exl3(folder: str, out: str, bits: float, device: str, log=None) -> dict:
+        """An EXL3 pack of the drafter in `folder`: its linears (ctx_proj, attention, MLP)
+        quantised at `bits`; norms and the Markov head as stored (the embedding and head are
+        the target's, never stored)."""
+        state = load_file(os.path.join(folder, WEIGHTS_FILE))
+        names = exl3_linears(state)
+        packed = exl3.quantise_all(state, names, dict.fromkeys(names, bits), device, log)
+        os.makedirs(out, exist_ok=True)
+        shutil.copyfile(os.path.join(folder, CONFIG_FILE), os.path.join(out, CONFIG_FILE))
+        save_file(packed, os.path.join(out, WEIGHTS_FILE))
+        meta = {"kind": "dspark", "bits": bits, "linears": names,
+                "source_sha256": sha256_file(os.path.join(folder, WEIGHTS_FILE))}
+        exl3.write_pack(out, meta)
+        return meta
 
     # -- drafting --------------------------------------------------------------------------
     def _context(self, requests: list[DraftRequest]):

@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from .. import env
+from safetensors.torch import load_file, save_file
+
+from .. import env, exl3
 from ..dsv41 import checkpoint
-from ..dsv41.config import flatten
-from ..dsv41.model import Dsv41Model
-from ..identity import Manifest, target_digest, tokenizer_digest
+from ..dsv41.config import Dsv41DrafterConfig, flatten, weight_table
+from ..dsv41.model import Dsv41Model, linear_names
+from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
 from . import Draft, Drafter, DraftRequest
-from .dspark import split
+from .dspark import split, tensor_bytes
 from .pick import Picker
 from .window import DeviceWindows
 
@@ -55,7 +58,8 @@ class Dsv41Drafter(Drafter):
         """The drafter of the DeepSeek-V4.1 checkpoint in `folder`, serving `target` (the
         folder the engine decodes with; default `folder` itself, where DeepSeek ships it),
         whose vocabulary it must share. Float32 unless `dtype` says otherwise."""
-        loaded = checkpoint.load(folder, dtype or torch.float32, device)
+        loaded = (load_exl3_pack if exl3.is_pack(folder) else checkpoint.load)(
+            folder, dtype or torch.float32, device)
         served = target or folder
         with open(os.path.join(served, "config.json")) as f:
             vocab = flatten(json.load(f)).get("vocab_size")
@@ -66,8 +70,43 @@ class Dsv41Drafter(Drafter):
                             loaded.drafter_digest, loaded.markov_digest, cls.kind)
         if confidence_cutoff is None:
             confidence_cutoff = float(env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.get() or 0)
-        return cls(Dsv41Model(loaded.config, loaded.weights, device), manifest, device,
-                   confidence_cutoff)
+        return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=getattr(loaded, "linears", None)),
+                   manifest, device, confidence_cutoff)
+
+    @staticmethod
+    def convert_exl3(folder: str, out: str, bits: float, head_bits: float | None, device: str,
+                     log=None) -> dict:
+        """An EXL3 pack of the drafter in checkpoint `folder`: its linears (linear_names;
+        wo_a one slice per output group, as exllamav3 stores it) at `bits`, the shared head
+        at `head_bits` if given; everything else dequantised as checkpoint.load reads it.
+        The pack's config.json is the checkpoint's without its quantization_config."""
+        loaded = checkpoint.load(folder, torch.bfloat16, "cpu")
+        c = loaded.config
+        weights, bits_of = dict(loaded.weights), {}
+        for name in linear_names(c):
+            if name.endswith(".attn.wo_a.weight"):
+                slices = weights.pop(name).view(c.o_groups, c.o_lora_rank, -1)
+                for g in range(c.o_groups):
+                    weights[f"{name.removesuffix('.weight')}.slice.{g}.weight"] = slices[g]
+                    bits_of[f"{name.removesuffix('.weight')}.slice.{g}.weight"] = bits
+            else:
+                bits_of[name] = bits
+        if head_bits:
+            bits_of["head.weight"] = head_bits
+        packed = exl3.quantise_all(weights, list(bits_of), bits_of, device, log)
+        os.makedirs(out, exist_ok=True)
+        config = checkpoint.read_config(folder)
+        (config.get("text_config") or config).pop("quantization_config", None)
+        config.pop("quantization_config", None)
+        with open(os.path.join(out, checkpoint.CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=1)
+        save_file({k: v.contiguous() for k, v in packed.items()},
+                  os.path.join(out, checkpoint.SINGLE_FILE))
+        meta = {"kind": "dsv41", "bits": bits, "head_bits": head_bits,
+                "linears": sorted(set(linear_names(c)) | ({"head.weight"} if head_bits else set())),
+                "source_drafter_digest": loaded.drafter_digest}
+        exl3.write_pack(out, meta)
+        return meta
 
     def manifest(self) -> Manifest:
         return self._manifest
@@ -115,3 +154,34 @@ class Dsv41Drafter(Drafter):
             return d
         return replace(d, **{f.name: getattr(d, f.name)[:low[0]] for f in fields(d)
                              if getattr(d, f.name) is not None})
+
+
+def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
+    """An EXL3 pack (convert_exl3): the dense tensors as stored (float32 ones kept), each
+    quantised linear as an exl3.Exl3Linear (wo_a: its group slices), digests as
+    checkpoint.load computes them, over exactly the stored bytes."""
+    exl3.require(device)
+    meta = exl3.read_pack(folder)
+    config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
+    state = load_file(os.path.join(folder, checkpoint.SINGLE_FILE))  # a pack holds the drafter alone
+    config = checkpoint.with_optional_heads(config, state)
+    table = weight_table(config)
+    linears = {}
+    for name in meta["linears"]:
+        shape = table[name][0]
+        module = name.removesuffix(".weight")
+        if name.endswith(".attn.wo_a.weight"):
+            linears[name] = exl3.Exl3Groups([
+                exl3.linear_from(state, f"{module}.slice.{g}", (config.o_lora_rank, shape[1]), device)
+                for g in range(config.o_groups)])
+        else:
+            linears[name] = exl3.linear_from(state, module, shape, device)
+    weights = {n: t.to(device, torch.float32 if t.dtype == torch.float32 else dtype)
+               for n, t in state.items() if not exl3.is_exl3_tensor(n)}
+    digest = [("config", json.dumps(asdict(config), sort_keys=True).encode())]
+    return SimpleNamespace(
+        config=config, weights=weights, linears=linears,
+        drafter_digest=digest_tensors(digest + [(n, tensor_bytes(state[n])) for n in sorted(state)
+                                                if not checkpoint.is_markov_tensor(n)]),
+        markov_digest=digest_tensors([(n, tensor_bytes(state[n])) for n in sorted(state)
+                                      if checkpoint.is_markov_tensor(n)]))

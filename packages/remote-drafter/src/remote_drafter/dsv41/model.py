@@ -76,6 +76,8 @@ everything in float64):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -117,13 +119,20 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
     return torch.cat([x[..., :-dims], turned.to(x.dtype)], -1)
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-           limit: float | None) -> torch.Tensor:
-    """SiluAndMulWithClamp: silu(min(gate, limit)) * clamp(up, -limit, limit), then down."""
-    gate, up = x @ w1.T, x @ w3.T
+def swiglu(x: torch.Tensor, w1, w3, w2, limit: float | None) -> torch.Tensor:
+    """SiluAndMulWithClamp: silu(min(gate, limit)) * clamp(up, -limit, limit), then down;
+    w1, w3, w2 apply the linears (Dsv41Model.linear)."""
+    gate, up = w1(x), w3(x)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (F.silu(gate) * up) @ w2.T
+    return w2(F.silu(gate) * up)
+
+
+def linear_names(config: Dsv41DrafterConfig) -> list[str]:
+    """The drafter's own linears, which another weight back end may serve (exl3.py):
+    main_proj, the attention projections, experts and shared experts; not the router gate,
+    nor the embedding, head and Markov/confidence heads."""
+    return [n for n, (_, storage) in weight_table(config).items() if storage in ("fp8", "expert")]
 
 
 class Dsv41Model:
@@ -132,8 +141,13 @@ class Dsv41Model:
     bias, confidence head) stay float32, or become float64 with a float64 model."""
 
     def __init__(self, config: Dsv41DrafterConfig, weights: dict[str, torch.Tensor],
-                 device="cpu", dtype: torch.dtype | None = None):
-        table = dict(weight_table(config))
+                 device="cpu", dtype: torch.dtype | None = None,
+                 linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None):
+        """linears: {weight name: x -> x @ W.T} for weights another back end serves (EXL3:
+        exl3.py; wo_a's maps [..., groups, in] -> [..., groups, o_lora_rank]), in place of
+        their dense tensors."""
+        self.linears = dict(linears or {})
+        table = {n: v for n, v in weight_table(config).items() if n not in self.linears}
         confidence = f"{last_stage(config)}.confidence_head.proj.weight"
         if confidence in table and confidence not in weights:  # vLLM drops a missing head
             del table[confidence]
@@ -161,16 +175,24 @@ class Dsv41Model:
     def _w(self, j: int, rest: str) -> torch.Tensor:
         return self.w[f"mtp.{j}.{rest}"]
 
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for the weight `name`: the one place a linear is applied."""
+        served = self.linears.get(name)
+        return served(x) if served is not None else x @ self.w[name].T
+
+    def _linear(self, j: int, rest: str):
+        return lambda x: self.linear(f"mtp.{j}.{rest}", x)
+
     # -- context -------------------------------------------------------------------------
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
         c = self.config
-        x = taps.to(self.dtype) @ self.w[f"{self.first}.main_proj.weight"].T
+        x = self.linear(f"{self.first}.main_proj.weight", taps.to(self.dtype))
         return rms_norm(x, self.w[f"{self.first}.main_norm.weight"], c.rms_norm_eps, self.wide)
 
     def context_rows(self, j: int, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer j's key/value rows of the context (main_x) or of its block input (x)."""
         c = self.config
-        kv = rms_norm(main_x @ self._w(j, "attn.wkv.weight").T, self._w(j, "attn.kv_norm.weight"),
+        kv = rms_norm(self._linear(j, "attn.wkv.weight")(main_x), self._w(j, "attn.kv_norm.weight"),
                       c.rms_norm_eps, self.wide)
         return rope(kv, positions, c.rope_theta, c.qk_rope_head_dim, self.wide)
 
@@ -226,9 +248,9 @@ class Dsv41Model:
         c = self.config
         b, w, _ = x.shape
         heads, d, groups = c.num_attention_heads, c.head_dim, c.o_groups
-        qr = rms_norm(x @ self._w(j, "attn.wq_a.weight").T, self._w(j, "attn.q_norm.weight"),
+        qr = rms_norm(self._linear(j, "attn.wq_a.weight")(x), self._w(j, "attn.q_norm.weight"),
                       c.rms_norm_eps, self.wide)
-        q = (qr @ self._w(j, "attn.wq_b.weight").T).view(b, w, heads, d)
+        q = self._linear(j, "attn.wq_b.weight")(qr).view(b, w, heads, d)
         if c.q_head_norm:
             q = rms_norm(q, None, c.rms_norm_eps, self.wide)
         q = rope(q, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide)
@@ -240,9 +262,13 @@ class Dsv41Model:
         probs = torch.cat([scores, sink.to(self.wide)], -1).softmax(-1)[..., :-1]
         o = torch.einsum("bhwk,bkd->bwhd", probs, keys.to(self.wide)).to(x.dtype)
         o = rope(o, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide, inverse=True)
-        wo_a = self._w(j, "attn.wo_a.weight").view(groups, c.o_lora_rank, -1)
-        z = torch.einsum("bwgi,goi->bwgo", o.reshape(b, w, groups, -1), wo_a)
-        return z.flatten(-2) @ self._w(j, "attn.wo_b.weight").T
+        o = o.reshape(b, w, groups, -1)
+        name = f"mtp.{j}.attn.wo_a.weight"
+        if name in self.linears:
+            z = self.linears[name](o)
+        else:
+            z = torch.einsum("bwgi,goi->bwgo", o, self.w[name].view(groups, c.o_lora_rank, -1))
+        return self._linear(j, "attn.wo_b.weight")(z.flatten(-2))
 
     def route(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -261,11 +287,11 @@ class Dsv41Model:
         out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
-            w1, w3, w2 = (self._w(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
+            w1, w3, w2 = (self._linear(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
             y = swiglu(flat[rows], w1, w3, w2, c.swiglu_limit)
             out[rows] += y.to(self.wide) * weights[rows, slot, None]  # a token picks e once
         if c.n_shared_experts:
-            w1, w3, w2 = (self._w(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
+            w1, w3, w2 = (self._linear(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
             out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide)
         return out.to(x.dtype).view_as(x)
 
@@ -289,7 +315,7 @@ class Dsv41Model:
     # -- heads ---------------------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(h, self.w[f"{self.last}.norm.weight"], self.config.rms_norm_eps, self.wide)
-        return (normed @ self.w["head.weight"].T).to(self.wide)
+        return self.linear("head.weight", normed).to(self.wide)
 
     def markov_embed(self, previous: torch.Tensor) -> torch.Tensor:
         return self.w[self.markov_w1][previous]
