@@ -64,6 +64,13 @@ def test_the_checker_fails_a_rewritten_function_deferred_collection_reads(releas
     assert "BAD GPUModelRunner.take_draft_token_ids as deferred collection reads it" in capsys.readouterr().out
 
 
+def test_the_checker_fails_a_changed_output_rank_that_one_round_per_tp_group_relies_on(release, capsys):
+    edit(release, "vllm/v1/executor/multiproc_executor.py", "    def _get_output_rank(self) -> int:\n",
+         "    def _get_output_rank(self) -> int:\n        return 1\n")
+    assert load_checker().main([str(release)]) == 1
+    assert "_get_output_rank" in capsys.readouterr().out
+
+
 def test_a_missing_file_is_an_error_not_a_pass(release):
     shutil.rmtree(release / "models")
     with pytest.raises(FileNotFoundError):
