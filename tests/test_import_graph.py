@@ -33,7 +33,7 @@ TORCH_SIDE = (
     "remote_drafter.layers", "remote_drafter.reference", "remote_drafter.target",
     "remote_drafter.testing",
     "remote_drafter.dsv41.quant", "remote_drafter.dsv41.checkpoint", "remote_drafter.dsv41.tiny",
-    "remote_drafter.dsv41.model",
+    "remote_drafter.dsv41.model", "remote_drafter.drafters.graphs", "remote_drafter.exl3",
 )
 
 

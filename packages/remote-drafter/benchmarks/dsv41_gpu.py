@@ -7,7 +7,9 @@ smoke form, `--device cpu --width tiny`, in tests/test_dsv41_drafter.py).
    on the card; findings/dsv41-drafter.md says why these sizes), bfloat16: weight bytes,
    peak memory with four sequences' windows (the production batch: four sequences, five
    draft tokens) against a 24 GB card, and round p50 at batch 1 / 4 / 16, local (the service
-   called in process) and through a worker over tcp loopback, eager.
+   called in process) and through a worker over tcp loopback: eager (the chosen experts),
+   then every expert at once with the round captured as CUDA graphs (the worker's default on
+   CUDA, REMOTE_DRAFTER_CUDA_GRAPHS), and whether both give the same greedy drafts.
 Prints a table last and writes JSON (--out)."""
 
 from __future__ import annotations
@@ -110,6 +112,26 @@ def round_p50(drafter, batch: int, rounds: int) -> float:
     return percentiles(times)["p50_ms"]
 
 
+def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
+    """Round p50 per batch: the drafter alone, the service in process, a worker over tcp."""
+    rows = []
+    service = DraftService(drafter, ServiceConfig(max_requests=64))
+    with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        for batch in batches:
+            device_ms = round_p50(drafter, batch, rounds)
+            via = {}
+            for name, transport in (("local", LocalTransport(service)),
+                                    ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
+                client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
+                                       row_dtype="bfloat16")
+                via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,
+                                         drafter.vocab_size, drafter.feature, "sync", 0.0)["drafting"]["p50_ms"]
+            rows.append({"batch": batch, "device_p50_ms": device_ms, "local_p50_ms": via["local"],
+                         "tcp_p50_ms": via["tcp"]})
+            print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="dsv41-gpu.json", help="JSON results (default: %(default)s)")
@@ -137,22 +159,20 @@ def main(argv=None) -> int:
                        "weight_bytes": weight_bytes, "allocated_after_load": loaded,
                        "peak_four_sequences": torch.cuda.max_memory_allocated() if cuda else None,
                        "card_3090_bytes": CARD_3090}
-    rows = []
-    service = DraftService(drafter, ServiceConfig(max_requests=64))
-    with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
-        for batch in batches:
-            device_ms = round_p50(drafter, batch, args.rounds)
-            via = {}
-            for name, transport in (("local", LocalTransport(service)),
-                                    ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
-                client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
-                                       row_dtype="bfloat16")
-                via[name] = drive_rounds(client, batch, args.rounds, drafter.max_depth,
-                                         drafter.vocab_size, drafter.feature, "sync", 0.0)["drafting"]["p50_ms"]
-            rows.append({"batch": batch, "device_p50_ms": device_ms, "local_p50_ms": via["local"],
-                         "tcp_p50_ms": via["tcp"]})
-            print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
-    result["flash"]["rounds"] = rows
+    requests = [random_rounds(drafter, 4, 160 + i, 100 + i) for i in range(8)]
+    eager_drafts = [drafter.draft(r, want_probs=False) for r in requests]
+    result["flash"]["rounds"] = measure(drafter, batches, args.rounds)
+    print(f"== {args.width} width, bfloat16, every expert at once, CUDA graphs", file=sys.stderr, flush=True)
+    graphed = Dsv41Drafter(drafter.model, drafter.manifest(), args.device, cuda_graphs=True)
+    graphed.draft(random_rounds(graphed, 4, 160, 0), want_probs=False)
+    synchronize(args.device)
+    same = sum(int(np.array_equal(x.tokens, y.tokens)) for r, drafts in zip(requests, eager_drafts)
+               for x, y in zip(drafts, graphed.draft(r, want_probs=False)))
+    result["flash"]["graphs"] = {
+        "buckets": graphed.describe()["cuda_graphs"], "same_greedy_drafts_as_eager": same,
+        "requests": 4 * len(requests),
+        "peak_four_sequences": torch.cuda.max_memory_allocated() if cuda else None,
+        "rounds": measure(graphed, batches, args.rounds)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     fl = result["flash"]
@@ -164,9 +184,13 @@ def main(argv=None) -> int:
         print(f"{args.width} width, bf16: weights {fl['weight_bytes'] / GIB:.1f} GiB, peak with "
               f"four sequences {fl['peak_four_sequences'] / GIB:.1f} GiB "
               f"({fl['peak_four_sequences'] / CARD_3090:.0%} of a 24 GB card)")
-    print("batch  device p50 ms  local p50 ms  tcp p50 ms")
-    for r in rows:
-        print(f"{r['batch']:>5}  {r['device_p50_ms']:>13.1f}  {r['local_p50_ms']:>12.1f}  {r['tcp_p50_ms']:>10.1f}")
+    g = fl["graphs"]
+    print(f"every expert at once + CUDA graphs ({g['buckets']}): {g['same_greedy_drafts_as_eager']}/"
+          f"{g['requests']} greedy drafts as eager's chosen experts")
+    print("batch  eager: device  local   tcp | graphs: device  local   tcp  (p50 ms)")
+    for e, r in zip(fl["rounds"], g["rounds"]):
+        print(f"{e['batch']:>5}  {e['device_p50_ms']:>13.1f} {e['local_p50_ms']:>6.1f} {e['tcp_p50_ms']:>5.1f}"
+              f" | {r['device_p50_ms']:>14.1f} {r['local_p50_ms']:>6.1f} {r['tcp_p50_ms']:>5.1f}")
     return 0
 
 

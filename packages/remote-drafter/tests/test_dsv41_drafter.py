@@ -143,6 +143,30 @@ def test_greedy_drafts_are_a_deterministic_markov_chain(either):
     assert (m.markov_bias(m.markov_embed(seed)).abs().max()) > 0.1  # the head is not inert
 
 
+def test_all_experts_at_once_draft_as_the_chosen_experts_do(folders):
+    """What CUDA graphs capture (REMOTE_DRAFTER_CUDA_GRAPHS: every expert on every row,
+    weighted by the routing, zero where not chosen) against the chosen-experts loop: the same
+    block logits in float32 and the same greedy drafts; on the CPU the round stays eager."""
+    chosen = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
+    every = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
+    every.model.stack_experts()
+    assert every.model.stacked and not any(".experts." in n for n in every.model.w)
+    assert sum(t.numel() for t in every.model.parameters()) == sum(t.numel() for t in chosen.model.parameters())
+    for seed in range(3):
+        requests = [DraftRequest(history(chosen, 20 + 7 * i, 10 * seed + i), chosen.max_depth) for i in range(3)]
+        inputs = chosen._blank(3)
+        inputs[0].normal_(generator=torch.Generator().manual_seed(seed))
+        inputs[1][:, -10 * (seed + 1):] = True
+        inputs[2][:] = torch.tensor([5, 9, 17])
+        inputs[3][:] = torch.tensor([40, 60, 80])
+        (h1, z1), (h2, z2) = chosen._block(*inputs), every._block(*inputs)
+        assert float((h1 - h2).norm() / h1.norm()) < 1e-5 and float((z1 - z2).norm() / z1.norm()) < 1e-5
+        assert torch.equal(z1.argmax(-1), z2.argmax(-1))
+        a, b = chosen.draft(requests, want_probs=False), every.draft(requests, want_probs=False)
+        assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert fresh(every).describe()["cuda_graphs"] == "off (eager rounds)"
+
+
 def test_sampled_drafts_draw_from_probabilities_and_the_seed_reproduces(drafter):
     d, h = fresh(drafter), history(drafter, 20, 12)
     drawn = {}

@@ -15,37 +15,33 @@ from __future__ import annotations
 import torch
 
 from remote_drafter.drafters.dspark import DSparkModel
+from remote_drafter.drafters.graphs import BucketGraphs
 
 
 class Rounds:
     def __init__(self, model: DSparkModel, device: str, graphs: bool, buckets: list[int]):
         self.model, self.device = model, device
-        self.cuda = torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static output)
-        self.want_graphs, self.buckets = graphs and self.cuda, sorted(buckets)
+        self.run = BucketGraphs(model.block_logits, device)
+        self.want_graphs, self.buckets = graphs and self.run.cuda, sorted(buckets)
+
+    @property
+    def stream(self):
+        return self.run.stream
+
+    @property
+    def graphs(self) -> dict[int, tuple]:
+        return self.run.graphs
 
     def describe(self) -> dict:
-        if not self.cuda:
+        if not self.run.cuda:
             return {"stream": "cpu: default (no CUDA streams)", "graphs": "cpu: none (eager rounds)"}
         return {"stream": "owned", "graphs": sorted(self.graphs) or "off (eager rounds)",
                 "graphs_tested_on_gpu": False}
 
-    @torch.inference_mode()
     def capture(self, window: int, feature: int) -> None:
         """Capture every bucket (both ranks call this at start-up, in the same order)."""
-        if not self.want_graphs:
-            return
-        for b in self.buckets:
-            static = self._blank(b, window, feature)
-            with torch.cuda.stream(self.stream):
-                for _ in range(2):  # warm-up: lazy kernel choices and allocations before capture
-                    self.model.block_logits(*static)
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                out = self.model.block_logits(*static)
-            self.graphs[b] = (graph, static, out)
+        if self.want_graphs:
+            self.run.capture(self.buckets, lambda b: self._blank(b, window, feature))
 
     def _blank(self, b: int, window: int, feature: int) -> tuple[torch.Tensor, ...]:
         dev = self.device
@@ -56,22 +52,5 @@ class Rounds:
                 torch.zeros(b, dtype=torch.int64, device=dev),
                 torch.zeros(b, dtype=torch.int64, device=dev))
 
-    @torch.inference_mode()
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if not self.cuda:
-            return self.model.block_logits(*inputs)
-        b = inputs[1].shape[0]
-        bucket = next((x for x in self.buckets if x >= b and x in self.graphs), None)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made there
-        with torch.cuda.stream(self.stream):
-            if bucket is None:
-                z = self.model.block_logits(*inputs)
-            else:
-                graph, static, out = self.graphs[bucket]
-                for dst, src in zip(static, inputs):
-                    dst.zero_()
-                    dst[:b].copy_(src)
-                graph.replay()
-                z = out[:b].clone()
-        self.stream.synchronize()
-        return z
+        return self.run(*inputs)

@@ -68,6 +68,12 @@ REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
     "REMOTE_DRAFTER_CONFIDENCE_CUTOFF", "0",
     "Worker, dsv41 drafter: cut each draft before its first token the checkpoint's confidence "
     "head scores below this (0..1); 0 = off, the whole draft is sent.")
+REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
+    "REMOTE_DRAFTER_CUDA_GRAPHS", "auto",
+    "Worker, dsv41 drafter on CUDA with dense weights: auto = run every expert on every row "
+    "(routing weights zero where not chosen: the same sum, fixed shapes) and capture the "
+    "round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = eager, only "
+    "the chosen experts.")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
@@ -85,7 +91,8 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_M
        REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
        REMOTE_DRAFTER_LOCK_DIR, REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT,
-       REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF]
+       REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF,
+       REMOTE_DRAFTER_CUDA_GRAPHS]
 
 
 def capacity_mode() -> bool:

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-
 from safetensors.torch import load_file, save_file
 
 from .. import env, exl3
@@ -31,15 +30,18 @@ from ..dsv41.model import Dsv41Model, linear_names
 from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
 from . import Draft, Drafter, DraftRequest
 from .dspark import split, tensor_bytes
+from .graphs import BucketGraphs
 from .pick import Picker
 from .window import DeviceWindows
+
+GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
 
 
 class Dsv41Drafter(Drafter):
     kind = "dsv41"
 
     def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
-                 confidence_cutoff: float = 0.0):
+                 confidence_cutoff: float = 0.0, cuda_graphs: bool = False):
         c = model.config
         if confidence_cutoff > 0 and not model.has_confidence:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -51,6 +53,10 @@ class Dsv41Drafter(Drafter):
         self.confidence_cutoff = confidence_cutoff
         self._windows = DeviceWindows(self.window, c.n_mtp_layers * c.head_dim, self._encode,
                                       model.dtype)
+        self._forward = BucketGraphs(self._block, device)
+        if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
+            model.stack_experts()
+            self._forward.capture(GRAPH_BATCHES, self._blank)
 
     @classmethod
     def load(cls, folder: str, target: str | None = None, device: str = "cpu",
@@ -70,8 +76,10 @@ class Dsv41Drafter(Drafter):
                             loaded.drafter_digest, loaded.markov_digest, cls.kind)
         if confidence_cutoff is None:
             confidence_cutoff = float(env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.get() or 0)
-        return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=getattr(loaded, "linears", None)),
-                   manifest, device, confidence_cutoff)
+        linears = getattr(loaded, "linears", None)
+        graphs = env.REMOTE_DRAFTER_CUDA_GRAPHS.get() != "0" and not linears  # EXL3: eager
+        return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
+                   manifest, device, confidence_cutoff, graphs)
 
     @staticmethod
     def convert_exl3(folder: str, out: str, bits: float, head_bits: float | None, device: str,
@@ -113,7 +121,19 @@ class Dsv41Drafter(Drafter):
 
     def describe(self) -> dict:
         return {**super().describe(), "confidence_head": self.model.has_confidence,
-                "confidence_cutoff": self.confidence_cutoff}
+                "confidence_cutoff": self.confidence_cutoff,
+                "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
+
+    def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One parallel pass: (pre-norm hidden, base logits) of each request's block."""
+        h = self.model.block_hidden(ctx, valid, seed, p0)
+        return h, self.model.logits(h)
+
+    def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
+        c, dev = self.config, self.device
+        return (torch.zeros(b, self.window, c.n_mtp_layers, c.head_dim, dtype=self.model.dtype, device=dev),
+                torch.zeros(b, self.window, dtype=torch.bool, device=dev),
+                torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev))
 
     def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
         """New committed taps -> every layer's context rows, computed once per position."""
@@ -132,9 +152,8 @@ class Dsv41Drafter(Drafter):
             valid[i, n - m:] = True
         seed = torch.tensor([int(r.history.tokens[-1]) for r in requests], device=dev)
         p0 = torch.tensor([r.history.length - 1 for r in requests], device=dev)
-        h = model.block_hidden(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
-                               torch.from_numpy(valid).to(dev), seed, p0)
-        z = model.logits(h)
+        h, z = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
+                             torch.from_numpy(valid).to(dev), seed, p0)
         pick, previous, confidence = Picker(requests, want_probs), seed, []
         for i in range(max(r.depth for r in requests)):
             m = model.markov_embed(previous)

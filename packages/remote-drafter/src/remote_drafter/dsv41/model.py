@@ -167,10 +167,22 @@ class Dsv41Model:
         self.has_confidence = confidence in table
         self.first, self.last = first_stage(config), last_stage(config)
         self.markov_w1, self.markov_w2 = markov_names(config)
+        self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
+
+    def stack_experts(self) -> None:
+        """Every layer's dense experts as [experts, out, in] tensors (moved, not copied), so
+        moe() runs all of them at once with shapes fixed by the batch: what a CUDA graph can
+        capture (the chosen-experts loop reads the routing on the host)."""
+        for j in range(self.config.n_mtp_layers):
+            names = [[f"mtp.{j}.ffn.experts.{e}.{n}.weight" for e in range(self.config.n_routed_experts)]
+                     for n in ("w1", "w3", "w2")]
+            if any(name in self.linears for group in names for name in group):
+                raise ValueError("stacked experts need dense expert weights (another back end serves these)")
+            self.stacked[j] = tuple(torch.stack([self.w.pop(name) for name in group]) for group in names)
 
     def parameters(self):
         """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
-        return iter(self.w.values())
+        return iter([*self.w.values(), *(t for group in self.stacked.values() for t in group)])
 
     def _w(self, j: int, rest: str) -> torch.Tensor:
         return self.w[f"mtp.{j}.{rest}"]
@@ -284,16 +296,35 @@ class Dsv41Model:
         c = self.config
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(j, flat)
+        if j in self.stacked:
+            out = self._all_experts(j, flat, weights, experts)
+        else:
+            out = self._chosen_experts(j, flat, weights, experts)
+        if c.n_shared_experts:
+            w1, w3, w2 = (self._linear(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
+            out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide)
+        return out.to(x.dtype).view_as(x)
+
+    def _all_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
+        """Every expert on every row, weighted by its routing weight (zero where not chosen)."""
+        w1, w3, w2 = self.stacked[j]
+        share = torch.zeros(flat.shape[0], w1.shape[0], dtype=self.wide, device=flat.device)
+        share.scatter_(1, experts, weights)
+        y = swiglu(flat, lambda x: torch.einsum("th,eih->eti", x, w1),
+                   lambda x: torch.einsum("th,eih->eti", x, w3),
+                   lambda a: torch.einsum("eti,ehi->eth", a, w2), self.config.swiglu_limit)
+        return torch.einsum("eth,te->th", y.to(self.wide), share)
+
+    def _chosen_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
+        """Each chosen expert on the rows that chose it (reads the routing on the host)."""
+        c = self.config
         out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
             w1, w3, w2 = (self._linear(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
             y = swiglu(flat[rows], w1, w3, w2, c.swiglu_limit)
             out[rows] += y.to(self.wide) * weights[rows, slot, None]  # a token picks e once
-        if c.n_shared_experts:
-            w1, w3, w2 = (self._linear(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
-            out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide)
-        return out.to(x.dtype).view_as(x)
+        return out
 
     def layer(self, j: int, residual, carried_pre, positions, ctx, ctx_valid):
         x, post, comb, attn_pre = self.hc_pre(j, "attn", residual, carried_pre)

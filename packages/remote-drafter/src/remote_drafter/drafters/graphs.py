@@ -1,0 +1,59 @@
+"""A round's forward on a stream the worker owns, captured as one CUDA graph per batch
+bucket and replayed (the one-card dsv41 drafter and drafter-tp2's ranks use it).
+
+`fn(*inputs)` takes batch-first tensors and returns a tensor or a tuple of them, batch
+first, with no host synchronisation inside (a graph replays device work only). A call is
+padded up to the smallest captured bucket that holds it (padding rows are zeros, which the
+caller's fn must tolerate, and are dropped) and replayed; a batch above every bucket runs
+eagerly on the owned stream. On CPU: no streams, no graphs, fn runs as called."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class BucketGraphs:
+    def __init__(self, fn: Callable, device: str):
+        self.fn, self.device = fn, device
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static outputs)
+
+    @torch.inference_mode()
+    def capture(self, buckets: list[int], blank: Callable[[int], tuple]) -> None:
+        """Capture `fn` on `blank(b)` (zero inputs of batch b) for every bucket b."""
+        if not self.cuda:
+            return
+        for b in sorted(buckets):
+            static = blank(b)
+            with torch.cuda.stream(self.stream):
+                for _ in range(2):  # warm-up: lazy kernel choices and allocations before capture
+                    self.fn(*static)
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                out = self.fn(*static)
+            self.graphs[b] = (graph, static, out)
+
+    @torch.inference_mode()
+    def __call__(self, *inputs: torch.Tensor):
+        if not self.cuda:
+            return self.fn(*inputs)
+        b = inputs[0].shape[0]
+        bucket = min((x for x in self.graphs if x >= b), default=None)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made there
+        with torch.cuda.stream(self.stream):
+            if bucket is None:
+                out = self.fn(*inputs)
+            else:
+                graph, static, captured = self.graphs[bucket]
+                for dst, src in zip(static, inputs):
+                    dst.zero_()
+                    dst[:b].copy_(src)
+                graph.replay()
+                out = (tuple(t[:b].clone() for t in captured) if isinstance(captured, tuple)
+                       else captured[:b].clone())
+        self.stream.synchronize()
+        return out
