@@ -4,7 +4,7 @@ packages/*/src and stack/src (ARCHITECTURE.md § Dependencies says why each rule
 * ofl is the bottom: it imports none of our packages;
 * nothing imports the stack; no cycle between distributions (lazy imports count);
 * a distribution imports only the distributions its pyproject declares (base or an extra);
-* only `*.vllm` modules import vLLM;
+* only `*.vllm` modules import vLLM; only `remote_drafter.exl3` imports exllamav3, lazily;
 * torch-free modules import no torch, directly or through our modules' top-level imports
   (a lazy import inside a function is how a torch-free module reaches an optional
   torch-side feature, and is allowed).
@@ -33,7 +33,7 @@ TORCH_SIDE = (
     "remote_drafter.layers", "remote_drafter.reference", "remote_drafter.target",
     "remote_drafter.testing",
     "remote_drafter.dsv41.quant", "remote_drafter.dsv41.checkpoint", "remote_drafter.dsv41.tiny",
-    "remote_drafter.dsv41.model", "remote_drafter.drafters.graphs", "remote_drafter.exl3",
+    "remote_drafter.dsv41.model", "remote_drafter.exl3", "remote_drafter.drafters.graphs", "remote_drafter.exl3",
 )
 
 
@@ -159,6 +159,15 @@ def test_no_cycle_between_distributions():
 def test_only_vllm_modules_import_vllm():
     bad = [f"{where(m)}: {t}" for m, (_, imports) in modules().items() for t, _ in imports
            if t.split(".")[0] == "vllm" and "vllm" not in m.split(".")]
+    assert not bad, bad
+
+
+def test_only_remote_drafter_exl3_imports_exllamav3_and_lazily():
+    found = [(m, at_top) for m, (_, imports) in modules().items() for t, at_top in imports
+             if t.split(".")[0] == "exllamav3"]
+    assert found, "remote_drafter.exl3 imports exllamav3 (the rule reads nothing)"
+    bad = [f"{where(m)}{' (at top level)' if at_top else ''}" for m, at_top in found
+           if m != "remote_drafter.exl3" or at_top]
     assert not bad, bad
 
 

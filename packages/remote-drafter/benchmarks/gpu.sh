@@ -24,6 +24,13 @@ if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: only DeepSeek-V4's drafter agai
     2>&1 | tee "$OUT/dsv4-exl3.log"
   exit
 fi
+if [[ -n ${ONLY_EXL3_DRAFTER:-} ]]; then  # ONLY_EXL3_DRAFTER=1: EXL3 drafting (exl3_gpu.py; carry
+  # .whl with exllamav3 and .exl3taps from `exl3_gpu.py --prepare .exl3taps`)
+  REMOTE_DRAFTER_CUDA_GRAPHS=0 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 packages/remote-drafter/benchmarks/exl3_gpu.py --gpu .exl3taps --out "$OUT" \
+    2>&1 | tee "$OUT/exl3-gpu.log"
+  exit
+fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"
 python3 -m remote_drafter.bench --device cuda --width smollm2 --verify-ms 60 --tokens 96 --json \
   --out "$OUT/bench-cuda-f32.json" > /dev/null

@@ -106,6 +106,9 @@ def is_exl3_tensor(name: str) -> bool:
 def quantise(weight: torch.Tensor, bits: float, seed: int, device: str) -> dict[str, torch.Tensor]:
     """weight [out, in] (torch's layout) -> exllamav3's stored tensors, on the CPU."""
     lib = load_exllamav3()
+    device = torch.device(device)
+    if device.index is None:  # its quantiser asserts the weight's device == devices[0], index included
+        device = torch.device("cuda", torch.cuda.current_device())
     n_out, n_in = weight.shape
     w = torch.zeros(padded(n_in), padded(n_out), dtype=torch.float32, device=device)
     w[:n_in, :n_out] = weight.T.to(device, torch.float32)  # exllamav3 quantises W^T (in, out)

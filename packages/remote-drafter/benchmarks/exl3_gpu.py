@@ -1,0 +1,407 @@
+"""EXL3 drafting (issue 19): the drafter's linears quantised with exllamav3's quantiser and run
+through its LinearEXL3, against the same drafter dense. Three modes:
+
+  --prepare DIR   (CPU, before) the SmolLM2 miniature's real taps: round starts from this
+                  repository's text, the target (SmolLM2-135M, float32) run over each prefix;
+                  DIR holds each round's taps (layers 2, 15, 29; the last <= 128 positions
+                  before the anchor, fp16), its prefix, and the embedding rows the block needs
+                  (anchor and mask tokens): the 0.5 GB target does not travel.
+  --gpu DIR       (GPU, benchmarks/gpu.sh ONLY_EXL3_DRAFTER=1) steps, smallest first, JSON
+                  rewritten after each: exllamav3's import (its extension build); the trained
+                  SmolLM2 drafter converted at 4 and 6 bits (exl3 convert's code), its pack
+                  loaded as the worker loads it (DSparkDrafter.load), and the final normed
+                  hidden rows of every round from the same taps, dense float32 / bf16 / EXL3;
+                  exllamav3's reconstruction of each quantised weight (for the CPU's exact
+                  acceptance); the tiny V4.1 drafter converted at 4 and 6 bits and served
+                  from its pack (Dsv41Drafter.load) vs bf16: greedy drafts and T = 1
+                  distributions; the estimated V4.1-Flash width (dsv41_gpu.py's FLASH, random
+                  EXL3 tensors at 4 bits): weight bytes, peak memory with four sequences,
+                  round p50 at batch 1 / 4 / 16.
+  --evaluate DIR  (CPU, after) from the rows the GPU returned and the target's head: per-position
+                  draft agreement and total-variation distance of EXL3 (and bf16) vs float32
+                  along float32's chain; exact acceptance E_1..E_5 (native-drafter's exact
+                  rounds, T = 0) of the drafter with exllamav3's reconstructed weights vs the
+                  trained drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[3]
+CHECKPOINT = ROOT / "packages/native-drafter/checkpoints/smollm2-135m-dspark"
+TARGET = ROOT / ".artifacts/smollm2-135m"
+BITS = (4, 6)
+GIB = 1 << 30
+CARD_3090 = 24 * 10**9
+ROUNDS = 24
+FILE_LIMIT = 15 << 20  # what one file may carry back from the device
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- CPU, before ---------------------------------------------------------------------------
+
+def text_docs() -> list[str]:
+    docs = []
+    for pattern in ("**/*.md", "packages/*/src/**/*.py"):
+        for path in sorted(ROOT.glob(pattern)):
+            if ".venv" not in path.parts and ".artifacts" not in path.parts:
+                docs.append(path.read_text(errors="replace"))
+    return docs
+
+
+def prepare(out: str, rounds: int) -> None:
+    from tokenizers import Tokenizer
+
+    from remote_drafter.drafters.dspark import DSparkConfig
+    from remote_drafter.target import TargetLM
+    meta = json.load(open(CHECKPOINT / "drafter.json"))
+    config = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
+    tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
+    target = TargetLM.load(str(TARGET), "cpu")
+    rng = np.random.default_rng(0)
+    docs = [d for d in text_docs() if len(d) > 4000]
+    tensors, used = {}, {config.mask_token_id}
+    for i, d in enumerate(rng.choice(len(docs), rounds, replace=False)):
+        ids = tok.encode(docs[d][int(rng.integers(0, len(docs[d]) - 3000)):]).ids
+        t = int(rng.integers(40, 200))
+        prefix = ids[:t + 1]
+        with torch.no_grad():
+            _, hidden = target(torch.tensor(prefix), tuple(config.target_layers))
+        n = min(t, config.window)
+        tensors[f"taps.{i}"] = hidden[t - n:t].half().contiguous()
+        tensors[f"prefix.{i}"] = torch.tensor(prefix)
+        used.add(prefix[-1])
+    rows = sorted(used)
+    embed = load_file(str(TARGET / "model.safetensors"))["model.embed_tokens.weight"]
+    tensors["embed_ids"], tensors["embed_rows"] = torch.tensor(rows), embed[rows].contiguous()
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "taps.safetensors"))
+    say(f"prepared {rounds} rounds in {out}")
+
+
+# -- GPU -----------------------------------------------------------------------------------
+
+class Results(dict):
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self, f, indent=1)
+
+
+def smollm2_model(state_folder: str, taps: dict, dtype, device):
+    """The drafter of `state_folder` (a checkpoint or an EXL3 pack) with the carried embedding
+    rows and an identity 'head', so block_logits returns the final normed hidden rows."""
+    from remote_drafter import exl3
+    from remote_drafter.drafters.dspark import DSparkConfig, DSparkModel
+    meta = json.load(open(os.path.join(state_folder, "drafter.json")))
+    c = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
+    embed = torch.zeros(c.vocab_size, c.hidden_size)
+    embed[taps["embed_ids"]] = taps["embed_rows"].float()
+    model = DSparkModel(c, embed, torch.eye(c.hidden_size))
+    state = load_file(os.path.join(state_folder, "drafter.safetensors"))
+    names = exl3.read_pack(state_folder)["linears"] if exl3.is_pack(state_folder) else []
+    model.load_state_dict({k: v for k, v in state.items() if not exl3.is_exl3_tensor(k)}, strict=not names)
+    model = model.to(device, dtype).eval()
+    return exl3.install(model, state, names, device), names
+
+
+def smollm2_rows(model, taps: dict, rounds: int, device) -> torch.Tensor:
+    c = model.config
+    out = []
+    for i in range(rounds):
+        prefix, rows = taps[f"prefix.{i}"], taps[f"taps.{i}"]
+        t, n = len(prefix) - 1, len(rows)
+        ctx = torch.zeros(1, c.window, c.feature, device=device)
+        valid = torch.zeros(1, c.window, dtype=torch.bool, device=device)
+        pos = torch.zeros(1, c.window, dtype=torch.long, device=device)
+        ctx[0, -n:], valid[0, -n:] = rows.to(device).float(), True
+        pos[0, -n:] = torch.arange(t - n, t, device=device)
+        with torch.no_grad():
+            h = model.block_logits(ctx.to(model.embed.dtype), valid, pos,
+                                   prefix[-1:].to(device), torch.tensor([t], device=device))
+        out.append(h[0].float().cpu())
+    return torch.stack(out)
+
+
+def save_split(tensors: dict, out: str, stem: str) -> list[str]:
+    """fp16 tensors in files under FILE_LIMIT each."""
+    files, part, size = [], {}, 0
+    for name in sorted(tensors):
+        t = tensors[name].half().contiguous()
+        if part and size + t.numel() * 2 > FILE_LIMIT:
+            files.append(f"{stem}-{len(files)}.safetensors")
+            save_file(part, os.path.join(out, files[-1]))
+            part, size = {}, 0
+        part[name], size = t, size + t.numel() * 2
+    files.append(f"{stem}-{len(files)}.safetensors")
+    save_file(part, os.path.join(out, files[-1]))
+    return files
+
+
+def step_smollm2(res: Results, taps_dir: str, out: str, work: str) -> None:
+    from remote_drafter import exl3
+    from remote_drafter.drafters.dspark import DSparkDrafter
+    taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
+    rounds = sum(1 for k in taps if k.startswith("prefix."))
+    rows = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        rows[name] = smollm2_rows(smollm2_model(str(CHECKPOINT), taps, dtype, "cuda")[0], taps, rounds, "cuda")
+    r = res.setdefault("smollm2", {"rounds": rounds, "checkpoint": str(CHECKPOINT.relative_to(ROOT))})
+    for bits in BITS:
+        pack = os.path.join(work, f"smollm2-exl3-{bits}")
+        t0 = time.monotonic()
+        DSparkDrafter.convert_exl3(str(CHECKPOINT), pack, bits, "cuda")
+        convert_s = time.monotonic() - t0
+        model, names = smollm2_model(pack, taps, torch.bfloat16, "cuda")
+        rows[f"exl3_{bits}"] = smollm2_rows(model, taps, rounds, "cuda")
+        linear_bytes = sum(m.stored_bytes for m in model.modules() if isinstance(m, exl3.Exl3Linear))
+        dense_params = sum(m.in_features * m.out_features for m in model.modules()
+                           if isinstance(m, exl3.Exl3Linear))
+        files = save_split({f"{n}": m.dense() for n, m in model.named_modules()
+                            if isinstance(m, exl3.Exl3Linear)}, out, f"smollm2-exl3-{bits}-dense")
+        r[f"exl3_{bits}"] = {"convert_s": round(convert_s, 1), "linears": len(names),
+                             "linear_params": dense_params, "exl3_linear_bytes": linear_bytes,
+                             "bf16_linear_bytes": 2 * dense_params,
+                             "bits_per_weight": round(8 * linear_bytes / dense_params, 3),
+                             "pack_bytes": sum(os.path.getsize(p) for p in glob.glob(pack + "/*")),
+                             "reconstructed_files": files}
+        res.save()
+        say(f"  smollm2 {bits} bits: {r[f'exl3_{bits}']}")
+        # the pack as the worker loads it: refusal-free, a manifest of its own
+        try:
+            d = DSparkDrafter.load(pack, str(TARGET), device="cuda", dtype=torch.bfloat16)
+            r[f"exl3_{bits}"]["manifest"] = d.manifest().to_json()
+        except (ValueError, FileNotFoundError) as exc:  # the target does not travel
+            r[f"exl3_{bits}"]["worker_load"] = f"not run here: {exc}"
+    save_file({k: v.contiguous() for k, v in rows.items()}, os.path.join(out, "smollm2-rows.safetensors"))
+    res.save()
+
+
+def step_tiny_dsv41(res: Results, work: str) -> None:
+    from remote_drafter.drafters.dsv41 import Dsv41Drafter
+    from remote_drafter.dsv41 import tiny
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv41_gpu import random_rounds
+    folder = os.path.join(work, "tiny-v41")
+    tiny.write_tiny(folder)
+    dense = Dsv41Drafter.load(folder, device="cuda", dtype=torch.bfloat16)
+    out = res.setdefault("tiny_dsv41", {})
+    for bits in BITS:
+        pack = os.path.join(work, f"tiny-v41-exl3-{bits}")
+        t0 = time.monotonic()
+        Dsv41Drafter.convert_exl3(folder, pack, bits, None, "cuda")
+        q = Dsv41Drafter.load(pack, device="cuda", dtype=torch.bfloat16)
+        same = total = 0
+        tv = []
+        for r in range(20):
+            a, b = (d.draft(random_rounds(d, 4, 40 + r, r), want_probs=False) for d in (dense, q))
+            same += sum(int(x == y) for u, v in zip(a, b) for x, y in zip(u.tokens, v.tokens))
+            total += sum(len(u.tokens) for u in a)
+            a, b = (d.draft(random_rounds(d, 4, 40 + r, r, 1.0), want_probs=True) for d in (dense, q))
+            tv += [0.5 * float(np.abs(x.probs[0] - y.probs[0]).sum()) for x, y in zip(a, b)]
+        out[f"exl3_{bits}"] = {"convert_load_s": round(time.monotonic() - t0, 1),
+                               "greedy_drafts_same": same, "greedy_drafts": total,
+                               "first_draft_tv_t1_mean": float(np.mean(tv)),
+                               "manifest_differs": q.manifest().drafter != dense.manifest().drafter}
+        res.save()
+        say(f"  tiny v41 {bits} bits: {out[f'exl3_{bits}']}")
+
+
+def random_exl3(shape: tuple[int, int], bits: int, gen, device):
+    """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only)."""
+    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
+
+    from remote_drafter import exl3
+    n_out, n_in = shape
+    k, n = exl3.padded(n_in), exl3.padded(n_out)
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=gen,
+                            device=device, dtype=torch.int32).to(torch.int16)
+
+    def sign(m: int) -> torch.Tensor:
+        return (torch.randint(0, 2, (m,), generator=gen, device=device) * 2 - 1).half()
+    tensors = {"trellis": trellis, "suh": sign(k), "svh": sign(n) * n_in ** -0.5,
+               **codebook_markers({"mul1": True})}
+    return exl3.Exl3Linear(tensors, n_in, n_out, device)
+
+
+def step_flash(res: Results, batches: list[int], rounds: int) -> None:
+    from remote_drafter.drafters.dsv41 import Dsv41Drafter
+    from remote_drafter.dsv41 import tiny
+    from remote_drafter.dsv41.config import weight_table
+    from remote_drafter.dsv41.model import Dsv41Model, linear_names
+    from remote_drafter.identity import Manifest
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv41_gpu import FLASH, random_rounds, round_p50, width_config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    config, gen = width_config("flash"), torch.Generator(device="cuda").manual_seed(0)
+    table, names = weight_table(config), linear_names(config)
+    linears = {}
+    for name in names:
+        shape = table[name][0]
+        if name.endswith(".attn.wo_a.weight"):
+            from remote_drafter.exl3 import Exl3Groups
+            linears[name] = Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), 4, gen, "cuda")
+                                        for _ in range(config.o_groups)])
+        else:
+            linears[name] = random_exl3(shape, 4, gen, "cuda")
+    exl3_bytes = torch.cuda.memory_allocated() - base
+    weights = {n: tiny.random_values(n, s, config, gen).to(torch.bfloat16)
+               for n, (s, _) in table.items() if n not in linears}
+    dense_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    model = Dsv41Model(config, weights, "cuda", linears=linears)
+    del weights
+    tag = "random-flash-exl3"
+    drafter = Dsv41Drafter(model, Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag,
+                                           kind="dsv41"), "cuda")
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated() - base
+    drafter.draft(random_rounds(drafter, 4, 160, 0), want_probs=False)
+    torch.cuda.synchronize()
+    linear_params = sum(table[n][0][0] * table[n][0][1] for n in names)
+    f = res.setdefault("flash_exl3_4", {
+        "config": FLASH, "bits": 4, "exl3_linear_bytes": exl3_bytes, "linear_params": linear_params,
+        "bf16_linear_bytes": 2 * linear_params, "other_bytes_bf16": dense_bytes,
+        "allocated_after_load": loaded,
+        "peak_four_sequences": torch.cuda.max_memory_allocated() - base,
+        "card_3090_bytes": CARD_3090})
+    res.save()
+    say(f"  flash exl3 4 bits: {f}")
+    f["rounds"] = []
+    for batch in batches:
+        f["rounds"].append({"batch": batch, "device_p50_ms": round_p50(drafter, batch, rounds)})
+        res.save()
+        say(f"  flash batch {batch}: {f['rounds'][-1]}")
+
+
+def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: int) -> None:
+    res = Results(os.path.join(out, "exl3-gpu.json"))
+    res.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    from remote_drafter import exl3
+    t0 = time.monotonic()
+    res["exllamav3"] = exl3.load_exllamav3(say).version
+    res["import_s"] = round(time.monotonic() - t0, 1)
+    res.save()
+    work = tempfile.mkdtemp()
+    for name, fn in (("smollm2", lambda: step_smollm2(res, taps_dir, out, work)),
+                     ("tiny_dsv41", lambda: step_tiny_dsv41(res, work)),
+                     ("flash", lambda: step_flash(res, batches, rounds))):
+        if name not in steps:
+            continue
+        say(f"== {name}")
+        t1 = time.monotonic()
+        try:
+            fn()
+        except Exception as exc:  # a failed step is recorded; the next still runs
+            import traceback
+            traceback.print_exc()
+            res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        res.setdefault("step_s", {})[name] = round(time.monotonic() - t1, 1)
+        res.save()
+
+
+# -- CPU, after ----------------------------------------------------------------------------
+
+def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
+    from acceptance_ceiling.chain import exact
+    from native_drafter.evaluate import TargetDists, dspark_chain
+    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.target import TargetLM
+    taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
+    rows = load_file(os.path.join(got, "smollm2-rows.safetensors"))
+    res = json.load(open(os.path.join(got, "exl3-gpu.json")))
+    trained = DSparkDrafter.load(str(CHECKPOINT), str(TARGET))
+    model = trained.model
+    head = model.head.float()
+    rounds = rows["float32"].shape[0]
+    fidelity = {}
+    for name in [k for k in rows if k != "float32"]:
+        agree, tv = np.zeros(5), np.zeros(5)
+        for i in range(rounds):
+            prev = [int(taps[f"prefix.{i}"][-1])] * 2
+            for j in range(5):
+                ps = []
+                for src, p in zip(("float32", name), prev):
+                    z = rows[src][i, j] @ head.T + model.markov(torch.tensor([p]))[0]
+                    ps.append(torch.softmax(z.double(), -1))
+                agree[j] += int(ps[0].argmax() == ps[1].argmax())
+                tv[j] += 0.5 * float((ps[0] - ps[1]).abs().sum())
+                prev = [int(ps[0].argmax())] * 2  # along float32's chain
+        fidelity[name] = {"agreement_per_position": (agree / rounds).round(4).tolist(),
+                          "tv_t1_per_position": (tv / rounds).round(5).tolist()}
+    res["smollm2_fidelity_vs_float32"] = fidelity
+    target = TargetLM.load(str(TARGET), "cpu")
+    dists = TargetDists(target)
+    models = {"trained_float32": model}
+    for bits in BITS:
+        m = DSparkDrafter.load(str(CHECKPOINT), str(TARGET)).model
+        recon = {}
+        for f in res["smollm2"][f"exl3_{bits}"]["reconstructed_files"]:
+            recon.update(load_file(os.path.join(got, f)))
+        state = m.state_dict()
+        for n, w in recon.items():
+            state[n + ".weight"] = w.float()
+        m.load_state_dict(state)
+        models[f"exl3_{bits}_reconstructed"] = m
+    e = {n: [] for n in models}
+    for i in range(rounds):
+        prefix = [int(x) for x in taps[f"prefix.{i}"]]
+        logits, hidden = dists.logits_hidden(prefix, tuple(model.config.target_layers))
+        dists.remember(prefix, logits[-1])
+        for n, m in models.items():
+            chain = dspark_chain(m, hidden, prefix)
+            e[n].append([exact(dists, chain, prefix, k).mean for k in range(1, 6)])
+    acc = {n: {"E_k": np.mean(v, 0).round(4).tolist(), "accepted_length_k5": round(1 + float(np.mean(v, 0)[-1]), 4)}
+           for n, v in e.items()}
+    for n in acc:
+        acc[n]["vs_float32_k5"] = round(acc[n]["E_k"][-1] / max(acc["trained_float32"]["E_k"][-1], 1e-9), 4)
+    res["smollm2_exact_acceptance"] = {"rounds": rounds, "temperature": 0.0, "per_drafter": acc}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: res[k] for k in ("smollm2_fidelity_vs_float32", "smollm2_exact_acceptance")}, indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prepare", metavar="DIR")
+    ap.add_argument("--gpu", metavar="DIR", help="the prepared taps")
+    ap.add_argument("--evaluate", metavar="DIR", help="the prepared taps (with --got)")
+    ap.add_argument("--got", help="the folder the GPU step wrote")
+    ap.add_argument("--out", required=True, help="GPU: a folder; evaluate: a JSON file")
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--steps", default="smollm2,tiny_dsv41,flash")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--timed-rounds", type=int, default=10)
+    args = ap.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare, args.rounds)
+    elif args.gpu:
+        os.makedirs(args.out, exist_ok=True)
+        gpu(args.gpu, args.out, args.steps.split(","), [int(b) for b in args.batches.split(",")],
+            args.timed_rounds)
+    else:
+        evaluate(args.evaluate, args.got, args.out, 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
