@@ -85,3 +85,11 @@ def test_served_linears_replace_dense_weights_exactly(tmp_path, variant):
     assert torch.equal(dense.logits(h), other.logits(h))
     taps = torch.randn(4, c.feature_width, generator=gen, dtype=torch.float64)
     assert torch.equal(dense.encode_rows(taps, torch.arange(4)), other.encode_rows(taps, torch.arange(4)))
+
+
+def test_zero_dim_tensors_are_digested_as_their_bytes():
+    """exllamav3 stores markers (mul1) as 0-dim tensors; a pack's identity digests them too
+    (seen on the H200: the first tiny V4.1 pack failed to load on one)."""
+    from remote_drafter.drafters.dspark import tensor_bytes
+    assert tensor_bytes(torch.tensor(3, dtype=torch.int32)) == (3).to_bytes(4, "little")
+    assert tensor_bytes(torch.tensor([1, 2], dtype=torch.int16)) == b"\x01\x00\x02\x00"

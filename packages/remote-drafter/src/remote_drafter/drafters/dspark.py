@@ -126,7 +126,7 @@ def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSpark
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's raw bytes, any dtype (numpy has no bfloat16: bf16 checkpoints load too)."""
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # 0-dim too (EXL3 markers)
 
 
 def load_target_embedding(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
