@@ -163,6 +163,17 @@ def test_both_kinds_of_worker_get_their_quotas_and_cut_off_from_the_env_file(tmp
         assert setting in out
 
 
+def test_an_exl3_pack_is_served_by_the_one_card_worker_only(tmp_path, capsys):
+    env = ["--env", str(filled(tmp_path, "production-D"))]
+    assert main(["args", *env, "--env", delta(tmp_path, "STACK_DRAFTER_WEIGHTS=exl3\n"),
+                 "--role", "drafter-worker"]) == 0
+    assert worker_line(capsys.readouterr().out).endswith(" --weights exl3")
+    for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\n", "one-card worker's"),
+                      ("STACK_DRAFTER_WEIGHTS=int4\n", "dense or exl3, not 'int4'")):
+        assert main(["args", *env, "--env", delta(tmp_path, text), "--role", "drafter-worker"]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp_path, capsys):
     env = ["--env", str(filled(tmp_path, "production-D")), "--env", delta(tmp_path, "STACK_DRAFTER_TP2=1\n")]
     main(["args", *env, "--role", "drafter-worker"])

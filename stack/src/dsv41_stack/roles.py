@@ -116,10 +116,16 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
     if cfg["STACK_DRAFTER_DTYPE"] not in DTYPES:
         raise ConfigError(f"STACK_DRAFTER_DTYPE is one of {', '.join(DTYPES)}, not "
                           f"{cfg['STACK_DRAFTER_DTYPE']!r}")
+    weights = cfg["STACK_DRAFTER_WEIGHTS"]
+    if weights not in ("dense", "exl3"):
+        raise ConfigError(f"STACK_DRAFTER_WEIGHTS is dense or exl3, not {weights!r}")
     same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
             "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
     backend = ["--backend", cfg[drafter_env.REMOTE_DRAFTER_BACKEND]]
     if cfg["STACK_DRAFTER_TP2"] == "1":
+        if weights == "exl3":
+            raise ConfigError("STACK_DRAFTER_WEIGHTS=exl3 is the one-card worker's (drafter-tp2 "
+                              "shards dense weights): set STACK_DRAFTER_TP2=0 for an EXL3 pack")
         if cfg.int("STACK_INJECT_DELAY_MS"):
             raise ConfigError("STACK_INJECT_DELAY_MS is the one-card worker's (the miniature's "
                               "slow link); drafter-tp2 has none: set it to 0 with STACK_DRAFTER_TP2=1")
@@ -131,6 +137,8 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
         raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
     cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", *same,
            "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
+    if weights == "exl3":
+        cmd += ["--weights", "exl3"]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]
     return Role("drafter-worker", cmd, offload_env(cfg, *WORKER_PREFIXES),

@@ -50,6 +50,12 @@ SETTINGS = [
     EnvVar("STACK_DRAFTER_DTYPE", "float32", "Offload host: the weights' type on the worker's "
            "card(s): float32, bfloat16 or float16 (both kinds of worker; the identities do not "
            "change, `remote-drafter shadow` notes the difference)."),
+    EnvVar("STACK_DRAFTER_WEIGHTS", "dense", "Offload host: dense = the drafter folder's own "
+           "weights in STACK_DRAFTER_DTYPE; exl3 = STACK_DRAFTER is an EXL3 pack (`remote-drafter "
+           "exl3 convert`) whose linears run through exllamav3's kernels (the one-card worker on "
+           "CUDA, the dsv41 extra [exl3]). DeepSeek-V4.1-Flash's drafter needs ~30 GiB in bf16 and "
+           "~12 GiB at 4 bits (findings/dsv41-drafter.md, exl3-drafter.md): exl3 is what fits a "
+           "24 GB card."),
     EnvVar("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
            "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
            "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
