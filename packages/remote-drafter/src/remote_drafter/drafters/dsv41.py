@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,9 +27,9 @@ from .. import env, exl3
 from ..dsv41 import checkpoint
 from ..dsv41.config import Dsv41DrafterConfig, flatten, weight_table
 from ..dsv41.model import Dsv41Model, linear_names
-from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
+from ..identity import Manifest, target_digest, tokenizer_digest
 from . import Draft, Drafter, DraftRequest
-from .dspark import split, tensor_bytes
+from .dspark import split
 from .graphs import BucketGraphs
 from .pick import Picker
 from .window import DeviceWindows
@@ -67,8 +67,7 @@ class Dsv41Drafter(Drafter):
         loaded = (load_exl3_pack if exl3.is_pack(folder) else checkpoint.load)(
             folder, dtype or torch.float32, device)
         served = target or folder
-        with open(os.path.join(served, "config.json")) as f:
-            vocab = flatten(json.load(f)).get("vocab_size")
+        vocab = flatten(checkpoint.read_config(served)).get("vocab_size")
         if vocab != loaded.config.vocab_size:
             raise ValueError(f"{folder}'s drafter has a vocabulary of {loaded.config.vocab_size}, "
                              f"the target {served} of {vocab}")
@@ -197,10 +196,6 @@ def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamesp
             linears[name] = exl3.linear_from(state, module, shape, device)
     weights = {n: t.to(device, torch.float32 if t.dtype == torch.float32 else dtype)
                for n, t in state.items() if not exl3.is_exl3_tensor(n)}
-    digest = [("config", json.dumps(asdict(config), sort_keys=True).encode())]
-    return SimpleNamespace(
-        config=config, weights=weights, linears=linears,
-        drafter_digest=digest_tensors(digest + [(n, tensor_bytes(state[n])) for n in sorted(state)
-                                                if not checkpoint.is_markov_tensor(n)]),
-        markov_digest=digest_tensors([(n, tensor_bytes(state[n])) for n in sorted(state)
-                                      if checkpoint.is_markov_tensor(n)]))
+    drafter_digest, markov_digest = checkpoint.digests(config, state)
+    return SimpleNamespace(config=config, weights=weights, linears=linears,
+                           drafter_digest=drafter_digest, markov_digest=markov_digest)

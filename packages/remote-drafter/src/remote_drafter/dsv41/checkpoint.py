@@ -142,6 +142,16 @@ def refuse(folder: str, found: list[str], name: str) -> None:
                          f"describes it: {'; '.join(found[:REFUSALS_SHOWN])}{more}")
 
 
+def digests(config: Dsv41DrafterConfig, stored: dict[str, torch.Tensor]) -> tuple[str, str]:
+    """(drafter, Markov head) digests over the config and the stored tensors' bytes, the
+    Markov head's apart (a checkpoint's, or an EXL3 pack's)."""
+    drafter = digest_tensors([("config", json.dumps(asdict(config), sort_keys=True).encode())]
+                             + [(n, tensor_bytes(stored[n])) for n in sorted(stored)
+                                if not is_markov_tensor(n)])
+    markov = digest_tensors([(n, tensor_bytes(stored[n])) for n in sorted(stored) if is_markov_tensor(n)])
+    return drafter, markov
+
+
 def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DrafterCheckpoint:
     """The drafter's weights, dequantised to `dtype` on `device` (float32 tensors stay
     float32), with digests over exactly the stored bytes read."""
@@ -150,10 +160,7 @@ def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") 
     config = with_optional_heads(config, stored)
     refuse(folder, problems(config, stored), config.name)
     raw = read_tensors(stored)
-    drafter_digest = digest_tensors(
-        [("config", json.dumps(asdict(config), sort_keys=True).encode())]
-        + [(n, tensor_bytes(raw[n])) for n in sorted(raw) if not is_markov_tensor(n)])
-    markov_digest = digest_tensors([(n, tensor_bytes(raw[n])) for n in sorted(raw) if is_markov_tensor(n)])
+    drafter_digest, markov_digest = digests(config, raw)
     kinds = expected_tensors(config)
     weights, scales = {}, []
     for name in weight_table(config):
