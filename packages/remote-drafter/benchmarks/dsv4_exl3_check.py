@@ -11,10 +11,14 @@ and the drafts are compared: whole chains, and position by position with our Mar
 taken from exllamav3's previous draft (so one disagreement does not hide the rest); every
 disagreement is set against the probability gap behind it (ours and exllamav3's top-2).
 
-Twice: on the unconverted checkpoint (exllamav3 loads bf16 tensors as fp16 linears), and on
+Three times: on the unconverted checkpoint (exllamav3 loads bf16 tensors as fp16 linears); on
 its own conversion (`conversion.convert_model -b BITS --mtp_bits 16 --head_bits 16`: the
 trunk's layers quantised to EXL3, the drafter and the shared head left unquantised, so the
-taps are those of exllamav3's quantised trunk and the drafters should still agree).
+taps are those of exllamav3's quantised trunk and the drafters should still agree); and on
+its conversion with the drafter quantised too (`--mtp_bits BITS --head_bits 6`), which this
+project's drafter loads from exllamav3's own output folder (drafters/dsv41.load_exl3_pack:
+the same EXL3 tensors, run through exllamav3's quantised linear): both sides then draft with
+identical quantised weights.
 EXL3_DSPARK_CONF=0: every round's drafts are verified (none cut by confidence).
 
 Prints a table last and writes JSON (--out)."""
@@ -211,9 +215,10 @@ def run_exl3(model_dir: str, token_prompts: list[list[int]], new_tokens: int) ->
     return {"passes": rec.passes, "stats": stats}
 
 
-def convert(src: str, out: str, work: str, bits: float, timeout_s: int) -> dict:
+def convert(src: str, out: str, work: str, bits: float, mtp_bits: float, head_bits: float,
+            timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", src, "-o", out,
-           "-w", work, "-b", str(bits), "--mtp_bits", "16", "--head_bits", "16",
+           "-w", work, "-b", str(bits), "--mtp_bits", str(mtp_bits), "--head_bits", str(head_bits),
            "-cr", "16", "-cc", "512"]
     t0 = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -342,26 +347,42 @@ def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) 
             "positions_moved_at_all": int((diffs > 0).sum()), "argmax_changed": flipped}
 
 
-def check(label: str, model_dir: str, src: str, token_prompts, new_tokens: int) -> dict:
+def stored_drafter(folder: str) -> dict:
+    """How exllamav3 stored the drafter's tensors (expert 0 standing for every expert)."""
+    from remote_drafter.dsv41 import checkpoint
+    stored = checkpoint.stored_drafter_tensors(folder)
+    shown = {n: [s.dtype, list(s.shape)] for n, s in sorted(stored.items())
+             if ".experts." not in n or ".experts.0." in n}
+    return {"tensors": len(stored), "trellis": sum(n.endswith(".trellis") for n in stored),
+            "shown": shown}
+
+
+def check(label: str, model_dir: str, drafter_folder: str, token_prompts, new_tokens: int) -> dict:
+    """exllamav3 runs model_dir; this project's drafter loads drafter_folder (the source
+    checkpoint, or exllamav3's output where it quantised the drafter)."""
     t0 = time.time()
     ran = run_exl3(model_dir, token_prompts, new_tokens)
-    drafter = Dsv41Drafter.load(src, device="cuda", dtype=torch.float32)
+    result = {"label": label, "drafter_folder": os.path.basename(drafter_folder)}
+    if drafter_folder == model_dir:
+        result["exl3_stored_drafter"] = stored_drafter(model_dir)
+    drafter = Dsv41Drafter.load(drafter_folder, device="cuda", dtype=torch.float32)
     assert drafter.config.variant == "v4"
-    result = {"label": label, "exl3": ran["stats"], **compare(drafter, ran["passes"]),
-              "seconds": round(time.time() - t0, 1)}
+    result.update({"exl3": ran["stats"], **compare(drafter, ran["passes"]),
+                   "served_exl3_linears": len(drafter.model.linears),
+                   "seconds": round(time.time() - t0, 1)})
     del drafter
     torch.cuda.empty_cache()
     return result
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'model':<13}{'passes':>7}{'chains same':>12}{'1st same':>9}{'positions':>10}"
+    print(f"{'model':<19}{'passes':>7}{'chains same':>12}{'1st same':>9}{'positions':>10}"
           f"{'same':>6}{'max |dlogit|':>13}{'|logit| max':>12}{'min margin':>11}{'max dconf':>10}")
     for r in results:
         if "error" in r:
-            print(f"{r['label']:<13} failed: {r['error'].strip().splitlines()[-1][:100]}")
+            print(f"{r['label']:<19} failed: {r['error'].strip().splitlines()[-1][:100]}")
             continue
-        print(f"{r['label']:<13}{r['passes_compared']:>7}{r['chains_identical']:>12}"
+        print(f"{r['label']:<19}{r['passes_compared']:>7}{r['chains_identical']:>12}"
               f"{r['first_draft_identical']:>9}{r['positions']:>10}{r['positions_identical']:>6}"
               f"{r['max_logit_diff']:>13.2e}{r['max_abs_logit']:>12.2f}"
               f"{r['agreeing_margin_min'] or 0:>11.2e}{r['max_confidence_diff']:>10.2e}")
@@ -381,7 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=int, default=560,
                     help="wall time for the whole run: the conversion gets what is left, less a "
                          "minute for its check (skipped, and said so, below two minutes)")
-    ap.add_argument("--skip", default="", help="comma list of: unconverted, converted")
+    ap.add_argument("--skip", default="", help="comma list of: unconverted, converted, converted_drafter")
     ap.add_argument("--routing-study", action="store_true",
                     help="instead, on the CPU without exllamav3: our drafter with exllamav3's "
                          "fp16 router choice against our float32 one (routing_flip_study)")
@@ -397,7 +418,7 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("EXL3_DSPARK_CONF", "0")  # read when the drafter is built
     skip = set(filter(None, args.skip.split(",")))
-    src, conv = os.path.join(args.work, "src"), os.path.join(args.work, "exl3")
+    src = os.path.join(args.work, "src")
     report = {"sizes": SIZES, "prompt_tokens": list(PROMPT_TOKENS), "new_tokens": args.new_tokens,
               "results": [], "torch": torch.__version__}
 
@@ -412,19 +433,22 @@ def main(argv=None) -> int:
     report["exllamav3"] = {"version": getattr(exllamav3, "__version__", "?"),
                            "import_s": round(time.time() - t0, 1)}
     save()
-    runs = [("unconverted", src)] if "unconverted" not in skip else []
-    if "converted" not in skip:
-        runs.append(("converted", conv))
-    for label, model_dir in runs:
+    # label -> (drafter bits, head bits) of exllamav3's conversion; None: the checkpoint itself
+    runs = {"unconverted": None, "converted": (16, 16), "converted_drafter": (args.bits, 6)}
+    for label, quantised in runs.items():
+        if label in skip:
+            continue
+        model_dir = src if quantised is None else os.path.join(args.work, label)
         try:
-            if label == "converted":
+            if quantised:
                 left = args.budget_s - (time.time() - t0) - 60
                 if left < 60:
                     raise RuntimeError(f"skipped: {left + 60:.0f} s of the budget left")
-                report["conversion"] = convert(src, conv, os.path.join(args.work, "convwork"),
-                                               args.bits, int(left))
+                report.setdefault("conversions", {})[label] = convert(
+                    src, model_dir, os.path.join(args.work, f"{label}-work"), args.bits, *quantised, int(left))
                 save()
-            report["results"].append(check(label, model_dir, src, token_prompts, args.new_tokens))
+            drafter_folder = model_dir if label == "converted_drafter" else src
+            report["results"].append(check(label, model_dir, drafter_folder, token_prompts, args.new_tokens))
         except Exception:
             report["results"].append({"label": label, "error": traceback.format_exc()[-4000:]})
         save()

@@ -93,3 +93,80 @@ def test_zero_dim_tensors_are_digested_as_their_bytes():
     from remote_drafter.drafters.dspark import tensor_bytes
     assert tensor_bytes(torch.tensor(3, dtype=torch.int32)) == (3).to_bytes(4, "little")
     assert tensor_bytes(torch.tensor([1, 2], dtype=torch.int16)) == b"\x01\x00\x02\x00"
+
+
+def exllamav3_style(src, out, variant: str = "v4") -> list[str]:
+    """A tiny checkpoint re-stored as exllamav3's convert_model stores a converted model:
+    config.json with quant_method "exl3", every drafter linear as trellis / suh / svh / mul1
+    (wo_a in group slices, the head too), the rest fp16, one trunk tensor beside them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    tiny.write_tiny(str(src), variant=variant, quantized=False)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "exl3", "bits": 4.0, "head_bits": 6.0, "mtp_bits": 4.0}
+    c = checkpoint.load(str(src)).config
+    state = {}
+    for name, file in checkpoint.tensor_files(str(src)).items():
+        with safe_open(file, "pt") as f:
+            state[name] = f.get_tensor(name)
+    stored = {"layers.0.attn.wq_a.trellis": torch.zeros(1, dtype=torch.int16)}  # the trunk's
+    quantised = []
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        parts = ([(f"{module}.slice.{g}", c.o_lora_rank) for g in range(c.o_groups)]
+                 if name.endswith(".attn.wo_a.weight") else [(module, t.shape[0])])
+        if name in linear_names(c) or name == "head.weight":
+            quantised.append(name)
+            for key, n_out in parts:
+                k, n = -(-t.shape[1] // 16) * 16, -(-n_out // 16) * 16
+                stored |= {f"{key}.trellis": torch.zeros(k // 16, n // 16, 64, dtype=torch.int16),
+                           f"{key}.suh": torch.ones(k, dtype=torch.half),
+                           f"{key}.svh": torch.ones(n, dtype=torch.half),
+                           f"{key}.mul1": torch.tensor(0, dtype=torch.int32)}
+        else:
+            stored[name] = t.half() if t.is_floating_point() and t.dtype != torch.float32 else t
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(stored, str(out / "model.safetensors"))
+    return quantised
+
+
+@pytest.mark.parametrize("variant", ["v41", "v4"])
+def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypatch, variant):
+    """exllamav3's own conversion of a DeepSeek-V4 model is a pack: each linear it quantised
+    is served from its trellis tensors (wo_a by group slice), every other weight read as
+    stored, the trunk not read; a mis-shaped or missing weight is refused by name. (The
+    kernels on such a pack, against exllamav3's own drafter, run in
+    benchmarks/dsv4_exl3_check.py on the GPU.)"""
+    from remote_drafter.drafters import dsv41
+    quantised = exllamav3_style(tmp_path / "src", tmp_path / "exl3", variant)
+    folder = str(tmp_path / "exl3")
+    assert exl3.is_pack(folder) and exl3.made_by_exllamav3(folder)
+    assert not exl3.is_pack(str(tmp_path / "src"))
+    monkeypatch.setattr(exl3, "require", lambda device: None)
+    monkeypatch.setattr(exl3, "linear_from", lambda state, module, shape, device: ("exl3", module, shape))
+    monkeypatch.setattr(exl3, "Exl3Groups", lambda groups: ("groups", groups))
+    loaded = dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+    assert sorted(loaded.linears) == sorted(quantised)
+    c = loaded.config
+    for name, served in loaded.linears.items():
+        if name.endswith(".attn.wo_a.weight"):
+            assert served[0] == "groups" and [g[1] for g in served[1]] == [
+                f"{name.removesuffix('.weight')}.slice.{g}" for g in range(c.o_groups)]
+        else:
+            assert served == ("exl3", name.removesuffix(".weight"), checkpoint.weight_table(c)[name][0])
+    assert not set(loaded.linears) & set(loaded.weights)
+    assert loaded.weights["embed.weight"].dtype == torch.float32 and loaded.not_read == []
+    again = dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+    assert (again.drafter_digest, again.markov_digest) == (loaded.drafter_digest, loaded.markov_digest)
+
+    from safetensors.torch import load_file, save_file
+    state = load_file(f"{folder}/model.safetensors")
+    norm = "mtp.0.attn_norm.weight"
+    save_file({**state, norm: state[norm][:-1].contiguous()}, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match=rf"{norm}: shape"):
+        dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+    del state[norm]
+    save_file(state, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match=rf"{norm}: missing"):
+        dsv41.load_exl3_pack(folder, torch.float32, "cpu")

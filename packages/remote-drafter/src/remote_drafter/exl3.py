@@ -9,11 +9,15 @@ with TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16), which `load_exllamav3` says while it
 
 A pack is a drafter folder whose quantised linears are stored as exllamav3 stores them,
 `<module>.trellis` / `.suh` / `.svh` (+ the codebook marker `.mul1` or `.mcg`) in place of
-`<module>.weight`, the rest as before, and `exl3.json` naming them. Quantisation is what
+`<module>.weight`, the rest as before, and `exl3.json` naming them (`remote-drafter exl3
+convert`). A DeepSeek-V4 / V4.1 model converted by exllamav3's own `convert_model` (its
+config.json's quantization_config says quant_method "exl3") is a pack too: its `mtp.*`
+tensors carry the same names (drafters/dsv41.py reads them). Quantisation is what
 exllamav3's convert_model does for side models (its MTP drafter; `quantize_side_model`):
 uncalibrated (no Hessian: its fallback quantiser), default mul1 codebook, each tensor with
-its own seed. Both dimensions are zero-padded to 128, as exllamav3's Linear pads (pad_to):
-padded input columns see zeros, padded outputs are cut.
+its own seed. Both dimensions are zero-padded to 128, as exllamav3's Linear pads (pad_to; some of its
+own linears pad to 1): a linear's padded sizes are read off its trellis, padded input
+columns see zeros, padded outputs are cut.
 """
 
 from __future__ import annotations
@@ -79,7 +83,18 @@ def padded(n: int) -> int:
 # -- packs ---------------------------------------------------------------------------------
 
 def is_pack(folder: str) -> bool:
-    return os.path.exists(os.path.join(folder, PACK_FILE))
+    """A folder with EXL3 weights: a pack of ours, or a model exllamav3 converted."""
+    return os.path.exists(os.path.join(folder, PACK_FILE)) or made_by_exllamav3(folder)
+
+
+def made_by_exllamav3(folder: str) -> bool:
+    """exllamav3's convert_model writes quant_method "exl3" into the model's config.json."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (config.get("quantization_config") or {}).get("quant_method") == "exl3"
 
 
 def read_pack(folder: str) -> dict:
@@ -135,6 +150,11 @@ def quantise_all(state: dict[str, torch.Tensor], names: list[str], bits: dict[st
 
 # -- running them --------------------------------------------------------------------------
 
+def stored_sizes(trellis: torch.Tensor) -> tuple[int, int]:
+    """(in, out) as stored, padding included: the trellis holds 16 x 16 tiles."""
+    return trellis.shape[0] * 16, trellis.shape[1] * 16
+
+
 class Exl3Linear(nn.Module):
     """x @ W.T with W in EXL3 form: exllamav3's LinearEXL3 on fp16 rows (its kernels' input),
     the result back in x's dtype."""
@@ -145,15 +165,19 @@ class Exl3Linear(nn.Module):
         lib = load_exllamav3()
         t = {k: v.to(device) for k, v in tensors.items()}
         self.in_features, self.out_features = in_features, out_features
-        self.inner = lib.LinearEXL3(None, padded(in_features), padded(out_features),
+        self.in_stored, out_stored = stored_sizes(t["trellis"])
+        if self.in_stored < in_features or out_stored < out_features:
+            raise ValueError(f"EXL3 linear stored as {self.in_stored} x {out_stored}, too small for "
+                             f"{in_features} x {out_features}")
+        self.inner = lib.LinearEXL3(None, self.in_stored, out_stored,
                                     suh=t["suh"], svh=t["svh"], trellis=t["trellis"],
                                     mcg=t.get("mcg"), mul1=t.get("mul1"), out_dtype=torch.half)
         self.stored_bytes = sum(v.numel() * v.element_size() for v in t.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).half()
-        if padded(self.in_features) != self.in_features:
-            rows = F.pad(rows, (0, padded(self.in_features) - self.in_features))
+        if self.in_stored != self.in_features:
+            rows = F.pad(rows, (0, self.in_stored - self.in_features))
         y = self.inner.forward(rows.contiguous(), {})[:, :self.out_features]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 

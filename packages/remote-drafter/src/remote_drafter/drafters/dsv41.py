@@ -15,13 +15,14 @@ the head only for adaptive verification).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .. import env, exl3
 from ..dsv41 import checkpoint
@@ -34,6 +35,7 @@ from .graphs import BucketGraphs
 from .pick import Picker
 from .window import DeviceWindows
 
+log = logging.getLogger(__name__)
 GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
 
 
@@ -76,6 +78,9 @@ class Dsv41Drafter(Drafter):
         if confidence_cutoff is None:
             confidence_cutoff = float(env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.get() or 0)
         linears = getattr(loaded, "linears", None)
+        if getattr(loaded, "not_read", None):
+            log.warning("%s: %d stored drafter tensors that no weight of %s uses: %s", folder,
+                        len(loaded.not_read), loaded.config.name, ", ".join(loaded.not_read[:8]))
         graphs = env.REMOTE_DRAFTER_CUDA_GRAPHS.get() != "0" and not linears  # EXL3: eager
         return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
                    manifest, device, confidence_cutoff, graphs)
@@ -175,27 +180,39 @@ class Dsv41Drafter(Drafter):
 
 
 def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
-    """An EXL3 pack (convert_exl3): the dense tensors as stored (float32 ones kept), each
-    quantised linear as an exl3.Exl3Linear (wo_a: its group slices), digests as
-    checkpoint.load computes them, over exactly the stored bytes."""
+    """EXL3 weights: a pack of ours (convert_exl3) or a DeepSeek-V4 / V4.1 model converted by
+    exllamav3's own convert_model, whose `mtp.*` names are DeepSeek's. A weight stored as
+    `<module>.trellis` (...) runs as an exl3.Exl3Linear (wo_a: its group slices,
+    `wo_a.slice.<g>`); any other weight is used as stored, in any float dtype (exllamav3 keeps
+    fp16), at the shape DeepSeek's table gives; a missing or mis-shaped one is refused by name.
+    Digests as checkpoint.load computes them, over exactly the stored bytes read."""
     exl3.require(device)
-    meta = exl3.read_pack(folder)
     config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
-    state = load_file(os.path.join(folder, checkpoint.SINGLE_FILE))  # a pack holds the drafter alone
-    config = checkpoint.with_optional_heads(config, state)
-    table = weight_table(config)
-    linears = {}
-    for name in meta["linears"]:
-        shape = table[name][0]
+    stored = checkpoint.stored_drafter_tensors(folder)  # exllamav3's trunk is never read
+    config = checkpoint.with_optional_heads(config, stored)
+    state = checkpoint.read_tensors(stored)
+    linears, weights, problems, used = {}, {}, [], set()
+    for name, (shape, _) in weight_table(config).items():
         module = name.removesuffix(".weight")
-        if name.endswith(".attn.wo_a.weight"):
-            linears[name] = exl3.Exl3Groups([
-                exl3.linear_from(state, f"{module}.slice.{g}", (config.o_lora_rank, shape[1]), device)
-                for g in range(config.o_groups)])
-        else:
+        grouped = name.endswith(".attn.wo_a.weight")
+        slices = [f"{module}.slice.{g}" for g in range(config.o_groups)] if grouped else []
+        if f"{module}.trellis" in state:
             linears[name] = exl3.linear_from(state, module, shape, device)
-    weights = {n: t.to(device, torch.float32 if t.dtype == torch.float32 else dtype)
-               for n, t in state.items() if not exl3.is_exl3_tensor(n)}
+            used |= {f"{module}.{k}" for k in exl3.STORED}
+        elif slices and f"{slices[0]}.trellis" in state:
+            linears[name] = exl3.Exl3Groups([exl3.linear_from(state, s, (config.o_lora_rank, shape[1]), device)
+                                             for s in slices])
+            used |= {f"{s}.{k}" for s in slices for k in exl3.STORED}
+        elif name in state or (slices and f"{slices[0]}.weight" in state):
+            t = state[name] if name in state else torch.cat([state[f"{s}.weight"] for s in slices])
+            used |= {name, *(f"{s}.weight" for s in slices)}
+            if tuple(t.shape) != tuple(shape):
+                problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}")
+            weights[name] = t.to(device, torch.float32 if t.dtype == torch.float32 else dtype)
+        else:
+            problems.append(f"{name}: missing")
+    checkpoint.refuse(folder, problems, config.name)
     drafter_digest, markov_digest = checkpoint.digests(config, state)
     return SimpleNamespace(config=config, weights=weights, linears=linears,
-                           drafter_digest=drafter_digest, markov_digest=markov_digest)
+                           drafter_digest=drafter_digest, markov_digest=markov_digest,
+                           not_read=sorted(set(state) - used))

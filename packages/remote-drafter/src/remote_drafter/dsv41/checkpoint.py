@@ -40,7 +40,8 @@ REFUSALS_SHOWN = 8
 
 
 def is_drafter_tensor(name: str) -> bool:
-    return name.startswith("mtp.") or name in SHARED_WITH_TARGET
+    """`mtp.*` and the shared embedding and head (an EXL3 head: `head.trellis`, ...)."""
+    return name.startswith(("mtp.", "embed.", "head."))
 
 
 def is_markov_tensor(name: str) -> bool:
