@@ -8,6 +8,7 @@
   remote-drafter inspect   DIR [--json]      (DeepSeek-V4.1's or V4's drafter in a checkpoint folder)
   remote-drafter tiny-dsv41 OUT [--variant v41|v4] [--seed N] [--experts-dtype fp4|fp8] [--unquantized] [--layers 3]
   remote-drafter exl3 convert FOLDER OUT --bits B [--head-bits H] [--device cuda:0]
+  remote-drafter exl3 gate  PACK --reference FOLDER --rounds FILE [--target DIR] [--depth N] [--goal 0.97]
   remote-drafter env
 """
 
@@ -24,7 +25,7 @@ from importlib.metadata import entry_points
 from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
-from . import env
+from . import env, gate
 from .drafters import WorkerExtraMissing, worker_side
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
@@ -159,6 +160,48 @@ def cmd_exl3_convert(args) -> int:
     return 0
 
 
+def gate_spec(folder: str) -> tuple[str, dict]:
+    """A drafter folder as load_drafter's spec: DSpark's (drafter.json) or DeepSeek's; the
+    latter without a confidence cut-off, so the gate compares whole chains."""
+    folder = drafter_folder(folder)
+    if os.path.exists(os.path.join(folder, "drafter.json")):
+        return folder, {}
+    return f"dsv41:{folder}", {"confidence_cutoff": 0.0}
+
+
+def cmd_exl3_gate(args) -> int:
+    torch = worker_side("torch", "exl3 gate")
+    from .drafters import load_drafter
+    from .identity import target_digest
+    check_exl3_pack(args.pack, args.device)
+    pack = drafter_folder(args.pack)
+    rounds, meta = gate.read_rounds(args.rounds)
+    measured_on = meta.get(gate.TARGET_KEY)
+    if args.target and measured_on and target_digest(args.target) != measured_on:
+        raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
+                         f"{args.target} is {target_digest(args.target)[:12]}")
+    dtype = getattr(torch, args.dtype)
+    dtype = None if dtype == torch.float32 else dtype
+    loaded = {}
+    for name, folder in (("reference", args.reference), ("candidate", pack)):
+        spec, options = gate_spec(folder)
+        loaded[name] = load_drafter(spec, args.target, args.device, dtype=dtype, **options)
+    result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
+    path = gate.record(pack, result, loaded["candidate"].manifest().drafter,
+                       loaded["reference"].manifest().drafter, args.rounds, measured_on)
+    ratio = result["acceptance_ratio"]
+    print(f"{'':<10}{'accepted length':>16}   first-j agreement (j = 1..{result['depth']})")
+    print(f"{'reference':<10}{result['reference_accepted']:>16.3f}")
+    print(f"{'candidate':<10}{result['candidate_accepted']:>16.3f}   "
+          + " ".join(f"{a:.3f}" for a in result["agreement"]))
+    tv = "n/a" if result["tv"] is None else f"{result['tv']:.4f} (max {result['tv_max']:.4f})"
+    print(f"remote-drafter exl3 gate: {result['rounds']} rounds, ratio "
+          f"{'n/a (the reference accepted nothing)' if ratio is None else f'{ratio:.1%}'} "
+          f"(goal {args.goal:.0%}), first-draft TV at T = 1 {tv} -> "
+          f"{'PASS' if result['passed'] else 'FAIL'}; recorded in {path}")
+    return 0 if result["passed"] else 1
+
+
 def cmd_worker(args) -> int:
     torch = worker_side("torch", "the worker")
     with_kernels = None if args.kernels == "torch" else kernel_loader(args.kernels)
@@ -170,6 +213,10 @@ def cmd_worker(args) -> int:
     from .worker import Worker
     if args.weights == "exl3":  # refused before the card is locked; then exllamav3 builds
         check_exl3_pack(args.drafter, args.device)
+        # the record alone now (a missing or failed gate costs no load); its digest once loaded
+        if (ungated := gate.refusal(drafter_folder(args.drafter), None)) and not args.ungated:
+            print(f"remote-drafter worker: refusing to start: {ungated}", file=sys.stderr)
+            return 2
     stop = shutdown_event()
     try:  # before anything lands on the card: one drafter worker per device, of any kind
         lock = worker_lock(args.device)
@@ -182,6 +229,13 @@ def cmd_worker(args) -> int:
                                dtype=None if dtype == torch.float32 else dtype)
         if with_kernels:
             drafter = with_kernels(drafter, args.device)
+        if args.weights == "exl3":
+            ungated = gate.refusal(drafter_folder(args.drafter), drafter.manifest().drafter,
+                                   drafter.manifest().target if args.target else None)
+            if ungated and not args.ungated:
+                print(f"remote-drafter worker: refusing to start: {ungated}", file=sys.stderr)
+                return 2
+            mark_gate(drafter, ungated)
         host, port = parse_address(args.listen, 7480)
         worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
         d = worker.service.describe()
@@ -201,6 +255,18 @@ def cmd_worker(args) -> int:
                 torch.cuda.synchronize(args.device)  # in-flight GPU work ends before the card is free
             lock.release()
     return 0
+
+
+def mark_gate(drafter, ungated: str | None) -> None:
+    """What the worker's status and handshake say of an EXL3 pack's gate (describe() feeds
+    both): passed, or UNGATED with the reason, logged too."""
+    if ungated:
+        logging.getLogger("remote_drafter.worker").warning(
+            "serving an EXL3 pack that has not passed the fidelity gate (--ungated: for "
+            "measuring it, never in production): %s", ungated)
+    described = drafter.describe
+    state = f"UNGATED: {ungated}" if ungated else "passed"
+    drafter.describe = lambda: {**described(), "exl3_gate": state}
 
 
 def cmd_identity(args) -> int:
@@ -339,7 +405,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weights", default="dense", choices=["dense", "exl3"],
                    help="exl3: the drafter folder is an EXL3 pack (`exl3 convert`) whose linears "
-                        "run through exllamav3's kernels (CUDA and the [exl3] extra)")
+                        "run through exllamav3's kernels (CUDA and the [exl3] extra); refused "
+                        "unless the pack passed `exl3 gate` for exactly these weights")
+    p.add_argument("--ungated", action="store_true",
+                   help="with --weights exl3: serve a pack that has not passed the fidelity "
+                        "gate: for measuring it, never in production (status shows UNGATED)")
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
     p.add_argument("--kernels", default="torch",
                    help="what computes the drafter's round: torch, or a back end another package "
@@ -419,6 +489,39 @@ def main(argv=None) -> int:
                    help="DeepSeek's drafter: quantise the stored head too (default: kept as stored)")
     p.add_argument("--device", default="cuda:0")
     p.set_defaults(fn=cmd_exl3_convert)
+    p = exl3_sub.add_parser(
+        "gate", help="the fidelity gate: may this EXL3 pack be served? (the worker refuses a pack "
+                     "without a passed record)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The fidelity gate of an EXL3 pack. The pack (the candidate) and its dense "
+                    "drafter (the reference,\nin --dtype) draft from the same recorded rounds "
+                    "of the target (--rounds: per round the\ntarget's tap rows, the tokens up to "
+                    "the anchor, and the target's own greedy continuation).\nMeasured: each "
+                    "drafter's mean accepted length under greedy verification (the longest\n"
+                    "prefix of its T = 0 drafts equal to the continuation); their ratio, "
+                    "candidate over\nreference; per position j the share of rounds whose first "
+                    "j drafts are identical in\nboth; the total-variation distance of the first "
+                    "draft's distribution at T = 1.\nPasses when the ratio is >= --goal (a "
+                    "reference accepting nothing measures nothing:\nno pass). Writes "
+                    "exl3-gate.json into the pack (with the pack's drafter digest; the worker\n"
+                    "serves --weights exl3 only while that record passed for the weights it "
+                    "loads).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
+    p.add_argument("pack", help="the EXL3 pack folder (`exl3 convert`'s OUT; dsv41:<folder> accepted)")
+    p.add_argument("--reference", required=True,
+                   help="the dense drafter it was converted from (DSpark folder or DeepSeek's checkpoint)")
+    p.add_argument("--rounds", required=True, help="the gate rounds file (safetensors: taps.i, "
+                                                   "prefix.i, continuation.i)")
+    p.add_argument("--target", default=None,
+                   help="the target folder (a DSpark drafter's embedding and head; checked against "
+                        "the rounds file's target digest)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="drafts per round (default: the drafters' max depth, capped by the continuations)")
+    p.add_argument("--goal", type=float, default=gate.GOAL,
+                   help=f"the ratio that passes (the worker still requires {gate.GOAL} to serve)")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="both drafters' dense weights (the reference's all, the pack's unquantised ones)")
+    p.set_defaults(fn=cmd_exl3_gate)
 
     p = sub.add_parser("env", help="every environment variable, its default and meaning")
     p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)

@@ -1,0 +1,248 @@
+"""The EXL3 fidelity gate on the CPU (gate.py, `exl3 gate`, the worker's refusal): tiny
+random DeepSeek-V4.1 drafters stand in for the reference and the candidate.
+
+exllamav3's kernels need CUDA, so the candidate here is a "dense pack": a pack folder
+(exl3.json) that quantises no linear, served with exl3.refusal and load_exllamav3 stubbed
+(as test_exl3.py does). That reaches the worker's own gate refusals (no record, failed,
+another digest) and the gate command end to end; a real pack through exllamav3 runs on a
+GPU in packages/remote-drafter/benchmarks/gpu.sh with ONLY_EXL3_DRAFTER=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+import remote_drafter.cli  # noqa: E402
+from remote_drafter import exl3, gate  # noqa: E402
+from remote_drafter.drafters import DraftRequest  # noqa: E402
+from remote_drafter.drafters.dsv41 import Dsv41Drafter  # noqa: E402
+from remote_drafter.dsv41 import checkpoint, tiny  # noqa: E402
+
+POSITIONS = (3, 40, 127, 200)  # below, at and above the 128-row window
+
+
+def dense_pack(src: str, out: str) -> None:
+    """A pack with no quantised linear: the checkpoint's drafter as convert_exl3 lays it out."""
+    from safetensors.torch import save_file
+    loaded = checkpoint.load(src, torch.bfloat16, "cpu")
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in loaded.weights.items()},
+              os.path.join(out, checkpoint.SINGLE_FILE))
+    config = checkpoint.read_config(src)
+    (config.get("text_config") or config).pop("quantization_config", None)
+    config.pop("quantization_config", None)
+    with open(os.path.join(out, checkpoint.CONFIG_FILE), "w") as f:
+        json.dump(config, f)
+    exl3.write_pack(out, {"kind": "dsv41", "bits": 16, "linears": []})
+
+
+@pytest.fixture(scope="module")
+def tinies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gate")
+    for name, seed in (("a", 0), ("b", 1)):
+        tiny.write_tiny(str(root / name), seed=seed)
+    dense_pack(str(root / "a"), str(root / "pack"))
+    a = Dsv41Drafter.load(str(root / "a"), device="cpu", confidence_cutoff=0.0)
+    b = Dsv41Drafter.load(str(root / "b"), device="cpu", confidence_cutoff=0.0)
+    return root, a, b
+
+
+def greedy(drafter, r: gate.Round, depth: int) -> np.ndarray:
+    return drafter.draft([DraftRequest(gate.history_of(drafter, r), depth)], want_probs=False)[0].tokens
+
+
+def rounds_for(drafter, seed: int = 0) -> list[gate.Round]:
+    """Random taps and prefixes; the continuation is `drafter`'s own greedy chain."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in POSITIONS:
+        n = min(t, drafter.window)
+        r = gate.Round(rng.standard_normal((n, drafter.feature)).astype(np.float16),
+                       rng.integers(0, drafter.vocab_size, t + 1), np.zeros(drafter.max_depth, np.int64))
+        r.continuation = greedy(drafter, r, drafter.max_depth).astype(np.int64)
+        out.append(r)
+    return out
+
+
+def test_a_drafter_against_itself_passes_with_everything_equal(tinies):
+    _, a, _ = tinies
+    result = gate.measure(a, a, rounds_for(a))
+    assert result["reference_accepted"] == result["candidate_accepted"] == a.max_depth
+    assert result["acceptance_ratio"] == 1.0 and result["passed"]
+    assert result["agreement"] == [1.0] * a.max_depth
+    assert result["tv"] == 0.0 and result["rounds"] == len(POSITIONS)
+
+
+def test_another_drafter_disagrees_and_the_numbers_are_what_its_drafts_give(tinies):
+    _, a, b = tinies
+    rounds = rounds_for(a)
+    result = gate.measure(a, b, rounds, goal=0.5)
+    mine = [gate.accepted(greedy(b, r, a.max_depth), r.continuation) for r in rounds]
+    assert result["candidate_accepted"] == pytest.approx(np.mean(mine))
+    assert result["reference_accepted"] == a.max_depth
+    assert result["acceptance_ratio"] == pytest.approx(np.mean(mine) / a.max_depth)
+    assert result["passed"] == (result["acceptance_ratio"] >= 0.5)
+    agreement = result["agreement"]
+    assert agreement[0] < 1 and all(x >= y for x, y in zip(agreement, agreement[1:]))
+    # against the reference's own chains, first-j agreement is the share accepted >= j
+    assert agreement == pytest.approx([np.mean([m >= j for m in mine]) for j in range(1, a.max_depth + 1)])
+    assert 0 < result["tv"] <= result["tv_max"] <= 1
+
+
+def test_accepted_length_is_the_prefix_equal_to_the_continuation(tinies):
+    _, a, _ = tinies
+    rounds = rounds_for(a)
+    changed = rounds[1].continuation.copy()
+    changed[2] = (changed[2] + 1) % a.vocab_size
+    rounds[1] = gate.Round(rounds[1].taps, rounds[1].prefix, changed)
+    result = gate.measure(a, a, rounds, depth=4)
+    assert result["depth"] == 4
+    assert result["reference_accepted"] == pytest.approx((4 + 2 + 4 + 4) / 4)
+    assert result["acceptance_ratio"] == 1.0
+    assert gate.accepted(np.array([1, 2, 3]), np.array([1, 2, 3, 4])) == 3
+    assert gate.accepted(np.array([5, 2]), np.array([1, 2])) == 0
+
+
+def test_a_reference_accepting_nothing_does_not_pass(tinies):
+    _, a, _ = tinies
+    rounds = [gate.Round(r.taps, r.prefix, (r.continuation + 1) % a.vocab_size) for r in rounds_for(a)]
+    result = gate.measure(a, a, rounds)
+    assert result["reference_accepted"] == 0 and result["acceptance_ratio"] is None
+    assert not result["passed"]
+
+
+def test_rows_before_the_stored_ones_are_never_read(tinies):
+    """The rounds file keeps min(t, window) rows; a history given every earlier row too
+    (zeros here, as benchmarks/dsv4_exl3_check.py lays them out) drafts the same."""
+    _, a, _ = tinies
+    r = rounds_for(a)[3]  # t = 200 > window
+    t = len(r.prefix) - 1
+    full = a.new_history()
+    full.reset(r.prefix.astype(np.int32),
+               np.concatenate([np.zeros((t - len(r.taps), a.feature), np.float32), r.taps.astype(np.float32)]))
+    whole = a.draft([DraftRequest(full, a.max_depth)], want_probs=False)[0].tokens
+    assert np.array_equal(whole, greedy(a, r, a.max_depth))
+    short = gate.Round(r.taps[-100:], r.prefix, r.continuation)
+    with pytest.raises(ValueError, match="window reads 128"):
+        gate.measure(a, a, [short])
+
+
+def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinies):
+    _, a, _ = tinies
+    rounds = rounds_for(a)
+    path = str(tmp_path / "rounds.safetensors")
+    extra = {"embed_ids": np.arange(4, dtype=np.int64), "embed_rows": np.ones((4, 8), np.float16)}
+    gate.write_rounds(path, rounds, target_digest="t" * 64, extra=extra)
+    back, meta = gate.read_rounds(path)
+    assert meta[gate.TARGET_KEY] == "t" * 64 and len(back) == len(rounds)
+    for r, s in zip(rounds, back):
+        assert s.taps.dtype == np.float16 and np.array_equal(r.taps, s.taps)
+        assert s.prefix.dtype == np.int64 and np.array_equal(r.prefix, s.prefix)
+        assert np.array_equal(r.continuation, s.continuation)
+    gate.write_rounds(path, [gate.Round(None, np.arange(3), np.arange(2))])
+    (only,), meta = gate.read_rounds(path)
+    assert only.taps is None and gate.TARGET_KEY not in meta
+
+
+def test_the_record_decides_what_may_be_served(tmp_path):
+    pack, rounds = str(tmp_path), str(tmp_path / "r.safetensors")
+    gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))], target_digest="t" * 64)
+    assert "no fidelity gate record" in gate.refusal(pack, "d" * 64)
+    result = {"rounds": 8, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.8,
+              "acceptance_ratio": 0.9, "agreement": [1.0] * 5, "tv": 0.01, "tv_max": 0.02,
+              "goal": 0.97, "passed": False}
+    gate.record(pack, result, "d" * 64, "r" * 64, rounds, "t" * 64)
+    why = gate.refusal(pack, "d" * 64)
+    assert "failed the fidelity gate" in why and "1.800" in why and "90.0%" in why and "\n" not in why
+    gate.record(pack, {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
+                "d" * 64, "r" * 64, rounds, "t" * 64)
+    assert gate.refusal(pack, "d" * 64) is None and gate.refusal(pack, None) is None
+    assert "is for drafter dddddddddddd" in gate.refusal(pack, "e" * 64)
+    assert "target" in gate.refusal(pack, "d" * 64, target_digest="u" * 64)
+    rec = gate.read_record(pack)
+    assert rec["rounds_sha256"] == gate.sha256_file(rounds) and rec["target"] == "t" * 64
+    assert rec["reference_drafter"] == "r" * 64 and rec["date"] and rec["version"]
+    # a pass at a lower goal of its own does not clear the pack: the worker's bar is GOAL
+    gate.record(pack, {**result, "goal": 0.8, "passed": True}, "d" * 64, "r" * 64, rounds)
+    assert "goal 97%" in gate.refusal(pack, "d" * 64)
+
+
+def test_the_gate_command_explains_itself(capsys):
+    with pytest.raises(SystemExit) as done:
+        remote_drafter.cli.main(["exl3", "gate", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "accepted length" in out and "total-variation" in out and "exl3-gate.json" in out
+
+
+@pytest.fixture
+def no_gpu_needed(monkeypatch):
+    monkeypatch.setattr(exl3, "refusal", lambda device: None)  # as if on a GPU with exllamav3
+    monkeypatch.setattr(exl3, "load_exllamav3", lambda log=None: None)
+
+
+def test_the_gate_command_measures_and_records_a_pack(tinies, tmp_path, capsys, no_gpu_needed):
+    root, a, _ = tinies
+    rounds = str(tmp_path / "rounds.safetensors")
+    gate.write_rounds(rounds, rounds_for(a))
+    argv = ["exl3", "gate", str(root / "pack"), "--reference", str(root / "a"), "--rounds", rounds,
+            "--device", "cpu", "--dtype", "float32"]
+    code = remote_drafter.cli.main(argv)
+    out = capsys.readouterr().out
+    rec = gate.read_record(str(root / "pack"))
+    assert code == (0 if rec["passed"] else 1), out
+    assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-gate.json" in out
+    pack = Dsv41Drafter.load(str(root / "pack"), device="cpu")
+    assert rec["drafter"] == pack.manifest().drafter and rec["reference_drafter"] == a.manifest().drafter
+    assert rec["rounds"] == len(POSITIONS) and rec["target"] is None
+    # the pack holds the reference's weights rounded to bf16: on these rounds it keeps up
+    assert rec["acceptance_ratio"] >= 0.97 and code == 0
+    assert remote_drafter.cli.main([*argv, "--depth", "9"]) == 2
+    assert "depth 9" in capsys.readouterr().err
+
+
+def worker(drafter: str, *more: str) -> list[str]:
+    return ["worker", "--drafter", drafter, "--weights", "exl3", "--device", "cpu",
+            "--listen", "127.0.0.1:0", *more]
+
+
+def test_the_worker_refuses_a_pack_without_a_passed_gate_for_its_weights(tinies, tmp_path, capsys,
+                                                                        no_gpu_needed):
+    """No record, a failed one: refused before loading; a passed record for other weights:
+    refused once the pack is loaded and its digest known. One line, exit 2 each. (A pack
+    that passed for its own weights starts serving: the GPU run does that.)"""
+    root, a, _ = tinies
+    pack = tmp_path / "pack"
+    dense_pack(str(root / "a"), str(pack))
+    spec = f"dsv41:{pack}"
+    assert remote_drafter.cli.main(worker(spec)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no fidelity gate record" in err and "exl3 gate" in err and "\n" not in err
+    rounds = str(tmp_path / "r.safetensors")
+    gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))])
+    result = {"rounds": 4, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.0,
+              "acceptance_ratio": 0.5, "agreement": [0.5] * 5, "tv": 0.1, "tv_max": 0.2,
+              "goal": 0.97, "passed": False}
+    gate.record(str(pack), result, "d" * 64, "r" * 64, rounds)
+    assert remote_drafter.cli.main(worker(spec)) == 2
+    assert "failed the fidelity gate" in capsys.readouterr().err
+    gate.record(str(pack), {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
+                "d" * 64, "r" * 64, rounds)
+    assert remote_drafter.cli.main(worker(spec)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is for drafter dddddddddddd" in err and "\n" not in err
+    assert "exllamav3" not in sys.modules
+
+
+def test_ungated_serving_is_marked_in_what_the_worker_describes(tinies):
+    _, a, _ = tinies
+    drafter = Dsv41Drafter.load(str(tinies[0] / "a"), device="cpu")
+    remote_drafter.cli.mark_gate(drafter, "no record")
+    assert drafter.describe()["exl3_gate"] == "UNGATED: no record"
+    assert "exl3_gate" not in a.describe()
