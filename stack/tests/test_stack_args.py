@@ -167,7 +167,8 @@ def test_an_exl3_pack_is_served_by_the_one_card_worker_only(tmp_path, capsys):
     env = ["--env", str(filled(tmp_path, "production-D"))]
     assert main(["args", *env, "--env", delta(tmp_path, "STACK_DRAFTER_WEIGHTS=exl3\n"),
                  "--role", "drafter-worker"]) == 0
-    assert worker_line(capsys.readouterr().out).endswith(" --weights exl3")
+    line = worker_line(capsys.readouterr().out)
+    assert line.endswith(" --weights exl3") and "--ungated" not in line  # the gate is never skipped
     for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\n", "one-card worker's"),
                       ("STACK_DRAFTER_WEIGHTS=int4\n", "dense or exl3, not 'int4'")):
         assert main(["args", *env, "--env", delta(tmp_path, text), "--role", "drafter-worker"]) == 2

@@ -137,7 +137,7 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
         raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
     cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", *same,
            "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
-    if weights == "exl3":
+    if weights == "exl3":  # never --ungated: the worker refuses a pack not gated for its weights
         cmd += ["--weights", "exl3"]
     if cfg.int("STACK_INJECT_DELAY_MS"):
         cmd += ["--inject-delay-ms", cfg["STACK_INJECT_DELAY_MS"]]

@@ -55,7 +55,8 @@ SETTINGS = [
            "exl3 convert`) whose linears run through exllamav3's kernels (the one-card worker on "
            "CUDA, the dsv41 extra [exl3]). DeepSeek-V4.1-Flash's drafter needs ~30 GiB in bf16 and "
            "~12 GiB at 4 bits (findings/dsv41-drafter.md, exl3-drafter.md): exl3 is what fits a "
-           "24 GB card."),
+           "24 GB card. The worker serves a pack only once `remote-drafter exl3 gate` recorded a "
+           "pass for its weights (<pack>/exl3-gate.json); the stack never passes --ungated."),
     EnvVar("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
            "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
            "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
