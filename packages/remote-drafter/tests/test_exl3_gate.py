@@ -238,6 +238,8 @@ def test_the_worker_refuses_a_pack_without_a_passed_gate_for_its_weights(tinies,
     err = capsys.readouterr().err.strip()
     assert "is for drafter dddddddddddd" in err and "\n" not in err
     assert "exllamav3" not in sys.modules
+    assert remote_drafter.cli.main(["worker", "--drafter", "ngram", "--ungated"]) == 2
+    assert "--ungated is for --weights exl3" in capsys.readouterr().err
 
 
 def test_ungated_serving_is_marked_in_what_the_worker_describes(tinies):

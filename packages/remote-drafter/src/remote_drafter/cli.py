@@ -211,6 +211,9 @@ def cmd_worker(args) -> int:
     from .device_lock import DeviceBusy, worker_lock
     from .drafters import load_drafter
     from .worker import Worker
+    if args.ungated and args.weights != "exl3":
+        raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
+    ungated = None  # why an EXL3 pack has not passed its gate, served anyway (--ungated)
     if args.weights == "exl3":  # refused before the card is locked; then exllamav3 builds
         check_exl3_pack(args.drafter, args.device)
         # the record alone now (a missing or failed gate costs no load); its digest once loaded
@@ -243,8 +246,8 @@ def cmd_worker(args) -> int:
               f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
               f"{d['max_requests_per_client']} per client, "
               f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
-              f"on {args.device}{', device locked' if lock else ''}, {args.backend} on {worker.address}",
-              flush=True)
+              f"on {args.device}{', device locked' if lock else ''}, {args.backend} on {worker.address}"
+              f"{'; EXL3 pack UNGATED (--ungated): not for production' if ungated else ''}", flush=True)
         try:
             wait_for_shutdown(stop)
         finally:
