@@ -45,7 +45,8 @@ TARGET = ROOT / ".artifacts/smollm2-135m"
 BITS = (4, 6)
 GIB = 1 << 30
 CARD_3090 = 24 * 10**9
-ROUNDS = 24
+ROUNDS = 64
+DEPTH = 5  # drafts per round (the drafter's block)
 FILE_LIMIT = 15 << 20  # what one file may carry back from the device
 
 
@@ -64,10 +65,24 @@ def text_docs() -> list[str]:
     return docs
 
 
+def greedy_continuation(target, prefix: list[int], depth: int) -> list[int]:
+    """The target's own next `depth` tokens at T = 0 (what greedy verification accepts)."""
+    ids = list(prefix)
+    with torch.no_grad():
+        for _ in range(depth):
+            logits, _ = target(torch.tensor(ids), ())
+            ids.append(int(logits[-1].argmax()))
+    return ids[len(prefix):]
+
+
 def prepare(out: str, rounds: int) -> None:
+    """A gate rounds file (remote_drafter.gate) of the SmolLM2 target, with the embedding rows
+    the block needs riding along."""
     from tokenizers import Tokenizer
 
+    from remote_drafter import gate
     from remote_drafter.drafters.dspark import DSparkConfig
+    from remote_drafter.identity import target_digest
     from remote_drafter.target import TargetLM
     meta = json.load(open(CHECKPOINT / "drafter.json"))
     config = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
@@ -75,22 +90,22 @@ def prepare(out: str, rounds: int) -> None:
     target = TargetLM.load(str(TARGET), "cpu")
     rng = np.random.default_rng(0)
     docs = [d for d in text_docs() if len(d) > 4000]
-    tensors, used = {}, {config.mask_token_id}
-    for i, d in enumerate(rng.choice(len(docs), rounds, replace=False)):
+    taken, used = [], {config.mask_token_id}
+    for d in rng.choice(len(docs), rounds, replace=False):
         ids = tok.encode(docs[d][int(rng.integers(0, len(docs[d]) - 3000)):]).ids
         t = int(rng.integers(40, 200))
         prefix = ids[:t + 1]
         with torch.no_grad():
             _, hidden = target(torch.tensor(prefix), tuple(config.target_layers))
         n = min(t, config.window)
-        tensors[f"taps.{i}"] = hidden[t - n:t].half().contiguous()
-        tensors[f"prefix.{i}"] = torch.tensor(prefix)
+        taken.append(gate.Round(hidden[t - n:t].half().numpy(), np.array(prefix),
+                                np.array(greedy_continuation(target, prefix, DEPTH))))
         used.add(prefix[-1])
     rows = sorted(used)
     embed = load_file(str(TARGET / "model.safetensors"))["model.embed_tokens.weight"]
-    tensors["embed_ids"], tensors["embed_rows"] = torch.tensor(rows), embed[rows].contiguous()
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "taps.safetensors"))
+    gate.write_rounds(os.path.join(out, "taps.safetensors"), taken, target_digest(str(TARGET)),
+                      {"embed_ids": np.array(rows), "embed_rows": embed[rows].numpy()})
     say(f"prepared {rounds} rounds in {out}")
 
 
@@ -223,6 +238,151 @@ def step_tiny_dsv41(res: Results, work: str) -> None:
                                "manifest_differs": q.manifest().drafter != dense.manifest().drafter}
         res.save()
         say(f"  tiny v41 {bits} bits: {out[f'exl3_{bits}']}")
+    out["gate_cli"] = gate_cli(dense, folder, os.path.join(work, "tiny-v41-exl3-4"), work)
+    res.save()
+    say(f"  tiny v41 gate: {out['gate_cli']}")
+
+
+def gate_cli(dense, folder: str, pack: str, work: str) -> dict:
+    """`remote-drafter exl3 gate` on the tiny pack, as an operator runs it. The tiny drafter has
+    no trained target, so its rounds' continuations are the bf16 drafter's own greedy chains on
+    random taps: the ratio is then the pack's chain agreement with bf16, not an acceptance."""
+    import subprocess
+
+    from remote_drafter import gate
+    from remote_drafter.drafters import DraftRequest
+    rng, rounds = np.random.default_rng(11), []
+    for _ in range(32):
+        t = int(rng.integers(20, 300))
+        prefix = rng.integers(0, dense.vocab_size, t + 1)
+        taps = rng.standard_normal((min(t, dense.window), dense.feature)).astype(np.float16)
+        r = gate.Round(taps, prefix, np.zeros(dense.max_depth, np.int64))
+        chain = dense.draft([DraftRequest(gate.history_of(dense, r), dense.max_depth)], want_probs=False)
+        rounds.append(gate.Round(taps, prefix, chain[0].tokens.astype(np.int64)))
+    path = os.path.join(work, "tiny-gate-rounds.safetensors")
+    gate.write_rounds(path, rounds)
+    cmd = [sys.executable, "-m", "remote_drafter.cli", "exl3", "gate", pack, "--reference", folder,
+           "--rounds", path, "--device", "cuda:0", "--dtype", "bfloat16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return {"command": " ".join(cmd[1:]), "exit": done.returncode,
+            "output_tail": (done.stdout + done.stderr)[-1500:], "record": gate.read_record(pack)}
+
+
+def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0",
+                weights: tuple[str, ...] | None = None, pack_name: str = "tiny-v41-exl3-4") -> None:
+    """The pack served end to end: `remote-drafter worker --drafter dsv41:<pack> --weights
+    exl3` (the CLI, its own process; --ungated only where gate_cli's record is no pass), a
+    DrafterClient over tcp checking the pack's identity, its drafts against the same pack's
+    drafter in this process, same requests, same batch."""
+    import subprocess
+
+    from remote_drafter.client import DrafterClient
+    from remote_drafter.drafters import DraftRequest
+    from remote_drafter.drafters.dsv41 import Dsv41Drafter
+    from remote_drafter.transport import RemoteTransport
+    pack = os.path.join(work, pack_name)
+    if not os.path.isdir(pack):
+        raise RuntimeError(f"no {pack_name}: the tiny_dsv41 step did not make it")
+    if weights is None:
+        from remote_drafter import gate
+        weights = ("--weights", "exl3") + (("--ungated",) if gate.refusal(pack, None) else ())
+    local = Dsv41Drafter.load(pack, device=device)
+    cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", "--listen", "127.0.0.1:0",
+           "--drafter", f"dsv41:{pack}", "--device", device, *weights]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = res.setdefault("worker", {"command": " ".join(cmd[1:])})
+    try:
+        lines = []
+        for line in proc.stdout:  # its start-up line names the address it listens on
+            lines.append(line.rstrip())
+            if " tcp on " in line:
+                break
+        else:
+            raise RuntimeError("the worker exited: " + " | ".join(lines[-8:]))
+        out["startup_line"], out["startup_s"] = lines[-1], round(time.monotonic() - t0, 1)
+        address = lines[-1].rsplit(" tcp on ", 1)[1].strip()
+        client = DrafterClient(RemoteTransport(address, "tcp", local.manifest()), "64:5", deadline_s=30.0)
+        rng, requests = np.random.default_rng(7), []
+        for rid in range(8):
+            tokens = rng.integers(0, local.vocab_size, 150, dtype=np.int32)
+            rows = rng.standard_normal((149, local.feature)).astype(np.float32)
+            client.add_request(rid, tokens, rows)
+            h = local.new_history()
+            h.reset(tokens, rows)
+            requests.append(DraftRequest(h, 5))
+        served = client.propose(5)
+        mine = local.draft(requests, want_probs=False)
+        times, drafts = [], served
+        for _ in range(rounds):  # each round one more committed token (its first draft) per request
+            for rid, d in drafts.items():
+                client.commit(rid, d.tokens[:1], rng.standard_normal((1, local.feature)).astype(np.float32))
+            t1 = time.perf_counter()
+            drafts = client.propose(5)
+            times.append(1000 * (time.perf_counter() - t1))
+        out.update({"requests": len(requests), "served": len(served),
+                    "drafts_identical": sum(int(np.array_equal(served[i].tokens, d.tokens))
+                                            for i, d in enumerate(mine) if i in served),
+                    "tokens_served": int(sum(len(d.tokens) for d in served.values())),
+                    "tcp_round_p50_ms_batch8": round(float(np.median(times)), 2),
+                    "client_counters": client.counters()})
+        client.close()
+    finally:
+        proc.terminate()
+        rest = proc.communicate(timeout=30)[0]
+        out["worker_exit"], out["worker_log_tail"] = proc.returncode, rest[-1500:]
+    res.save()
+    say(f"  worker: {({k: v for k, v in out.items() if k != 'worker_log_tail'})}")
+
+
+def read_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
+    """Bytes per second the device reads (a sum over a buffer far larger than its caches)."""
+    x = torch.ones(int(gib * GIB) // 2, dtype=torch.half, device="cuda")
+    nbytes, times = x.numel() * x.element_size(), []
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del x
+    return nbytes / float(np.median(times[2:]))
+
+
+def round_floor(drafter, linears: dict, dense_bytes: dict, batch: int) -> dict:
+    """The bytes one round must read: every weight used once (attention, shared experts,
+    main_proj, head, Markov w2), and of the routed experts only those the round's rows chose,
+    found by recording the router of one real round on the round_p50 requests."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv41_gpu import random_rounds
+    model = drafter.model
+    chosen: dict[int, set] = {}
+    route = model.route
+
+    def recording(j, x):
+        weights, experts = route(j, x)
+        chosen.setdefault(j, set()).update(experts.unique().tolist())
+        return weights, experts
+    model.route = recording
+    try:
+        drafter.draft(random_rounds(drafter, batch, 160, batch), want_probs=False)
+    finally:
+        del model.route
+    expert = {}
+    for name, m in linears.items():
+        if ".ffn.experts." in name:
+            j, e = int(name.split(".")[1]), int(name.split(".experts.")[1].split(".")[0])
+            expert[(j, e)] = expert.get((j, e), 0) + module_bytes(m)
+    fixed = sum(module_bytes(m) for n, m in linears.items() if ".ffn.experts." not in n)
+    fixed += sum(dense_bytes.get(n, 0) for n in ("head.weight", model.markov_w2))
+    routed = sum(expert[(j, e)] for j, es in chosen.items() for e in es)
+    return {"batch": batch, "experts_chosen_per_layer": [len(chosen[j]) for j in sorted(chosen)],
+            "routed_expert_bytes": routed, "other_bytes": fixed, "round_bytes": routed + fixed}
+
+
+def module_bytes(m) -> int:
+    from remote_drafter import exl3
+    return sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
 
 
 def random_exl3(shape: tuple[int, int], bits: int, gen, device):
@@ -269,6 +429,7 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
                for n, (s, _) in table.items() if n not in linears}
     dense_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     model = Dsv41Model(config, weights, "cuda", linears=linears)
+    dense_sizes = {n: t.numel() * t.element_size() for n, t in weights.items()}
     del weights
     tag = "random-flash-exl3"
     drafter = Dsv41Drafter(model, Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag,
@@ -286,11 +447,36 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
         "card_3090_bytes": CARD_3090})
     res.save()
     say(f"  flash exl3 4 bits: {f}")
+    f["read_bandwidth_bytes_per_s"] = read_bandwidth()
     f["rounds"] = []
     for batch in batches:
-        f["rounds"].append({"batch": batch, "device_p50_ms": round_p50(drafter, batch, rounds)})
+        floor = round_floor(drafter, linears, dense_sizes, batch)
+        p50 = round_p50(drafter, batch, rounds)
+        floor_ms = 1000 * floor["round_bytes"] / f["read_bandwidth_bytes_per_s"]
+        f["rounds"].append({"batch": batch, "device_p50_ms": p50, **floor,
+                            "floor_ms": round(floor_ms, 3), "p50_over_floor": round(p50 / floor_ms, 1)})
         res.save()
         say(f"  flash batch {batch}: {f['rounds'][-1]}")
+    del drafter, model, linears
+    torch.cuda.empty_cache()
+    step_flash_bf16(res, batches, rounds)
+
+
+def step_flash_bf16(res: Results, batches: list[int], rounds: int) -> None:
+    """The same width in bf16 in the same run (the baseline), eager and with CUDA graphs."""
+    from remote_drafter.drafters.dsv41 import GRAPH_BATCHES
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv41_gpu import random_drafter, round_p50
+    drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
+    b = res.setdefault("flash_bf16", {"weight_bytes": weight_bytes, "rounds": []})
+    eager = {batch: round_p50(drafter, batch, rounds) for batch in batches}
+    drafter.model.stack_experts()
+    drafter._forward.capture([x for x in GRAPH_BATCHES if x in batches], drafter._blank)
+    for batch in batches:
+        b["rounds"].append({"batch": batch, "eager_p50_ms": eager[batch],
+                            "graphs_p50_ms": round_p50(drafter, batch, rounds)})
+        res.save()
+        say(f"  flash bf16 batch {batch}: {b['rounds'][-1]}")
 
 
 def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: int) -> None:
@@ -304,6 +490,7 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
     work = tempfile.mkdtemp()
     for name, fn in (("smollm2", lambda: step_smollm2(res, taps_dir, out, work)),
                      ("tiny_dsv41", lambda: step_tiny_dsv41(res, work)),
+                     ("worker", lambda: step_worker(res, work)),
                      ("flash", lambda: step_flash(res, batches, rounds))):
         if name not in steps:
             continue
@@ -320,6 +507,15 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
 
 
 # -- CPU, after ----------------------------------------------------------------------------
+
+def bf16_rounded(folder: str):
+    """The trained drafter with every weight rounded to bfloat16 (the bf16 drafter's values),
+    computed in float32 like the others."""
+    from remote_drafter.drafters.dspark import DSparkDrafter
+    m = DSparkDrafter.load(folder, str(TARGET)).model
+    m.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in m.state_dict().items()})
+    return m
+
 
 def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
     from acceptance_ceiling.chain import exact
@@ -351,7 +547,7 @@ def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
     res["smollm2_fidelity_vs_float32"] = fidelity
     target = TargetLM.load(str(TARGET), "cpu")
     dists = TargetDists(target)
-    models = {"trained_float32": model}
+    models = {"trained_float32": model, "bfloat16_weights": bf16_rounded(str(CHECKPOINT))}
     for bits in BITS:
         m = DSparkDrafter.load(str(CHECKPOINT), str(TARGET)).model
         recon = {}
@@ -373,7 +569,8 @@ def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
     acc = {n: {"E_k": np.mean(v, 0).round(4).tolist(), "accepted_length_k5": round(1 + float(np.mean(v, 0)[-1]), 4)}
            for n, v in e.items()}
     for n in acc:
-        acc[n]["vs_float32_k5"] = round(acc[n]["E_k"][-1] / max(acc["trained_float32"]["E_k"][-1], 1e-9), 4)
+        for base in ("trained_float32", "bfloat16_weights"):
+            acc[n][f"vs_{base}_k5"] = round(acc[n]["E_k"][-1] / max(acc[base]["E_k"][-1], 1e-9), 4)
     res["smollm2_exact_acceptance"] = {"rounds": rounds, "temperature": 0.0, "per_drafter": acc}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
@@ -388,7 +585,7 @@ def main(argv=None) -> int:
     ap.add_argument("--got", help="the folder the GPU step wrote")
     ap.add_argument("--out", required=True, help="GPU: a folder; evaluate: a JSON file")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
-    ap.add_argument("--steps", default="smollm2,tiny_dsv41,flash")
+    ap.add_argument("--steps", default="smollm2,tiny_dsv41,worker,flash")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--timed-rounds", type=int, default=10)
     args = ap.parse_args(argv)

@@ -21,6 +21,7 @@ if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: only DeepSeek-V4's drafter agai
   # (its wheel and missing deps carried in .whl; its CUDA extension builds on import, ~5 min)
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
     python3 packages/remote-drafter/benchmarks/dsv4_exl3_check.py --out "$OUT/dsv4-exl3.json" \
+    --budget-s "${EXL3_BUDGET_S:-560}" --skip "${EXL3_SKIP:-}" \
     2>&1 | tee "$OUT/dsv4-exl3.log"
   exit
 fi
