@@ -3,8 +3,14 @@
 # The GPU machine has no registry, so cffi/pycparser come as Python 3.12 wheels carried in
 # WHEEL_DIR, our packages from their src/ folders (PYTHONPATH), and the two C helpers
 # (async-handoff's host flags, ofl's gather) are compiled in place.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "${1:-.whl}"/*.whl
+# Installed once per machine (a warm machine keeps /tmp/site): reinstalling rewrites every
+# file, and exllamav3's JIT-built CUDA extension then rebuilds (~5 min) on its sources' new
+# modification times, though nothing changed (seen on the H200).
+stamp=$(ls -l "${1:-.whl}"/*.whl | awk '{print $5, $NF}' | sha256sum | cut -c1-16)
+if [[ "$(cat /tmp/site/.wheels-stamp 2>/dev/null)" != "$stamp" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "${1:-.whl}"/*.whl && echo "$stamp" > /tmp/site/.wheels-stamp
+fi
 export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
 for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py \
                packages/ofl-transport/src/ofl/_gather_build.py; do

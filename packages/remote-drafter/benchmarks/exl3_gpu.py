@@ -301,7 +301,7 @@ def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0
         else:
             raise RuntimeError("the worker exited: " + " | ".join(lines[-8:]))
         out["startup_line"], out["startup_s"] = lines[-1], round(time.monotonic() - t0, 1)
-        address = lines[-1].rsplit(" tcp on ", 1)[1].strip()
+        address = lines[-1].rsplit(" tcp on ", 1)[1].split(";")[0].split()[0]
         client = DrafterClient(RemoteTransport(address, "tcp", local.manifest()), "64:5", deadline_s=30.0)
         rng, requests = np.random.default_rng(7), []
         for rid in range(8):
@@ -457,6 +457,23 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
                             "floor_ms": round(floor_ms, 3), "p50_over_floor": round(p50 / floor_ms, 1)})
         res.save()
         say(f"  flash batch {batch}: {f['rounds'][-1]}")
+    # CUDA graphs: every EXL3 expert on every row (Dsv41Model._every_expert), one graph a bucket
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv41_gpu import random_rounds
+    eager = {b: drafter.draft(random_rounds(drafter, b, 160, b), want_probs=False) for b in batches}
+    t0 = time.monotonic()
+    model.every_expert = True
+    drafter._forward.capture(batches, drafter._blank)
+    f["graphs_capture_s"] = round(time.monotonic() - t0, 1)
+    f["peak_with_graphs"] = torch.cuda.max_memory_allocated() - base
+    for row in f["rounds"]:
+        b = row["batch"]
+        graphed = drafter.draft(random_rounds(drafter, b, 160, b), want_probs=False)
+        row["graphs_p50_ms"] = round_p50(drafter, b, rounds)
+        row["graphs_drafts_same_as_eager"] = sum(int(np.array_equal(x.tokens, y.tokens))
+                                                 for x, y in zip(eager[b], graphed))
+        res.save()
+        say(f"  flash graphs batch {b}: {row['graphs_p50_ms']} ms, same drafts {row['graphs_drafts_same_as_eager']}/{b}")
     del drafter, model, linears
     torch.cuda.empty_cache()
     step_flash_bf16(res, batches, rounds)

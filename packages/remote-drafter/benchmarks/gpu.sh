@@ -17,19 +17,20 @@ if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter 
   python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"
   exit
 fi
-if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: only DeepSeek-V4's drafter against exllamav3's
-  # (its wheel and missing deps carried in .whl; its CUDA extension builds on import, ~5 min)
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+if [[ -n ${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-} ]]; then  # exllamav3 (its wheel and missing deps
+  # carried in .whl; its CUDA extension builds on first import, ~5 min, and again if its sources
+  # are reinstalled: run both below in one call of this script)
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  if [[ -n ${ONLY_EXL3_DRAFTER:-} ]]; then  # ONLY_EXL3_DRAFTER=1: EXL3 drafting (exl3_gpu.py;
+    # carry .exl3taps from `exl3_gpu.py --prepare .exl3taps`)
+    REMOTE_DRAFTER_CUDA_GRAPHS=0 python3 packages/remote-drafter/benchmarks/exl3_gpu.py \
+      --gpu .exl3taps --out "$OUT" --steps ${EXL3_STEPS:-smollm2,tiny_dsv41,worker,flash} 2>&1 | tee "$OUT/exl3-gpu.log"
+  fi
+  if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: DeepSeek-V4's drafter against exllamav3's own
     python3 packages/remote-drafter/benchmarks/dsv4_exl3_check.py --out "$OUT/dsv4-exl3.json" \
-    --budget-s "${EXL3_BUDGET_S:-560}" --skip "${EXL3_SKIP:-}" \
-    2>&1 | tee "$OUT/dsv4-exl3.log"
-  exit
-fi
-if [[ -n ${ONLY_EXL3_DRAFTER:-} ]]; then  # ONLY_EXL3_DRAFTER=1: EXL3 drafting (exl3_gpu.py; carry
-  # .whl with exllamav3 and .exl3taps from `exl3_gpu.py --prepare .exl3taps`)
-  REMOTE_DRAFTER_CUDA_GRAPHS=0 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-    python3 packages/remote-drafter/benchmarks/exl3_gpu.py --gpu .exl3taps --out "$OUT" \
-    2>&1 | tee "$OUT/exl3-gpu.log"
+      --budget-s "${EXL3_BUDGET_S:-$((570 - SECONDS))}" --skip "${EXL3_SKIP:-}" \
+      2>&1 | tee -a "$OUT/exl3-gpu.log"
+  fi
   exit
 fi
 echo "== benchmark, CUDA float32 then bfloat16 drafter weights"

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 import remote_drafter.cli  # noqa: E402
 from remote_drafter import exl3  # noqa: E402
 from remote_drafter.dsv41 import checkpoint, tiny  # noqa: E402
+from remote_drafter.dsv41.config import markov_names  # noqa: E402
 from remote_drafter.dsv41.model import Dsv41Model, linear_names  # noqa: E402
 
 
@@ -125,6 +126,8 @@ def exllamav3_style(src, out, variant: str = "v4") -> list[str]:
                            f"{key}.mul1": torch.tensor(0, dtype=torch.int32)}
         else:
             stored[name] = t.half() if t.is_floating_point() and t.dtype != torch.float32 else t
+            if name == markov_names(c)[1]:  # a Linear it keeps unquantised: padded to 128
+                stored[name] = torch.nn.functional.pad(stored[name], (0, 128 - t.shape[1]))
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))
     save_file(stored, str(out / "model.safetensors"))
@@ -162,6 +165,14 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
 
     from safetensors.torch import load_file, save_file
     state = load_file(f"{folder}/model.safetensors")
+    w2 = markov_names(c)[1]
+    assert state[w2].shape[1] == 128 and loaded.weights[w2].shape[1] == c.markov_rank
+    assert torch.equal(loaded.weights[w2], state[w2][:, :c.markov_rank].float())
+    bad = state[w2].clone()
+    bad[0, -1] = 1.0  # padding that is not zeros: not exllamav3's padding
+    save_file({**state, w2: bad}, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match="zero-padded"):
+        dsv41.load_exl3_pack(folder, torch.float32, "cpu")
     norm = "mtp.0.attn_norm.weight"
     save_file({**state, norm: state[norm][:-1].contiguous()}, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match=rf"{norm}: shape"):
@@ -170,3 +181,22 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
     save_file(state, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match=rf"{norm}: missing"):
         dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("variant", ["v41", "v4"])
+def test_every_expert_on_every_row_is_the_chosen_experts_sum(tmp_path, variant):
+    """Served (EXL3) experts under CUDA graphs run each expert on every row, weighted by its
+    routing weight, zero where not chosen: the same sum as running only the chosen ones."""
+    tiny.write_tiny(str(tmp_path), variant=variant)
+    loaded = checkpoint.load(str(tmp_path), torch.float64)
+    c, w = loaded.config, loaded.weights
+    served = {n: (lambda x, m=w[n]: x @ m.T) for n in linear_names(c) if ".ffn.experts." in n}
+    model = Dsv41Model(c, {n: t for n, t in w.items() if n not in served}, linears=served)
+    gen = torch.Generator().manual_seed(1)
+    block = (torch.randn(3, 16, c.n_mtp_layers, c.head_dim, generator=gen, dtype=torch.float64),
+             torch.ones(3, 16, dtype=torch.bool), torch.tensor([3, 5, 7]), torch.tensor([20, 40, 9]))
+    chosen = model.block_hidden(*block)
+    model.every_expert = True
+    every = model.block_hidden(*block)
+    assert not torch.equal(chosen, torch.zeros_like(chosen))
+    torch.testing.assert_close(every, chosen, rtol=1e-12, atol=1e-12)

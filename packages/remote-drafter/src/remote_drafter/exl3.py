@@ -150,6 +150,17 @@ def quantise_all(state: dict[str, torch.Tensor], names: list[str], bits: dict[st
 
 # -- running them --------------------------------------------------------------------------
 
+def unpadded(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A weight exllamav3 stored unquantised but zero-padded to its Linear's pad_to (128: a
+    Markov rank of 64 is stored 128 wide), cut back to `shape`; None if `t` is not that."""
+    if t.dim() != len(shape) or any(have < want for have, want in zip(t.shape, shape)):
+        return None
+    kept = tuple(slice(0, n) for n in shape)
+    rest = t.clone()
+    rest[kept] = 0
+    return None if rest.any() else t[kept].contiguous()
+
+
 def stored_sizes(trellis: torch.Tensor) -> tuple[int, int]:
     """(in, out) as stored, padding included: the trellis holds 16 x 16 tiles."""
     return trellis.shape[0] * 16, trellis.shape[1] * 16

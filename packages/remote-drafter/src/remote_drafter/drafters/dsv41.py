@@ -57,7 +57,10 @@ class Dsv41Drafter(Drafter):
                                       model.dtype)
         self._forward = BucketGraphs(self._block, device)
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
-            model.stack_experts()
+            if model.linears:  # EXL3 experts: each on every row (nothing to stack)
+                model.every_expert = True
+            else:
+                model.stack_experts()
             self._forward.capture(GRAPH_BATCHES, self._blank)
 
     @classmethod
@@ -81,7 +84,8 @@ class Dsv41Drafter(Drafter):
         if getattr(loaded, "not_read", None):
             log.warning("%s: %d stored drafter tensors that no weight of %s uses: %s", folder,
                         len(loaded.not_read), loaded.config.name, ", ".join(loaded.not_read[:8]))
-        graphs = env.REMOTE_DRAFTER_CUDA_GRAPHS.get() != "0" and not linears  # EXL3: eager
+        setting = env.REMOTE_DRAFTER_CUDA_GRAPHS.get()
+        graphs = setting == "1" or (setting != "0" and not linears)  # EXL3: eager unless asked
         return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
                    manifest, device, confidence_cutoff, graphs)
 
@@ -206,9 +210,12 @@ def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamesp
         elif name in state or (slices and f"{slices[0]}.weight" in state):
             t = state[name] if name in state else torch.cat([state[f"{s}.weight"] for s in slices])
             used |= {name, *(f"{s}.weight" for s in slices)}
-            if tuple(t.shape) != tuple(shape):
-                problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}")
-            weights[name] = t.to(device, torch.float32 if t.dtype == torch.float32 else dtype)
+            cut = t if tuple(t.shape) == tuple(shape) else exl3.unpadded(t, shape)
+            if cut is None:
+                problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}"
+                                " (or that, zero-padded)")
+                continue
+            weights[name] = cut.to(device, torch.float32 if cut.dtype == torch.float32 else dtype)
         else:
             problems.append(f"{name}: missing")
     checkpoint.refuse(folder, problems, config.name)

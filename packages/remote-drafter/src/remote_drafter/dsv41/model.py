@@ -168,6 +168,7 @@ class Dsv41Model:
         self.first, self.last = first_stage(config), last_stage(config)
         self.markov_w1, self.markov_w2 = markov_names(config)
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
+        self.every_expert = False  # served experts: all of them on every row (fixed shapes)
 
     def stack_experts(self) -> None:
         """Every layer's dense experts as [experts, out, in] tensors (moved, not copied), so
@@ -298,6 +299,8 @@ class Dsv41Model:
         weights, experts = self.route(j, flat)
         if j in self.stacked:
             out = self._all_experts(j, flat, weights, experts)
+        elif self.every_expert:
+            out = self._every_expert(j, flat, weights, experts)
         else:
             out = self._chosen_experts(j, flat, weights, experts)
         if c.n_shared_experts:
@@ -314,6 +317,18 @@ class Dsv41Model:
                    lambda x: torch.einsum("th,eih->eti", x, w3),
                    lambda a: torch.einsum("eti,ehi->eth", a, w2), self.config.swiglu_limit)
         return torch.einsum("eth,te->th", y.to(self.wide), share)
+
+    def _every_expert(self, j: int, flat, weights, experts) -> torch.Tensor:
+        """_all_experts for experts another back end serves (EXL3: no stacked tensor), one
+        expert at a time: no host read of the routing, so a CUDA graph captures it."""
+        c = self.config
+        share = torch.zeros(flat.shape[0], c.n_routed_experts, dtype=self.wide, device=flat.device)
+        share.scatter_(1, experts, weights)
+        out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
+        for e in range(c.n_routed_experts):
+            w1, w3, w2 = (self._linear(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
+            out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide) * share[:, e, None]
+        return out
 
     def _chosen_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
         """Each chosen expert on the rows that chose it (reads the routing on the host)."""
