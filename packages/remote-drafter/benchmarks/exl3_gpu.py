@@ -525,18 +525,24 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
 
 # -- CPU, after ----------------------------------------------------------------------------
 
-def bf16_rounded(folder: str):
-    """The trained drafter with every weight rounded to bfloat16 (the bf16 drafter's values),
-    computed in float32 like the others."""
+def drafter_with(folder: str, weights: dict[str, torch.Tensor] | None = None, bf16: bool = False):
+    """The trained drafter (float32, CPU) with `weights` (module name -> W) put in place, or
+    with every weight rounded to bfloat16 (the bf16 drafter's values, computed in float32)."""
     from remote_drafter.drafters.dspark import DSparkDrafter
-    m = DSparkDrafter.load(folder, str(TARGET)).model
-    m.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in m.state_dict().items()})
-    return m
+    d = DSparkDrafter.load(folder, str(TARGET))
+    state = d.model.state_dict()
+    for n, w in (weights or {}).items():
+        state[n + ".weight"] = w.float()
+    if bf16:
+        state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+    d.model.load_state_dict(state)
+    return d
 
 
 def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
     from acceptance_ceiling.chain import exact
     from native_drafter.evaluate import TargetDists, dspark_chain
+    from remote_drafter import gate
     from remote_drafter.drafters.dspark import DSparkDrafter
     from remote_drafter.target import TargetLM
     taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
@@ -564,17 +570,13 @@ def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
     res["smollm2_fidelity_vs_float32"] = fidelity
     target = TargetLM.load(str(TARGET), "cpu")
     dists = TargetDists(target)
-    models = {"trained_float32": model, "bfloat16_weights": bf16_rounded(str(CHECKPOINT))}
+    drafters = {"trained_float32": trained, "bfloat16_weights": drafter_with(str(CHECKPOINT), bf16=True)}
     for bits in BITS:
-        m = DSparkDrafter.load(str(CHECKPOINT), str(TARGET)).model
         recon = {}
         for f in res["smollm2"][f"exl3_{bits}"]["reconstructed_files"]:
             recon.update(load_file(os.path.join(got, f)))
-        state = m.state_dict()
-        for n, w in recon.items():
-            state[n + ".weight"] = w.float()
-        m.load_state_dict(state)
-        models[f"exl3_{bits}_reconstructed"] = m
+        drafters[f"exl3_{bits}_reconstructed"] = drafter_with(str(CHECKPOINT), recon)
+    models = {n: d.model for n, d in drafters.items()}
     e = {n: [] for n in models}
     for i in range(rounds):
         prefix = [int(x) for x in taps[f"prefix.{i}"]]
@@ -589,9 +591,15 @@ def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
         for base in ("trained_float32", "bfloat16_weights"):
             acc[n][f"vs_{base}_k5"] = round(acc[n]["E_k"][-1] / max(acc[base]["E_k"][-1], 1e-9), 4)
     res["smollm2_exact_acceptance"] = {"rounds": rounds, "temperature": 0.0, "per_drafter": acc}
+    # the fidelity gate as `remote-drafter exl3 gate` computes it (remote_drafter.gate), here on
+    # exllamav3's reconstructed weights: greedy verification against the target's own tokens
+    gate_rounds, _ = gate.read_rounds(os.path.join(taps_dir, "taps.safetensors"))
+    res["smollm2_gate"] = {n: gate.measure(drafters["bfloat16_weights"], d, gate_rounds)
+                           for n, d in drafters.items() if n != "bfloat16_weights"}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({k: res[k] for k in ("smollm2_fidelity_vs_float32", "smollm2_exact_acceptance")}, indent=1))
+    print(json.dumps({k: res[k] for k in ("smollm2_fidelity_vs_float32", "smollm2_exact_acceptance",
+                                          "smollm2_gate")}, indent=1))
 
 
 def main(argv=None) -> int:

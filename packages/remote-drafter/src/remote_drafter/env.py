@@ -73,7 +73,8 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "Worker, dsv41 drafter on CUDA with dense weights: auto = run every expert on every row "
     "(routing weights zero where not chosen: the same sum, fixed shapes) and capture the "
     "round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = eager, only "
-    "the chosen experts.")
+    "the chosen experts. EXL3 weights: eager unless 1 (each served expert on every row, "
+    "captured the same way).")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
