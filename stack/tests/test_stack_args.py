@@ -28,6 +28,9 @@ def delta(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
+TP2_DENSE = "STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_WEIGHTS=dense\n"  # the production template serves EXL3
+
+
 def production(t: Path, *more: str) -> list[str]:
     """production-D + the async delta, both filled in, then `more` arguments."""
     return ["--env", str(filled(t, "production-D")), "--env", str(filled(t, "production-async")), *more]
@@ -41,7 +44,8 @@ CASES = {
     "production-async-engine-rank1": lambda t: production(t, "--role", "engine", "--rank", "1"),
     # the offload host with the two-card worker
     "production-offload-host-tp2": lambda t: ["--env", str(filled(t, "production-D")), "--env",
-                                              delta(t, "STACK_DRAFTER_TP2=1\n"), "--role", "offload-host"],
+                                              delta(t, TP2_DENSE),
+                                              "--role", "offload-host"],
 }
 
 
@@ -132,11 +136,11 @@ def test_the_engine_speculates_and_runs_eager_only_when_configured():
     ("STACK_ENGINE_NODES=3\n", ["--role", "engine"], "STACK_ENGINE_NODES=3 must be at least 1 and "
      "divide STACK_TP=2"),
     ("", ["--role", "offload-host", "--rank", "1"], "--rank goes with --role engine"),
-    ("STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_DEVICES=cuda:0,cuda:0\n", ["--role", "offload-host"],
+    (TP2_DENSE + "STACK_DRAFTER_DEVICES=cuda:0,cuda:0\n", ["--role", "offload-host"],
      "needs two distinct devices in STACK_DRAFTER_DEVICES"),
-    ("STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_DEVICES=cuda:0\n", ["--role", "offload-host"],
+    (TP2_DENSE + "STACK_DRAFTER_DEVICES=cuda:0\n", ["--role", "offload-host"],
      "needs two distinct devices in STACK_DRAFTER_DEVICES"),
-    ("STACK_DRAFTER_TP2=1\nSTACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
+    (TP2_DENSE + "STACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
      "drafter-tp2 has none"),
     ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2 is 0 or 1"),
     ("STACK_DRAFTER_DTYPE=bf16\n", ["--role", "offload-host"],
@@ -156,7 +160,8 @@ def test_both_kinds_of_worker_get_their_quotas_and_cut_off_from_the_env_file(tmp
     settings = ("REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT=3", "REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT=4096",
                 "REMOTE_DRAFTER_CONFIDENCE_CUTOFF=0.5")
     env = ["--env", str(filled(tmp_path, "production-D")),
-           "--env", delta(tmp_path, f"STACK_DRAFTER_TP2={tp2}\n" + "\n".join(settings) + "\n")]
+           "--env", delta(tmp_path, f"STACK_DRAFTER_TP2={tp2}\nSTACK_DRAFTER_WEIGHTS=dense\n"
+                          + "\n".join(settings) + "\n")]
     assert main(["args", *env, "--role", "drafter-worker"]) == 0
     out = capsys.readouterr().out
     for setting in settings:
@@ -176,7 +181,8 @@ def test_an_exl3_pack_is_served_by_the_one_card_worker_only(tmp_path, capsys):
 
 
 def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp_path, capsys):
-    env = ["--env", str(filled(tmp_path, "production-D")), "--env", delta(tmp_path, "STACK_DRAFTER_TP2=1\n")]
+    env = ["--env", str(filled(tmp_path, "production-D")),
+           "--env", delta(tmp_path, TP2_DENSE)]
     main(["args", *env, "--role", "drafter-worker"])
     tp2 = worker_line(capsys.readouterr().out)
     rolled = tmp_path / "rolled.env"

@@ -198,3 +198,25 @@ def test_an_engine_across_two_hosts(ready, tmp_path, capsys):
     assert main(["preflight", "--env", str(env), "--role", "engine", "--rank", "1"]) == 0
     out = capsys.readouterr().out
     assert "WARN  link engine master" in out and "1 warnings, 0 failed" in out
+
+
+def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
+    """STACK_DRAFTER_WEIGHTS=exl3: the pack's fidelity gate record must say it passed (the
+    worker would refuse to start; preflight says so first)."""
+    from remote_drafter import gate
+    cfg, _ = ready
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    cfg = StackConfig({**cfg.values, "STACK_DRAFTER": f"dsv41:{pack}", "STACK_DRAFTER_WEIGHTS": "exl3"})
+    assert "no fidelity gate record" in failed(cfg, "offload-host")["exl3 gate"]
+    result = {"rounds": 64, "depth": 5, "reference_accepted": 0.75, "candidate_accepted": 0.70,
+              "acceptance_ratio": 0.70 / 0.75, "agreement": [1.0] * 5, "tv": 0.04, "tv_max": 0.09,
+              "goal": 0.97, "passed": False}
+    rounds = tmp_path / "rounds.safetensors"
+    rounds.write_bytes(b"rounds")
+    gate.record(str(pack), result, "d" * 64, "r" * 64, str(rounds), None)
+    assert "failed the fidelity gate" in failed(cfg, "offload-host")["exl3 gate"]
+    gate.record(str(pack), {**result, "candidate_accepted": 0.74, "acceptance_ratio": 0.74 / 0.75,
+                            "passed": True}, "d" * 64, "r" * 64, str(rounds), None)
+    assert "exl3 gate" not in failed(cfg, "offload-host")
+    assert any(c.name == "exl3 gate" and c.ok for c in preflight.run(cfg, "offload-host"))

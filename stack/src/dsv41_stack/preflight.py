@@ -18,6 +18,7 @@ from pathlib import Path
 from ofl import admission
 from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
+from remote_drafter import gate
 from remote_engram import env as engram_env
 
 from .config import StackConfig
@@ -202,6 +203,14 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
                  f"{info.manifest.target[:12]}, drafter {info.manifest.drafter[:12]}")
 
 
+def check_exl3_gate(spec: str) -> Check:
+    """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.gate); the
+    record alone here, the worker compares its weights' digest once it has loaded them."""
+    pack = spec.removeprefix("dsv41:")
+    why = gate.refusal(pack, None)
+    return Check("exl3 gate", why is None, why or f"{pack}: {gate.summary(gate.read_record(pack))}")
+
+
 def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -273,6 +282,8 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
         if tp2:
             checks.append(check_tp2_pair(devices))
         checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
+        if cfg["STACK_DRAFTER_WEIGHTS"] == "exl3":
+            checks.append(check_exl3_gate(cfg["STACK_DRAFTER"]))
     for engine in engines:
         model = Path(cfg["STACK_MODEL"])
         checks.append(Check("target checkpoint", (model / "config.json").exists(), str(model)))
