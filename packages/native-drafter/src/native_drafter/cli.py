@@ -47,8 +47,7 @@ def cmd_identity(args) -> int:
     out = {"target_digest": target_digest(args.target), "tokenizer_digest": tokenizer_digest(args.target)}
     if args.checkpoint:  # loads it as the worker would (checks the target digest)
         from remote_drafter.drafters.dspark import WEIGHTS_FILE, DSparkDrafter
-
-        from .corpus import sha256_file
+        from remote_drafter.identity import sha256_file
         out = {"manifest": DSparkDrafter.load(args.checkpoint, args.target).manifest().to_json(),
                "safetensors_sha256": sha256_file(os.path.join(args.checkpoint, WEIGHTS_FILE)),
                "safetensors_bytes": os.path.getsize(os.path.join(args.checkpoint, WEIGHTS_FILE))}

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
+from remote_drafter.identity import sha256_file
+
 CLASSES = ("code", "prose", "structured")
 
 
@@ -148,14 +150,6 @@ def documents_in(tree: str, source: Source) -> list[Document]:
                     out.append(Document(source.name, rel if len(pieces) == 1 else f"{rel}#{i}",
                                         klass, piece))
     return out
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch(source: Source, cache: str) -> tuple[str, str]:

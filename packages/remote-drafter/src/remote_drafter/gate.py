@@ -11,7 +11,6 @@ the worker's early check and a launcher do, needs neither.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .drafters import DraftRequest
+from .identity import sha256_file
 
 GATE_FILE = "exl3-gate.json"  # not exl3.json: packs from exllamav3's own converter have none
 GOAL = 0.97                   # the issue's bar: >= 97% of bf16's acceptance at 4 bits
@@ -74,14 +74,6 @@ def read_rounds(path: str) -> tuple[list[Round], dict[str, str]]:
     if not rounds:
         raise ValueError(f"{path}: no gate rounds (prefix.0, continuation.0, taps.0, ...)")
     return rounds, meta
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- measuring -----------------------------------------------------------------------------

@@ -22,10 +22,20 @@ def digest_files(paths: Iterable[str]) -> str:
     h = hashlib.sha256()
     for path in paths:
         h.update(os.path.basename(path).encode() + b"\0")
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
+        _hash_file(h, path)
     return h.hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    """One file's sha256 (records naming exactly the bytes they were made from)."""
+    return _hash_file(hashlib.sha256(), path).hexdigest()
+
+
+def _hash_file(h, path: str):
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h
 
 
 def target_digest(folder: str) -> str:

@@ -10,7 +10,6 @@ Embedding and output head are the target's, frozen, and are not stored in the ch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .. import exl3
-from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
+from ..identity import Manifest, digest_tensors, sha256_file, target_digest, tokenizer_digest
 from ..layers import Block, RMSNorm
 from . import Draft, Drafter, DraftRequest
 from .pick import Picker
@@ -104,14 +103,6 @@ def exl3_linears(state: dict) -> list[str]:
     """The weights an EXL3 pack quantises: every linear but the Markov head's."""
     return sorted(n for n in state if n.endswith(".weight")
                   and (n == "ctx_proj.weight" or ".self_attn." in n or ".mlp." in n))
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSparkModel:
