@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -199,7 +200,12 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, tmp_path, capsys, 
     assert code == (0 if rec["passed"] else 1), out
     assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-gate.json" in out
     pack = Dsv41Drafter.load(str(root / "pack"), device="cpu")
-    assert rec["drafter"] == pack.manifest().drafter and rec["reference_drafter"] == a.manifest().drafter
+    assert rec["drafter"] == gate.weights_of(pack.manifest())
+    assert rec["reference_drafter"] == gate.weights_of(a.manifest())
+    # the Markov head is part of the weights the record names (the drafter digest leaves it out)
+    other_markov = gate.weights_of(replace(pack.manifest(), markov="m" * 64))
+    assert gate.refusal(str(root / "pack"), gate.weights_of(pack.manifest())) is None
+    assert "is for drafter" in gate.refusal(str(root / "pack"), other_markov)
     assert rec["rounds"] == len(POSITIONS) and rec["target"] is None
     # the pack holds the reference's weights rounded to bf16: on these rounds it keeps up
     assert rec["acceptance_ratio"] >= 0.97 and code == 0

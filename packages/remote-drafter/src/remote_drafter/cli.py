@@ -187,8 +187,8 @@ def cmd_exl3_gate(args) -> int:
         spec, options = gate_spec(folder)
         loaded[name] = load_drafter(spec, args.target, args.device, dtype=dtype, **options)
     result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
-    path = gate.record(pack, result, loaded["candidate"].manifest().drafter,
-                       loaded["reference"].manifest().drafter, args.rounds, measured_on)
+    path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
+                       gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
     ratio = result["acceptance_ratio"]
     print(f"{'':<10}{'accepted length':>16}   first-j agreement (j = 1..{result['depth']})")
     print(f"{'reference':<10}{result['reference_accepted']:>16.3f}")
@@ -233,7 +233,7 @@ def cmd_worker(args) -> int:
         if with_kernels:
             drafter = with_kernels(drafter, args.device)
         if args.weights == "exl3":
-            ungated = gate.refusal(drafter_folder(args.drafter), drafter.manifest().drafter,
+            ungated = gate.refusal(drafter_folder(args.drafter), gate.weights_of(drafter.manifest()),
                                    drafter.manifest().target if args.target else None)
             if ungated and not args.ungated:
                 print(f"remote-drafter worker: refusing to start: {ungated}", file=sys.stderr)
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
                     "j drafts are identical in\nboth; the total-variation distance of the first "
                     "draft's distribution at T = 1.\nPasses when the ratio is >= --goal (a "
                     "reference accepting nothing measures nothing:\nno pass). Writes "
-                    "exl3-gate.json into the pack (with the pack's drafter digest; the worker\n"
+                    "exl3-gate.json into the pack (with the pack's drafter and Markov-head digests; the worker\n"
                     "serves --weights exl3 only while that record passed for the weights it "
                     "loads).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
     p.add_argument("pack", help="the EXL3 pack folder (`exl3 convert`'s OUT; dsv41:<folder> accepted)")

@@ -169,6 +169,12 @@ def record(pack: str, result: dict, drafter_digest: str, reference_digest: str,
     return path
 
 
+def weights_of(manifest) -> str:
+    """What a record names the measured weights by: the drafter digest and the Markov head's
+    (the drafter digest leaves the Markov head out: identity.Manifest)."""
+    return f"{manifest.drafter}/{manifest.markov}"
+
+
 def read_record(pack: str) -> dict | None:
     path = os.path.join(pack, GATE_FILE)
     if not os.path.exists(path):
