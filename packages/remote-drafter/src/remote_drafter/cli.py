@@ -267,9 +267,7 @@ def mark_gate(drafter, ungated: str | None) -> None:
         logging.getLogger("remote_drafter.worker").warning(
             "serving an EXL3 pack that has not passed the fidelity gate (--ungated: for "
             "measuring it, never in production): %s", ungated)
-    described = drafter.describe
-    state = f"UNGATED: {ungated}" if ungated else "passed"
-    drafter.describe = lambda: {**described(), "exl3_gate": state}
+    drafter.serving_notes = {"exl3_gate": f"UNGATED: {ungated}" if ungated else "passed"}
 
 
 def cmd_identity(args) -> int:

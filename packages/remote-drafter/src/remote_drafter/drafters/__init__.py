@@ -87,7 +87,8 @@ class Drafter:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
                 "max_depth": self.max_depth, "window": self.window,
                 "history_tokens": self.history_tokens, "dtype": dtype,
-                "hidden_layers": list(self.hidden_layers)}
+                "hidden_layers": list(self.hidden_layers),
+                **getattr(self, "serving_notes", {})}  # what the worker adds: its EXL3 gate state
 
 
 def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtype=None,
