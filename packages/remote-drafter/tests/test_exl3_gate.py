@@ -193,7 +193,7 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, tmp_path, capsys, 
     rounds = str(tmp_path / "rounds.safetensors")
     gate.write_rounds(rounds, rounds_for(a))
     argv = ["exl3", "gate", str(root / "pack"), "--reference", str(root / "a"), "--rounds", rounds,
-            "--device", "cpu", "--dtype", "float32"]
+            "--device", "cpu", "--reference-device", "cpu", "--dtype", "float32"]
     code = remote_drafter.cli.main(argv)
     out = capsys.readouterr().out
     rec = gate.read_record(str(root / "pack"))

@@ -183,9 +183,10 @@ def cmd_exl3_gate(args) -> int:
     dtype = getattr(torch, args.dtype)
     dtype = None if dtype == torch.float32 else dtype
     loaded = {}
-    for name, folder in (("reference", args.reference), ("candidate", pack)):
+    for name, folder, device in (("reference", args.reference, args.reference_device or args.device),
+                                 ("candidate", pack, args.device)):
         spec, options = gate_spec(folder)
-        loaded[name] = load_drafter(spec, args.target, args.device, dtype=dtype, **options)
+        loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
     result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
     path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
                        gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
@@ -519,7 +520,10 @@ def main(argv=None) -> int:
                    help="drafts per round (default: the drafters' max depth, capped by the continuations)")
     p.add_argument("--goal", type=float, default=gate.GOAL,
                    help=f"the ratio that passes (the worker still requires {gate.GOAL} to serve)")
-    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--device", default="cuda:0", help="where the pack runs (a CUDA GPU)")
+    p.add_argument("--reference-device", default=None,
+                   help="where the dense reference runs (default: --device; e.g. cpu where it does "
+                        "not fit beside the pack: DeepSeek-V4.1-Flash's is ~30 GiB in bf16)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="both drafters' dense weights (the reference's all, the pack's unquantised ones)")
     p.set_defaults(fn=cmd_exl3_gate)
