@@ -254,3 +254,54 @@ def test_ungated_serving_is_marked_in_what_the_worker_describes(tinies):
     remote_drafter.cli.mark_gate(drafter, "no record")
     assert drafter.describe()["exl3_gate"] == "UNGATED: no record"
     assert "exl3_gate" not in a.describe()
+
+
+def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
+    """`worker --record-gate-rounds`: at T = 0 the tokens committed after a round's anchor
+    are the target's greedy tokens and the rows sent before it its taps, so each recorded
+    round equals what the target itself computes there; the file is a gate rounds file."""
+    from remote_drafter.client import DrafterClient
+    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.reference import plain_decode, run_target, speculative_decode
+    from remote_drafter.service import DraftService, ServiceConfig
+    from remote_drafter.target import TargetLM
+    from remote_drafter.testing import HIDDEN_LAYERS, make_models
+    from remote_drafter.transport import LocalTransport
+    paths = make_models(str(tmp_path))
+    drafter = DSparkDrafter.load(paths["dspark"], paths["target"])
+    target = TargetLM.load(paths["target"], "cpu")
+    path = str(tmp_path / "rounds.safetensors")
+    service = DraftService(drafter, ServiceConfig(record_gate_rounds=path, gate_rounds=5,
+                                                  gate_depth=3, gate_spacing=7))
+    prompts = {0: [5, 9, 2, 7, 11, 3, 8, 1, 4, 6, 10, 12], 1: [20, 21, 22, 23, 24, 25, 26, 27]}
+    client = DrafterClient(LocalTransport(service), "64:4")
+    out = speculative_decode(target, client, prompts, 30, hidden_layers=HIDDEN_LAYERS)
+    service.close()
+    rounds, meta = gate.read_rounds(path)
+    assert len(rounds) == 5 and meta[gate.TARGET_KEY] == drafter.manifest().target
+    sequences = [prompts[rid] + out.tokens[rid] for rid in prompts]
+    for rid in prompts:  # speculative decoding at T = 0 is the target's own greedy decoding
+        assert out.tokens[rid] == plain_decode(target, prompts[rid], 30)
+    for r in rounds:
+        t = len(r.prefix) - 1
+        seq = next(s for s in sequences if s[:t + 1] == r.prefix.tolist())
+        assert r.continuation.tolist() == seq[t + 1:t + 4]
+        _, hidden = run_target(target, seq[:t + 1], HIDDEN_LAYERS)
+        n = len(r.taps)
+        assert n == min(t, drafter.window)
+        np.testing.assert_allclose(r.taps.astype(np.float32), hidden[t - n:t].numpy(), rtol=2e-3, atol=2e-3)
+    same = gate.measure(drafter, drafter, rounds)  # the file is what the gate reads
+    assert same["acceptance_ratio"] in (None, 1.0) and same["agreement"] == [1.0] * 3
+
+
+def test_only_greedy_requests_are_recorded():
+    from remote_drafter.history import History
+    recorder = gate.RoundRecorder("/nowhere", 2, 3, None, spacing=1)
+    h = History(64, 8, 4)
+    h.reset(np.arange(10, dtype=np.int32), np.ones((9, 4), np.float32))
+    recorder.seen("sampled", h, 1.0)
+    assert not recorder.pending
+    recorder.seen("greedy", h, 0.0)
+    assert list(recorder.pending) == ["greedy"] and recorder.pending["greedy"][0] == 9
+    recorder.forget("greedy")
+    assert not recorder.pending and not recorder.done

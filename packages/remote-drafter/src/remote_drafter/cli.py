@@ -2,6 +2,7 @@
 
   remote-drafter init      --target DIR --out DIR [--target-layers 2,15,29 | --token-only]
   remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0] [--kernels NAME]
+                           [--weights exl3 [--ungated]] [--record-gate-rounds FILE [--gate-rounds 64]]
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
   remote-drafter shadow    --worker HOST:PORT --drafter SPEC --target DIR
@@ -103,7 +104,8 @@ def _service_config(args):
                          spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
                          spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)),
                          spec_cache_max_batch=args.spec_cache_max_batch,
-                         inject_delay_s=args.inject_delay_ms / 1000)
+                         inject_delay_s=args.inject_delay_ms / 1000,
+                         record_gate_rounds=args.record_gate_rounds, gate_rounds=args.gate_rounds)
 
 
 def quota(text: str) -> int | None:
@@ -427,6 +429,11 @@ def main(argv=None) -> int:
                    help="rounds drafting more requests than this skip the cache (and draft batched)")
     p.add_argument("--inject-delay-ms", type=float, default=0,
                    help="testing only: delay every round (a slow link, measurable on one machine)")
+    p.add_argument("--record-gate-rounds", metavar="FILE", default=None,
+                   help="record EXL3 fidelity gate rounds (`exl3 gate --rounds`) from the requests "
+                        "served at temperature 0: their tap rows and the tokens the target "
+                        "committed after them; written when --gate-rounds are in, or at shutdown")
+    p.add_argument("--gate-rounds", type=int, default=64, help="rounds --record-gate-rounds keeps")
     p.set_defaults(fn=cmd_worker)
 
     p = sub.add_parser("identity", help="print the identity manifest of a drafter")

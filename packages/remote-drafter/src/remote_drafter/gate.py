@@ -12,6 +12,7 @@ the worker's early check and a launcher do, needs neither.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ import numpy as np
 
 from .drafters import DraftRequest
 from .identity import sha256_file
+from .sampling import is_greedy
 
+log = logging.getLogger(__name__)
 GATE_FILE = "exl3-gate.json"  # not exl3.json: packs from exllamav3's own converter have none
 GOAL = 0.97                   # the issue's bar: >= 97% of bf16's acceptance at 4 bits
 FORMAT = 1
@@ -74,6 +77,80 @@ def read_rounds(path: str) -> tuple[list[Round], dict[str, str]]:
     if not rounds:
         raise ValueError(f"{path}: no gate rounds (prefix.0, continuation.0, taps.0, ...)")
     return rounds, meta
+
+
+# -- recording rounds from the engine's own traffic ----------------------------------------
+
+class RoundRecorder:
+    """Gate rounds from the requests a worker serves (`worker --record-gate-rounds FILE`).
+    At T = 0 speculative decoding commits exactly the target's greedy tokens, and the rows
+    the engine sends are the target's taps: a request's history is a recording of the target.
+    A round starts at a commit (its anchor: the newest token, at position t; the window's rows
+    before it), at most one per request at a time and `spacing` positions apart; it completes
+    once `depth` more tokens are committed (its continuation). With `count` rounds in, the
+    file is written (beside the serving, in a thread) and recording stops; `close()` writes
+    what there is. Requests at other temperatures are not recorded."""
+
+    def __init__(self, path: str, count: int, depth: int, target_digest: str | None,
+                 spacing: int = 256):
+        self.path, self.count, self.depth, self.spacing = path, count, depth, spacing
+        self.target_digest = target_digest
+        self.done: list[Round] = []
+        self.pending: dict = {}   # request key -> (t, taps, prefix)
+        self.last_start: dict = {}  # request key -> the anchor of its last round
+        self.writer = None
+
+    @property
+    def full(self) -> bool:
+        return len(self.done) >= self.count
+
+    def seen(self, key, history, temperature: float) -> None:
+        """After a request's open or commit (its history as it now stands)."""
+        if self.full or not is_greedy(temperature):
+            return
+        kept = history.length - len(history.tokens)  # positions before the kept tokens
+        if key in self.pending:
+            t, taps, prefix = self.pending[key]
+            if history.length < t + 1 + self.depth:
+                return
+            del self.pending[key]
+            start = t + 1 - kept
+            if start >= 0:  # else the continuation already left the kept tokens
+                self.done.append(Round(taps, prefix, history.tokens[start:start + self.depth].astype(np.int64)))
+                if self.full:
+                    self._write()
+            return
+        t = history.length - 1
+        if t - self.last_start.get(key, -self.spacing) < self.spacing or t < 1:
+            return
+        self.last_start[key] = t
+        rows = history.rows
+        taps = None if rows is None else np.array(rows, np.float16)
+        # tokens before the kept ones are zeros: the gated drafters read the anchor, the
+        # length and the window's rows, not earlier tokens
+        prefix = np.concatenate([np.zeros(kept, np.int64), history.tokens.astype(np.int64)])
+        self.pending[key] = (t, taps, prefix)
+
+    def forget(self, key) -> None:
+        self.pending.pop(key, None)
+        self.last_start.pop(key, None)
+
+    def close(self) -> None:
+        if self.writer is None and self.done:
+            self._write()
+        if self.writer is not None:
+            self.writer.join()
+
+    def _write(self) -> None:
+        import threading
+        rounds = list(self.done)
+        self.writer = threading.Thread(target=self._save, args=(rounds,), name="gate-rounds",
+                                       daemon=False)
+        self.writer.start()
+
+    def _save(self, rounds: list[Round]) -> None:
+        write_rounds(self.path, rounds, self.target_digest)
+        log.info("wrote %d gate rounds to %s", len(rounds), self.path)
 
 
 # -- measuring -----------------------------------------------------------------------------

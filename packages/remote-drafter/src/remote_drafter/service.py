@@ -94,6 +94,12 @@ class ServiceConfig:
     spec_cache_bytes: int = 64 << 20
     spec_cache_max_batch: int = 2  # rounds drafting more requests than this skip the cache
     inject_delay_s: float = 0.0    # testing: added to every round (a slow link on one machine)
+    # Gate rounds recorded from the requests served (gate.RoundRecorder): the file, how many,
+    # drafts per round (None: the drafter's max depth).
+    record_gate_rounds: str | None = None
+    gate_rounds: int = 64
+    gate_depth: int | None = None
+    gate_spacing: int = 256        # positions between two rounds of one request
 
 
 class DraftService:
@@ -122,6 +128,12 @@ class DraftService:
                     "cache off)")
             self.cache = SpeculationCache(self, self.config.spec_cache_outcomes,
                                           self.config.spec_cache_bytes)
+        self.recorder = None
+        if self.config.record_gate_rounds:
+            from .gate import RoundRecorder
+            self.recorder = RoundRecorder(self.config.record_gate_rounds, self.config.gate_rounds,
+                                          self.config.gate_depth or drafter.max_depth,
+                                          self.manifest.target or None, self.config.gate_spacing)
 
     def _client_quota(self) -> int:
         """Requests one client id may hold: the tighter of its two quotas."""
@@ -163,6 +175,8 @@ class DraftService:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        if self.recorder is not None:
+            self.recorder.close()  # what it has, if it is not full yet
 
     # -- one round ---------------------------------------------------------------------------
     def handle(self, payload: bytes) -> bytes:
@@ -250,6 +264,8 @@ class DraftService:
                 self.clients.setdefault(client, ClientUsage()).requests += 1
             history.reset(e.tokens, e.rows, e.length)
             session = self.sessions[key] = Session(history, e.temperature, e.seed, now)
+            if self.recorder is not None:
+                self.recorder.forget(key)  # a re-open starts the request's recording afresh
             if self.cache is not None:
                 self.cache.forget(key)
             self.metrics.inc("opens")
@@ -272,6 +288,8 @@ class DraftService:
             base_length, new_tokens = session.history.length, e.tokens
             session.history.extend(e.tokens, e.rows)
             session.last_used = now
+        if self.recorder is not None:
+            self.recorder.seen(key, session.history, session.temperature)
         self.metrics.inc("committed_tokens", len(e.tokens))
         if e.k == 0:
             if self.cache is not None:
@@ -376,6 +394,8 @@ class DraftService:
 
     # -- lifetime of requests --------------------------------------------------------------
     def _release(self, key: tuple[int, int]) -> None:
+        if self.recorder is not None:
+            self.recorder.forget(key)
         if self.sessions.pop(key, None) is not None:
             usage = self.clients[key[0]]
             usage.requests -= 1
