@@ -276,6 +276,7 @@ def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
     prompts = {0: [5, 9, 2, 7, 11, 3, 8, 1, 4, 6, 10, 12], 1: [20, 21, 22, 23, 24, 25, 26, 27]}
     client = DrafterClient(LocalTransport(service), "64:4")
     out = speculative_decode(target, client, prompts, 30, hidden_layers=HIDDEN_LAYERS)
+    assert service.stats()["gate_rounds_recorded"] == 5  # in status while it records
     service.close()
     rounds, meta = gate.read_rounds(path)
     assert len(rounds) == 5 and meta[gate.TARGET_KEY] == drafter.manifest().target

@@ -422,8 +422,10 @@ class DraftService:
                                         "history_bytes": u.requests * self.bytes_per_request,
                                         "quota_refusals": u.quota_refusals}
                        for c, u in self.clients.items()}
+            recording = {} if self.recorder is None else {"gate_rounds_recorded": len(self.recorder.done),
+                                                          "gate_rounds_pending": len(self.recorder.pending)}
         return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
-                "clients": clients, **self.metrics.snapshot(), **self.describe()}
+                "clients": clients, **recording, **self.metrics.snapshot(), **self.describe()}
 
     def _label(self, client: int) -> str:
         return hashlib.blake2b(client.to_bytes(4, "little"), digest_size=4,
