@@ -28,7 +28,9 @@ def delta(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-TP2_DENSE = "STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_WEIGHTS=dense\n"  # the production template serves EXL3
+# the production template serves DeepSeek-V4.1's drafter as an EXL3 pack, one card; the
+# two-card worker serves a dense DSpark checkpoint
+TP2_DENSE = "STACK_DRAFTER_TP2=1\nSTACK_DRAFTER_WEIGHTS=dense\nSTACK_DRAFTER=/models/dspark-drafter\n"
 
 
 def production(t: Path, *more: str) -> list[str]:
@@ -161,6 +163,7 @@ def test_both_kinds_of_worker_get_their_quotas_and_cut_off_from_the_env_file(tmp
                 "REMOTE_DRAFTER_CONFIDENCE_CUTOFF=0.5")
     env = ["--env", str(filled(tmp_path, "production-D")),
            "--env", delta(tmp_path, f"STACK_DRAFTER_TP2={tp2}\nSTACK_DRAFTER_WEIGHTS=dense\n"
+                          "STACK_DRAFTER=/models/dspark-drafter\n"
                           + "\n".join(settings) + "\n")]
     assert main(["args", *env, "--role", "drafter-worker"]) == 0
     out = capsys.readouterr().out
@@ -175,6 +178,7 @@ def test_an_exl3_pack_is_served_by_the_one_card_worker_only(tmp_path, capsys):
     line = worker_line(capsys.readouterr().out)
     assert line.endswith(" --weights exl3") and "--ungated" not in line  # the gate is never skipped
     for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\n", "one-card worker's"),
+                      ("STACK_DRAFTER_WEIGHTS=dense\nSTACK_DRAFTER_TP2=1\n", "DSpark checkpoints only"),
                       ("STACK_DRAFTER_WEIGHTS=int4\n", "dense or exl3, not 'int4'")):
         assert main(["args", *env, "--env", delta(tmp_path, text), "--role", "drafter-worker"]) == 2
         assert why in capsys.readouterr().err
