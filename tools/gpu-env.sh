@@ -6,7 +6,7 @@
 # Installed once per machine (a warm machine keeps /tmp/site): reinstalling rewrites every
 # file, and exllamav3's JIT-built CUDA extension then rebuilds (~5 min) on its sources' new
 # modification times, though nothing changed (seen on the H200).
-stamp=$(ls -l "${1:-.whl}"/*.whl | awk '{print $5, $NF}' | sha256sum | cut -c1-16)
+stamp=$(sha256sum "${1:-.whl}"/*.whl | sha256sum | cut -c1-16)
 if [[ "$(cat /tmp/site/.wheels-stamp 2>/dev/null)" != "$stamp" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${1:-.whl}"/*.whl && echo "$stamp" > /tmp/site/.wheels-stamp

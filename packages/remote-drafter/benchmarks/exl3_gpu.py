@@ -105,7 +105,8 @@ def prepare(out: str, rounds: int) -> None:
     embed = load_file(str(TARGET / "model.safetensors"))["model.embed_tokens.weight"]
     os.makedirs(out, exist_ok=True)
     gate.write_rounds(os.path.join(out, "taps.safetensors"), taken, target_digest(str(TARGET)),
-                      {"embed_ids": np.array(rows), "embed_rows": embed[rows].numpy()})
+                      {"embed_ids": np.array(rows), "embed_rows": embed[rows].numpy()},
+                      hidden_layers=config.target_layers)
     say(f"prepared {rounds} rounds in {out}")
 
 

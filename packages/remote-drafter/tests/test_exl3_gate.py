@@ -54,15 +54,22 @@ def tinies(tmp_path_factory):
     return root, a, b
 
 
+@pytest.fixture(scope="module")
+def rounds_a(tinies):
+    """rounds_for(a), made once (each round encodes a window of rows: seconds on the CPU)."""
+    return rounds_for(tinies[1])
+
+
 def greedy(drafter, r: gate.Round, depth: int) -> np.ndarray:
     return drafter.draft([DraftRequest(gate.history_of(drafter, r), depth)], want_probs=False)[0].tokens
 
 
 def rounds_for(drafter, seed: int = 0) -> list[gate.Round]:
-    """Random taps and prefixes; the continuation is `drafter`'s own greedy chain."""
+    """Random taps and prefixes (MIN_ROUNDS of them, each of POSITIONS in turn); the
+    continuation is `drafter`'s own greedy chain."""
     rng = np.random.default_rng(seed)
     out = []
-    for t in POSITIONS:
+    for t in POSITIONS * (gate.MIN_ROUNDS // len(POSITIONS)):
         n = min(t, drafter.window)
         r = gate.Round(rng.standard_normal((n, drafter.feature)).astype(np.float16),
                        rng.integers(0, drafter.vocab_size, t + 1), np.zeros(drafter.max_depth, np.int64))
@@ -71,18 +78,20 @@ def rounds_for(drafter, seed: int = 0) -> list[gate.Round]:
     return out
 
 
-def test_a_drafter_against_itself_passes_with_everything_equal(tinies):
+def test_a_drafter_against_itself_passes_with_everything_equal(tinies, rounds_a):
     _, a, _ = tinies
-    result = gate.measure(a, a, rounds_for(a))
+    result = gate.measure(a, a, list(rounds_a))
     assert result["reference_accepted"] == result["candidate_accepted"] == a.max_depth
     assert result["acceptance_ratio"] == 1.0 and result["passed"]
     assert result["agreement"] == [1.0] * a.max_depth
-    assert result["tv"] == 0.0 and result["rounds"] == len(POSITIONS)
+    assert result["tv"] == 0.0 and result["rounds"] == gate.MIN_ROUNDS
+    fewer = gate.measure(a, a, rounds_a[:len(POSITIONS)])
+    assert fewer["acceptance_ratio"] == 1.0 and not fewer["passed"]  # too few rounds to tell
 
 
-def test_another_drafter_disagrees_and_the_numbers_are_what_its_drafts_give(tinies):
+def test_another_drafter_disagrees_and_the_numbers_are_what_its_drafts_give(tinies, rounds_a):
     _, a, b = tinies
-    rounds = rounds_for(a)
+    rounds = list(rounds_a)
     result = gate.measure(a, b, rounds, goal=0.5)
     mine = [gate.accepted(greedy(b, r, a.max_depth), r.continuation) for r in rounds]
     assert result["candidate_accepted"] == pytest.approx(np.mean(mine))
@@ -96,33 +105,33 @@ def test_another_drafter_disagrees_and_the_numbers_are_what_its_drafts_give(tini
     assert 0 < result["tv"] <= result["tv_max"] <= 1
 
 
-def test_accepted_length_is_the_prefix_equal_to_the_continuation(tinies):
+def test_accepted_length_is_the_prefix_equal_to_the_continuation(tinies, rounds_a):
     _, a, _ = tinies
-    rounds = rounds_for(a)
+    rounds = rounds_a[:len(POSITIONS)]  # the rule, not a pass: a few rounds do
     changed = rounds[1].continuation.copy()
     changed[2] = (changed[2] + 1) % a.vocab_size
     rounds[1] = gate.Round(rounds[1].taps, rounds[1].prefix, changed)
     result = gate.measure(a, a, rounds, depth=4)
     assert result["depth"] == 4
-    assert result["reference_accepted"] == pytest.approx((4 + 2 + 4 + 4) / 4)
+    assert result["reference_accepted"] == pytest.approx((4 * (len(rounds) - 1) + 2) / len(rounds))
     assert result["acceptance_ratio"] == 1.0
     assert gate.accepted(np.array([1, 2, 3]), np.array([1, 2, 3, 4])) == 3
     assert gate.accepted(np.array([5, 2]), np.array([1, 2])) == 0
 
 
-def test_a_reference_accepting_nothing_does_not_pass(tinies):
+def test_a_reference_accepting_nothing_does_not_pass(tinies, rounds_a):
     _, a, _ = tinies
-    rounds = [gate.Round(r.taps, r.prefix, (r.continuation + 1) % a.vocab_size) for r in rounds_for(a)]
+    rounds = [gate.Round(r.taps, r.prefix, (r.continuation + 1) % a.vocab_size) for r in rounds_a[:len(POSITIONS)]]
     result = gate.measure(a, a, rounds)
     assert result["reference_accepted"] == 0 and result["acceptance_ratio"] is None
     assert not result["passed"]
 
 
-def test_rows_before_the_stored_ones_are_never_read(tinies):
+def test_rows_before_the_stored_ones_are_never_read(tinies, rounds_a):
     """The rounds file keeps min(t, window) rows; a history given every earlier row too
     (zeros here, as benchmarks/dsv4_exl3_check.py lays them out) drafts the same."""
     _, a, _ = tinies
-    r = rounds_for(a)[3]  # t = 200 > window
+    r = list(rounds_a)[3]  # t = 200 > window
     t = len(r.prefix) - 1
     full = a.new_history()
     full.reset(r.prefix.astype(np.int32),
@@ -134,9 +143,9 @@ def test_rows_before_the_stored_ones_are_never_read(tinies):
         gate.measure(a, a, [short])
 
 
-def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinies):
+def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinies, rounds_a):
     _, a, _ = tinies
-    rounds = rounds_for(a)
+    rounds = list(rounds_a)
     path = str(tmp_path / "rounds.safetensors")
     extra = {"embed_ids": np.arange(4, dtype=np.int64), "embed_rows": np.ones((4, 8), np.float16)}
     gate.write_rounds(path, rounds, target_digest="t" * 64, extra=extra)
@@ -155,7 +164,7 @@ def test_the_record_decides_what_may_be_served(tmp_path):
     pack, rounds = str(tmp_path), str(tmp_path / "r.safetensors")
     gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))], target_digest="t" * 64)
     assert "no fidelity gate record" in gate.refusal(pack, "d" * 64)
-    result = {"rounds": 8, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.8,
+    result = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.8,
               "acceptance_ratio": 0.9, "agreement": [1.0] * 5, "tv": 0.01, "tv_max": 0.02,
               "goal": 0.97, "passed": False}
     gate.record(pack, result, "d" * 64, "r" * 64, rounds, "t" * 64)
@@ -172,6 +181,11 @@ def test_the_record_decides_what_may_be_served(tmp_path):
     # a pass at a lower goal of its own does not clear the pack: the worker's bar is GOAL
     gate.record(pack, {**result, "goal": 0.8, "passed": True}, "d" * 64, "r" * 64, rounds)
     assert "goal 97%" in gate.refusal(pack, "d" * 64)
+    passed = {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True}
+    gate.record(pack, {**passed, "rounds": gate.MIN_ROUNDS - 1}, "d" * 64, "r" * 64, rounds)
+    assert f"fewer than the {gate.MIN_ROUNDS}" in gate.refusal(pack, "d" * 64)
+    gate.record(pack, passed, "d" * 64, "d" * 64, rounds)  # gated against itself
+    assert "against its own weights" in gate.refusal(pack, "d" * 64)
 
 
 def test_the_gate_command_explains_itself(capsys):
@@ -188,10 +202,10 @@ def no_gpu_needed(monkeypatch):
     monkeypatch.setattr(exl3, "load_exllamav3", lambda log=None: None)
 
 
-def test_the_gate_command_measures_and_records_a_pack(tinies, tmp_path, capsys, no_gpu_needed):
+def test_the_gate_command_measures_and_records_a_pack(tinies, rounds_a, tmp_path, capsys, no_gpu_needed):
     root, a, _ = tinies
     rounds = str(tmp_path / "rounds.safetensors")
-    gate.write_rounds(rounds, rounds_for(a))
+    gate.write_rounds(rounds, list(rounds_a))
     argv = ["exl3", "gate", str(root / "pack"), "--reference", str(root / "a"), "--rounds", rounds,
             "--device", "cpu", "--reference-device", "cpu", "--dtype", "float32"]
     code = remote_drafter.cli.main(argv)
@@ -206,11 +220,18 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, tmp_path, capsys, 
     other_markov = gate.weights_of(replace(pack.manifest(), markov="m" * 64))
     assert gate.refusal(str(root / "pack"), gate.weights_of(pack.manifest())) is None
     assert "is for drafter" in gate.refusal(str(root / "pack"), other_markov)
-    assert rec["rounds"] == len(POSITIONS) and rec["target"] is None
+    assert rec["rounds"] == gate.MIN_ROUNDS and rec["target"] is None
     # the pack holds the reference's weights rounded to bf16: on these rounds it keeps up
     assert rec["acceptance_ratio"] >= 0.97 and code == 0
     assert remote_drafter.cli.main([*argv, "--depth", "9"]) == 2
     assert "depth 9" in capsys.readouterr().err
+    itself = [*argv[:4], str(root / "pack"), *argv[5:]]  # --reference the pack itself
+    assert remote_drafter.cli.main(itself) == 2
+    assert "is an EXL3 pack" in capsys.readouterr().err
+    other = str(tmp_path / "other-taps.safetensors")
+    gate.write_rounds(other, list(rounds_a), hidden_layers=[9, 9, 9])
+    assert remote_drafter.cli.main([*argv[:6], other, *argv[7:]]) == 2
+    assert "taps of target layers [9, 9, 9]" in capsys.readouterr().err
 
 
 def worker(drafter: str, *more: str) -> list[str]:
@@ -232,7 +253,7 @@ def test_the_worker_refuses_a_pack_without_a_passed_gate_for_its_weights(tinies,
     assert "no fidelity gate record" in err and "exl3 gate" in err and "\n" not in err
     rounds = str(tmp_path / "r.safetensors")
     gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))])
-    result = {"rounds": 4, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.0,
+    result = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.0,
               "acceptance_ratio": 0.5, "agreement": [0.5] * 5, "tv": 0.1, "tv_max": 0.2,
               "goal": 0.97, "passed": False}
     gate.record(str(pack), result, "d" * 64, "r" * 64, rounds)
@@ -246,6 +267,37 @@ def test_the_worker_refuses_a_pack_without_a_passed_gate_for_its_weights(tinies,
     assert "exllamav3" not in sys.modules
     assert remote_drafter.cli.main(["worker", "--drafter", "ngram", "--ungated"]) == 2
     assert "--ungated is for --weights exl3" in capsys.readouterr().err
+    # a pack served as dense weights would skip its gate: refused
+    assert remote_drafter.cli.main(["worker", "--drafter", spec, "--listen", "127.0.0.1:0"]) == 2
+    assert "holds EXL3 weights: serve it with --weights exl3" in capsys.readouterr().err
+    assert remote_drafter.cli.main([*worker("ngram")[:-4], "--record-gate-rounds",
+                                    str(tmp_path / "missing" / "r.safetensors")]) == 2
+    assert "is not a folder this process can write" in capsys.readouterr().err
+
+
+def test_a_pack_that_passed_its_gate_is_served(tinies, rounds_a, tmp_path, capsys, no_gpu_needed, monkeypatch):
+    """The gate's own record for the pack's weights lets the worker start (status: passed)."""
+    root, a, _ = tinies
+    pack = tmp_path / "pack"
+    dense_pack(str(root / "a"), str(pack))
+    rounds = str(tmp_path / "rounds.safetensors")
+    gate.write_rounds(rounds, list(rounds_a))
+    assert remote_drafter.cli.main(["exl3", "gate", str(pack), "--reference", str(root / "a"),
+                                    "--rounds", rounds, "--device", "cpu", "--dtype", "float32"]) == 0
+    served = {}
+    import remote_drafter.worker as worker_module
+    real = worker_module.Worker
+
+    class Recorded(real):
+        def start(self):
+            served["describe"] = self.service.stats()
+            return super().start()
+    monkeypatch.setattr(worker_module, "Worker", Recorded)
+    monkeypatch.setattr(remote_drafter.cli, "wait_for_shutdown", lambda stop: None)
+    assert remote_drafter.cli.main(worker(f"dsv41:{pack}")) == 0
+    out = capsys.readouterr().out
+    assert "dsv41 drafter" in out and "UNGATED" not in out
+    assert served["describe"]["drafter"]["exl3_gate"] == "passed"
 
 
 def test_ungated_serving_is_marked_in_what_the_worker_describes(tinies):
@@ -291,8 +343,30 @@ def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
         n = len(r.taps)
         assert n == min(t, drafter.window)
         np.testing.assert_allclose(r.taps.astype(np.float32), hidden[t - n:t].numpy(), rtol=2e-3, atol=2e-3)
-    same = gate.measure(drafter, drafter, rounds)  # the file is what the gate reads
-    assert same["acceptance_ratio"] in (None, 1.0) and same["agreement"] == [1.0] * 3
+    for r in rounds:  # the gate can lay each one out for this drafter (rows cover its window)
+        assert gate.history_of(drafter, r).length == len(r.prefix)
+
+
+def test_a_round_beyond_the_kept_tokens():
+    """A history keeps its last max_tokens tokens: earlier prefix positions are zeros (the
+    gated drafters read the newest token, the length and the window's rows), and a round whose
+    continuation left the kept tokens before it completed is dropped, not misrecorded."""
+    from remote_drafter.history import History
+    recorder = gate.RoundRecorder("/tmp/r.safetensors", 4, 3, None, spacing=1)
+    h = History(8, 4, 2)
+    tokens = np.arange(100, 120, dtype=np.int32)  # 20 positions, the last 8 kept
+    h.reset(tokens, np.ones((19, 2), np.float32))
+    recorder.seen("a", h, 0.0)
+    t, taps, prefix = recorder.pending["a"]
+    assert t == 19 and len(prefix) == 20 and len(taps) == 4
+    assert (prefix[:12] == 0).all() and prefix[12:].tolist() == tokens[12:].tolist()
+    h.extend(np.array([7, 8, 9], np.int32), np.ones((3, 2), np.float32))
+    recorder.seen("a", h, 0.0)
+    assert recorder.done[0].continuation.tolist() == [7, 8, 9] and not recorder.pending
+    recorder.seen("a", h, 0.0)  # a new round at 22; then 12 tokens at once: its continuation left
+    h.extend(np.arange(12, dtype=np.int32), np.ones((12, 2), np.float32))
+    recorder.seen("a", h, 0.0)
+    assert len(recorder.done) == 1 and not recorder.pending
 
 
 def test_only_greedy_requests_are_recorded():

@@ -19,6 +19,7 @@ from ofl import admission
 from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
 from remote_drafter import gate
+from remote_drafter.drafters import spec_folder
 from remote_engram import env as engram_env
 
 from .config import StackConfig
@@ -206,7 +207,7 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
 def check_exl3_gate(spec: str) -> Check:
     """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.gate); the
     record alone here, the worker compares its weights' digest once it has loaded them."""
-    pack = spec.removeprefix("dsv41:")
+    pack = spec_folder(spec)
     why = gate.refusal(pack, None)
     return Check("exl3 gate", why is None, why or f"{pack}: {gate.summary(gate.read_record(pack))}")
 

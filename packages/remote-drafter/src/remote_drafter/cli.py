@@ -27,7 +27,7 @@ from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
 from . import env, gate
-from .drafters import WorkerExtraMissing, worker_side
+from .drafters import WorkerExtraMissing, spec_folder, worker_side
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
@@ -127,17 +127,13 @@ def kernel_loader(name: str):
         raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
 
 
-def drafter_folder(spec: str) -> str:
-    return spec.removeprefix("dsv41:")
-
-
 def check_exl3_pack(spec: str, device: str) -> None:
     """--weights exl3: refused without CUDA or exllamav3, or for a folder that is no EXL3
     pack; then exllamav3 is imported (its extension built, said while it waits)."""
     exl3 = worker_side("remote_drafter.exl3", "--weights exl3")
     exl3.require(device)
-    if not exl3.is_pack(drafter_folder(spec)):
-        raise ValueError(f"{drafter_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
+    if not exl3.is_pack(spec_folder(spec)):
+        raise ValueError(f"{spec_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
                          "make them with `remote-drafter exl3 convert`")
     exl3.load_exllamav3()
 
@@ -147,7 +143,7 @@ def cmd_exl3_convert(args) -> int:
     exl3 = worker_side("remote_drafter.exl3", "exl3 convert")
     exl3.require(args.device)
     exl3.load_exllamav3()
-    folder, log = drafter_folder(args.folder), (lambda m: print(m, flush=True))
+    folder, log = spec_folder(args.folder), (lambda m: print(m, flush=True))
     if os.path.exists(os.path.join(folder, "drafter.json")):
         if args.head_bits:
             raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
@@ -165,7 +161,7 @@ def cmd_exl3_convert(args) -> int:
 def gate_spec(folder: str) -> tuple[str, dict]:
     """A drafter folder as load_drafter's spec: DSpark's (drafter.json) or DeepSeek's; the
     latter without a confidence cut-off, so the gate compares whole chains."""
-    folder = drafter_folder(folder)
+    folder = spec_folder(folder)
     if os.path.exists(os.path.join(folder, "drafter.json")):
         return folder, {}
     return f"dsv41:{folder}", {"confidence_cutoff": 0.0}
@@ -176,7 +172,11 @@ def cmd_exl3_gate(args) -> int:
     from .drafters import load_drafter
     from .identity import target_digest
     check_exl3_pack(args.pack, args.device)
-    pack = drafter_folder(args.pack)
+    pack = spec_folder(args.pack)
+    exl3 = worker_side("remote_drafter.exl3", "exl3 gate")
+    if exl3.is_pack(spec_folder(args.reference)):
+        raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
+                         "drafter the pack was converted from")
     rounds, meta = gate.read_rounds(args.rounds)
     measured_on = meta.get(gate.TARGET_KEY)
     if args.target and measured_on and target_digest(args.target) != measured_on:
@@ -189,6 +189,8 @@ def cmd_exl3_gate(args) -> int:
                                  ("candidate", pack, args.device)):
         spec, options = gate_spec(folder)
         loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
+    if why := gate.taps_refusal(meta, loaded["candidate"]):
+        raise ValueError(f"{args.rounds}: {why}")
     result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
     path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
                        gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
@@ -198,7 +200,8 @@ def cmd_exl3_gate(args) -> int:
     print(f"{'candidate':<10}{result['candidate_accepted']:>16.3f}   "
           + " ".join(f"{a:.3f}" for a in result["agreement"]))
     tv = "n/a" if result["tv"] is None else f"{result['tv']:.4f} (max {result['tv_max']:.4f})"
-    print(f"remote-drafter exl3 gate: {result['rounds']} rounds, ratio "
+    few = f" (fewer than the {gate.MIN_ROUNDS} rounds a pass needs)" if result["rounds"] < gate.MIN_ROUNDS else ""
+    print(f"remote-drafter exl3 gate: {result['rounds']} rounds{few}, ratio "
           f"{'n/a (the reference accepted nothing)' if ratio is None else f'{ratio:.1%}'} "
           f"(goal {args.goal:.0%}), first-draft TV at T = 1 {tv} -> "
           f"{'PASS' if result['passed'] else 'FAIL'}; recorded in {path}")
@@ -216,19 +219,22 @@ def cmd_worker(args) -> int:
     from .worker import Worker
     if args.ungated and args.weights != "exl3":
         raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
+    if args.record_gate_rounds and (why := gate.recording_refusal(args.record_gate_rounds, args.gate_rounds)):
+        raise ValueError(why)
     ungated = None  # why an EXL3 pack has not passed its gate, served anyway (--ungated)
     if args.weights == "exl3":  # refused before the card is locked; then exllamav3 builds
         check_exl3_pack(args.drafter, args.device)
         # the record alone now (a missing or failed gate costs no load); its digest once loaded
-        if (ungated := gate.refusal(drafter_folder(args.drafter), None)) and not args.ungated:
-            print(f"remote-drafter worker: refusing to start: {ungated}", file=sys.stderr)
-            return 2
+        if (ungated := gate.refusal(spec_folder(args.drafter), None)) and not args.ungated:
+            return refuse_to_start(ungated)
+    elif worker_side("remote_drafter.exl3", "the worker").is_pack(spec_folder(args.drafter)):
+        return refuse_to_start(f"{spec_folder(args.drafter)} holds EXL3 weights: serve it with "
+                               "--weights exl3 (which checks its fidelity gate)")
     stop = shutdown_event()
     try:  # before anything lands on the card: one drafter worker per device, of any kind
         lock = worker_lock(args.device)
     except (DeviceBusy, ValueError) as exc:
-        print(f"remote-drafter worker: refusing to start: {exc}", file=sys.stderr)
-        return 2
+        return refuse_to_start(str(exc))
     try:
         dtype = getattr(torch, args.dtype)
         drafter = load_drafter(args.drafter, args.target, args.device,
@@ -236,11 +242,10 @@ def cmd_worker(args) -> int:
         if with_kernels:
             drafter = with_kernels(drafter, args.device)
         if args.weights == "exl3":
-            ungated = gate.refusal(drafter_folder(args.drafter), gate.weights_of(drafter.manifest()),
+            ungated = gate.refusal(spec_folder(args.drafter), gate.weights_of(drafter.manifest()),
                                    drafter.manifest().target if args.target else None)
             if ungated and not args.ungated:
-                print(f"remote-drafter worker: refusing to start: {ungated}", file=sys.stderr)
-                return 2
+                return refuse_to_start(ungated)
             mark_gate(drafter, ungated)
         host, port = parse_address(args.listen, 7480)
         worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
@@ -261,6 +266,11 @@ def cmd_worker(args) -> int:
                 torch.cuda.synchronize(args.device)  # in-flight GPU work ends before the card is free
             lock.release()
     return 0
+
+
+def refuse_to_start(why: str) -> int:
+    print(f"remote-drafter worker: refusing to start: {why}", file=sys.stderr)
+    return 2
 
 
 def mark_gate(drafter, ungated: str | None) -> None:

@@ -26,6 +26,8 @@ from .sampling import is_greedy
 log = logging.getLogger(__name__)
 GATE_FILE = "exl3-gate.json"  # not exl3.json: packs from exllamav3's own converter have none
 GOAL = 0.97                   # the issue's bar: >= 97% of bf16's acceptance at 4 bits
+MIN_ROUNDS = 32               # fewer rounds pass or fail by luck: one round moves the ratio > 3%
+TAPS_KEY = "taps_of"          # the rounds file's metadata: the recording drafter's hidden layers, feature
 FORMAT = 1
 TARGET_KEY = "target_digest"  # the rounds file's metadata: the target the rounds came from
 
@@ -45,9 +47,10 @@ class Round:
 # -- the rounds file -----------------------------------------------------------------------
 
 def write_rounds(path: str, rounds: list[Round], target_digest: str | None = None,
-                 extra: dict[str, np.ndarray] | None = None) -> None:
+                 extra: dict[str, np.ndarray] | None = None, hidden_layers=None) -> None:
     """Rounds as safetensors: taps.{i} float16 [n, feature], prefix.{i} int64 [t + 1],
-    continuation.{i} int64 [depth]; `extra` tensors ride along (readers skip them)."""
+    continuation.{i} int64 [depth]; `extra` tensors ride along (readers skip them).
+    hidden_layers: the target layers the taps are (a drafter tapping others cannot use them)."""
     from safetensors.numpy import save_file
     tensors = dict(extra or {})
     for i, r in enumerate(rounds):
@@ -58,7 +61,20 @@ def write_rounds(path: str, rounds: list[Round], target_digest: str | None = Non
     meta = {"format": str(FORMAT), "rounds": str(len(rounds))}
     if target_digest:
         meta[TARGET_KEY] = target_digest
+    if hidden_layers is not None:
+        meta[TAPS_KEY] = json.dumps([int(x) for x in hidden_layers])
     save_file(tensors, path, metadata=meta)
+
+
+def taps_refusal(meta: dict[str, str], drafter) -> str | None:
+    """Why rounds recorded with `meta` cannot gate `drafter` (its taps are other layers)."""
+    if TAPS_KEY not in meta or not drafter.feature:
+        return None
+    recorded = json.loads(meta[TAPS_KEY])
+    if recorded != [int(x) for x in drafter.hidden_layers]:
+        return (f"the rounds hold taps of target layers {recorded}, this drafter reads layers "
+                f"{list(drafter.hidden_layers)}: record them with a worker serving this drafter")
+    return None
 
 
 def read_rounds(path: str) -> tuple[list[Round], dict[str, str]]:
@@ -92,13 +108,18 @@ class RoundRecorder:
     what there is. Requests at other temperatures are not recorded."""
 
     def __init__(self, path: str, count: int, depth: int, target_digest: str | None,
-                 spacing: int = 256):
+                 spacing: int = 256, hidden_layers=()):
+        why = recording_refusal(path, count)
+        if why:
+            raise ValueError(why)
         self.path, self.count, self.depth, self.spacing = path, count, depth, spacing
-        self.target_digest = target_digest
+        self.target_digest, self.hidden_layers = target_digest, list(hidden_layers)
         self.done: list[Round] = []
         self.pending: dict = {}   # request key -> (t, taps, prefix)
         self.last_start: dict = {}  # request key -> the anchor of its last round
         self.writer = None
+        self.written = 0          # rounds in the file, once written
+        self.error: str | None = None  # why writing it failed
 
     @property
     def full(self) -> bool:
@@ -123,8 +144,10 @@ class RoundRecorder:
         t = history.length - 1
         if t - self.last_start.get(key, -self.spacing) < self.spacing or t < 1:
             return
-        self.last_start[key] = t
         rows = history.rows
+        if rows is not None and len(rows) < min(t, history.window):
+            return  # opened with fewer rows than its window reads: the gate could not use it
+        self.last_start[key] = t
         taps = None if rows is None else np.array(rows, np.float16)
         # tokens before the kept ones are zeros: the gated drafters read the anchor, the
         # length and the window's rows, not earlier tokens
@@ -149,8 +172,24 @@ class RoundRecorder:
         self.writer.start()
 
     def _save(self, rounds: list[Round]) -> None:
-        write_rounds(self.path, rounds, self.target_digest)
+        try:
+            write_rounds(self.path, rounds, self.target_digest, hidden_layers=self.hidden_layers)
+        except Exception as exc:  # noqa: BLE001 - the worker serves on; status says why
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("writing %d gate rounds to %s failed: %s", len(rounds), self.path, self.error)
+            return
+        self.written = len(rounds)
         log.info("wrote %d gate rounds to %s", len(rounds), self.path)
+
+
+def recording_refusal(path: str, count: int) -> str | None:
+    """Why rounds cannot be recorded into `path` (checked at start-up, not after hours)."""
+    if count < 1:
+        return f"--gate-rounds {count}: record at least 1 (the gate needs {MIN_ROUNDS})"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"--record-gate-rounds {path}: {folder} is not a folder this process can write"
+    return None
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -220,7 +259,7 @@ def measure(reference, candidate, rounds: list[Round], depth: int | None = None,
             "candidate_accepted": cand, "acceptance_ratio": ratio,
             "agreement": (same / len(rounds)).tolist(),
             "tv": float(np.mean(tv)) if tv else None, "tv_max": float(np.max(tv)) if tv else None,
-            "goal": goal, "passed": ratio is not None and ratio >= goal}
+            "goal": goal, "passed": ratio is not None and ratio >= goal and len(rounds) >= MIN_ROUNDS}
 
 
 # -- the record ----------------------------------------------------------------------------
@@ -282,11 +321,16 @@ def refusal(pack: str, drafter_digest: str | None, target_digest: str | None = N
         return (f"{pack} has no fidelity gate record ({GATE_FILE}): run `remote-drafter exl3 gate "
                 f"{pack} --reference <its dense drafter> --rounds <gate rounds file>` first")
     try:
+        if rec["rounds"] < MIN_ROUNDS:
+            return (f"{pack}'s fidelity gate ran on {rec['rounds']} rounds, fewer than the "
+                    f"{MIN_ROUNDS} that make a pass more than luck: run it again on more")
         ratio = rec["acceptance_ratio"]
         if ratio is None or ratio < goal or not rec["passed"]:
             return f"{pack} failed the fidelity gate: {summary({**rec, 'goal': max(goal, rec['goal'])})}"
     except (KeyError, TypeError) as exc:
         return f"{pack}: its fidelity gate record ({GATE_FILE}) is incomplete ({exc!r}): run the gate again"
+    if rec.get("drafter") == rec.get("reference_drafter"):
+        return f"{pack} was gated against its own weights: gate it against its dense drafter"
     if drafter_digest is not None and rec.get("drafter") != drafter_digest:
         return (f"{pack}'s fidelity gate record is for drafter {str(rec.get('drafter'))[:12]}, "
                 f"the pack loads as {drafter_digest[:12]}: its weights changed since; run the gate again")

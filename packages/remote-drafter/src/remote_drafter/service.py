@@ -133,7 +133,8 @@ class DraftService:
             from .gate import RoundRecorder
             self.recorder = RoundRecorder(self.config.record_gate_rounds, self.config.gate_rounds,
                                           self.config.gate_depth or drafter.max_depth,
-                                          self.manifest.target or None, self.config.gate_spacing)
+                                          self.manifest.target or None, self.config.gate_spacing,
+                                          drafter.hidden_layers)
 
     def _client_quota(self) -> int:
         """Requests one client id may hold: the tighter of its two quotas."""
@@ -422,8 +423,10 @@ class DraftService:
                                         "history_bytes": u.requests * self.bytes_per_request,
                                         "quota_refusals": u.quota_refusals}
                        for c, u in self.clients.items()}
-            recording = {} if self.recorder is None else {"gate_rounds_recorded": len(self.recorder.done),
-                                                          "gate_rounds_pending": len(self.recorder.pending)}
+            r = self.recorder
+            recording = {} if r is None else {
+                "gate_rounds_recorded": len(r.done), "gate_rounds_pending": len(r.pending),
+                "gate_rounds_written": r.written, **({"gate_rounds_error": r.error} if r.error else {})}
         return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
                 "clients": clients, **recording, **self.metrics.snapshot(), **self.describe()}
 

@@ -24,6 +24,11 @@ WORKER_PACKAGES = ("torch", "safetensors")  # what the extra adds to the engine-
 DSV41_PREFIX = "dsv41:"
 
 
+def spec_folder(spec: str) -> str:
+    """The folder a drafter spec names (`dsv41:<folder>` or a folder itself)."""
+    return spec.removeprefix(DSV41_PREFIX)
+
+
 class WorkerExtraMissing(ImportError):
     """The torch side was asked for where only the engine side is installed."""
 

@@ -209,7 +209,7 @@ def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamesp
             used |= {f"{s}.{k}" for s in slices for k in exl3.STORED}
         elif name in state or (slices and f"{slices[0]}.weight" in state):
             t = state[name] if name in state else torch.cat([state[f"{s}.weight"] for s in slices])
-            used |= {name, *(f"{s}.weight" for s in slices)}
+            used |= {name} if name in state else {f"{s}.weight" for s in slices}
             cut = t if tuple(t.shape) == tuple(shape) else exl3.unpadded(t, shape)
             if cut is None:
                 problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}"

@@ -27,7 +27,6 @@ from . import quant
 from .config import Dsv41DrafterConfig, expected_tensors, weight_table
 
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
-SHARED_WITH_TARGET = ("embed.weight", "head.weight")
 # The safetensors dtypes each kind of config.expected_tensors may be stored as.
 STORED_AS = {"bf16": ("BF16",), "f32": ("F32",), "fp8": ("F8_E4M3",),
              "fp4": ("I8", "U8", "F4"), "e8m0": ("F8_E8M0", "U8")}
