@@ -65,16 +65,6 @@ def text_docs() -> list[str]:
     return docs
 
 
-def greedy_continuation(target, prefix: list[int], depth: int) -> list[int]:
-    """The target's own next `depth` tokens at T = 0 (what greedy verification accepts)."""
-    ids = list(prefix)
-    with torch.no_grad():
-        for _ in range(depth):
-            logits, _ = target(torch.tensor(ids), ())
-            ids.append(int(logits[-1].argmax()))
-    return ids[len(prefix):]
-
-
 def prepare(out: str, rounds: int) -> None:
     """A gate rounds file (remote_drafter.gate) of the SmolLM2 target, with the embedding rows
     the block needs riding along."""
@@ -83,6 +73,7 @@ def prepare(out: str, rounds: int) -> None:
     from remote_drafter import gate
     from remote_drafter.drafters.dspark import DSparkConfig
     from remote_drafter.identity import target_digest
+    from remote_drafter.reference import plain_decode  # the target's own greedy tokens
     from remote_drafter.target import TargetLM
     meta = json.load(open(CHECKPOINT / "drafter.json"))
     config = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
@@ -99,7 +90,7 @@ def prepare(out: str, rounds: int) -> None:
             _, hidden = target(torch.tensor(prefix), tuple(config.target_layers))
         n = min(t, config.window)
         taken.append(gate.Round(hidden[t - n:t].half().numpy(), np.array(prefix),
-                                np.array(greedy_continuation(target, prefix, DEPTH))))
+                                np.array(plain_decode(target, prefix, DEPTH))))
         used.add(prefix[-1])
     rows = sorted(used)
     embed = load_file(str(TARGET / "model.safetensors"))["model.embed_tokens.weight"]

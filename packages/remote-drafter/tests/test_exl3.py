@@ -96,10 +96,12 @@ def test_zero_dim_tensors_are_digested_as_their_bytes():
     assert tensor_bytes(torch.tensor([1, 2], dtype=torch.int16)) == b"\x01\x00\x02\x00"
 
 
-def exllamav3_style(src, out, variant: str = "v4") -> list[str]:
+def exllamav3_style(src, out, variant: str = "v4", mtp_bits16: bool = False) -> list[str]:
     """A tiny checkpoint re-stored as exllamav3's convert_model stores a converted model:
     config.json with quant_method "exl3", every drafter linear as trellis / suh / svh / mul1
-    (wo_a in group slices, the head too), the rest fp16, one trunk tensor beside them."""
+    (wo_a in group slices, the head too), the rest fp16, one trunk tensor beside them.
+    mtp_bits16: the drafter's linears kept fp16 (`--mtp_bits 16`; wo_a still in slices), the
+    head alone quantised."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     tiny.write_tiny(str(src), variant=variant, quantized=False)
@@ -116,7 +118,10 @@ def exllamav3_style(src, out, variant: str = "v4") -> list[str]:
         module = name.removesuffix(".weight")
         parts = ([(f"{module}.slice.{g}", c.o_lora_rank) for g in range(c.o_groups)]
                  if name.endswith(".attn.wo_a.weight") else [(module, t.shape[0])])
-        if name in linear_names(c) or name == "head.weight":
+        if mtp_bits16 and name in linear_names(c):
+            stored |= {f"{key}.weight": w.half().contiguous()
+                       for (key, _), w in zip(parts, t.split(c.o_lora_rank if len(parts) > 1 else len(t)))}
+        elif name in linear_names(c) or name == "head.weight":
             quantised.append(name)
             for key, n_out in parts:
                 k, n = -(-t.shape[1] // 16) * 16, -(-n_out // 16) * 16
@@ -200,3 +205,17 @@ def test_every_expert_on_every_row_is_the_chosen_experts_sum(tmp_path, variant):
     every = model.block_hidden(*block)
     assert not torch.equal(chosen, torch.zeros_like(chosen))
     torch.testing.assert_close(every, chosen, rtol=1e-12, atol=1e-12)
+
+
+def test_a_conversion_keeping_the_drafter_at_16_bits_serves_its_dense_weights(tmp_path, monkeypatch):
+    """`convert_model --mtp_bits 16`: the drafter's linears are stored fp16 (wo_a by group
+    slice), read as dense weights equal to the checkpoint's; only the head is served EXL3."""
+    from remote_drafter.drafters import dsv41
+    exllamav3_style(tmp_path / "src", tmp_path / "exl3", "v4", mtp_bits16=True)
+    monkeypatch.setattr(exl3, "require", lambda device: None)
+    monkeypatch.setattr(exl3, "linear_from", lambda state, module, shape, device: ("exl3", module, shape))
+    loaded = dsv41.load_exl3_pack(str(tmp_path / "exl3"), torch.float32, "cpu")
+    assert sorted(loaded.linears) == ["head.weight"] and loaded.not_read == []
+    source = checkpoint.load(str(tmp_path / "src"), torch.float32).weights
+    for name in linear_names(loaded.config):
+        assert torch.equal(loaded.weights[name], source[name].half().float()), name

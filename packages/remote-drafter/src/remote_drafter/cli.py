@@ -127,15 +127,17 @@ def kernel_loader(name: str):
         raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
 
 
-def check_exl3_pack(spec: str, device: str) -> None:
+def check_exl3_pack(spec: str, device: str):
     """--weights exl3: refused without CUDA or exllamav3, or for a folder that is no EXL3
-    pack; then exllamav3 is imported (its extension built, said while it waits)."""
+    pack; then exllamav3 is imported (its extension built, said while it waits). Returns
+    remote_drafter.exl3."""
     exl3 = worker_side("remote_drafter.exl3", "--weights exl3")
     exl3.require(device)
     if not exl3.is_pack(spec_folder(spec)):
         raise ValueError(f"{spec_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
                          "make them with `remote-drafter exl3 convert`")
     exl3.load_exllamav3()
+    return exl3
 
 
 def cmd_exl3_convert(args) -> int:
@@ -171,17 +173,16 @@ def cmd_exl3_gate(args) -> int:
     torch = worker_side("torch", "exl3 gate")
     from .drafters import load_drafter
     from .identity import target_digest
-    check_exl3_pack(args.pack, args.device)
+    exl3 = check_exl3_pack(args.pack, args.device)
     pack = spec_folder(args.pack)
-    exl3 = worker_side("remote_drafter.exl3", "exl3 gate")
     if exl3.is_pack(spec_folder(args.reference)):
         raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
                          "drafter the pack was converted from")
     rounds, meta = gate.read_rounds(args.rounds)
     measured_on = meta.get(gate.TARGET_KEY)
-    if args.target and measured_on and target_digest(args.target) != measured_on:
+    if args.target and measured_on and (served := target_digest(args.target)) != measured_on:
         raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
-                         f"{args.target} is {target_digest(args.target)[:12]}")
+                         f"{args.target} is {served[:12]}")
     dtype = getattr(torch, args.dtype)
     dtype = None if dtype == torch.float32 else dtype
     loaded = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 GATE_FILE = "exl3-gate.json"  # not exl3.json: packs from exllamav3's own converter have none
 GOAL = 0.97                   # the issue's bar: >= 97% of bf16's acceptance at 4 bits
 MIN_ROUNDS = 32               # fewer rounds pass or fail by luck: one round moves the ratio > 3%
-TAPS_KEY = "taps_of"          # the rounds file's metadata: the recording drafter's hidden layers, feature
+TAPS_KEY = "taps_of"          # the rounds file's metadata: the target layers its taps are
 FORMAT = 1
 TARGET_KEY = "target_digest"  # the rounds file's metadata: the target the rounds came from
 
@@ -165,7 +166,6 @@ class RoundRecorder:
             self.writer.join()
 
     def _write(self) -> None:
-        import threading
         rounds = list(self.done)
         self.writer = threading.Thread(target=self._save, args=(rounds,), name="gate-rounds",
                                        daemon=False)

@@ -311,19 +311,22 @@ class Dsv41Model:
     def _all_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
         """Every expert on every row, weighted by its routing weight (zero where not chosen)."""
         w1, w3, w2 = self.stacked[j]
-        share = torch.zeros(flat.shape[0], w1.shape[0], dtype=self.wide, device=flat.device)
-        share.scatter_(1, experts, weights)
+        share = self._share(flat, weights, experts)
         y = swiglu(flat, lambda x: torch.einsum("th,eih->eti", x, w1),
                    lambda x: torch.einsum("th,eih->eti", x, w3),
                    lambda a: torch.einsum("eti,ehi->eth", a, w2), self.config.swiglu_limit)
         return torch.einsum("eth,te->th", y.to(self.wide), share)
 
+    def _share(self, flat, weights, experts) -> torch.Tensor:
+        """[rows, experts]: each row's routing weight of every expert, zero where not chosen."""
+        share = torch.zeros(flat.shape[0], self.config.n_routed_experts, dtype=self.wide, device=flat.device)
+        return share.scatter_(1, experts, weights)
+
     def _every_expert(self, j: int, flat, weights, experts) -> torch.Tensor:
         """_all_experts for experts another back end serves (EXL3: no stacked tensor), one
         expert at a time: no host read of the routing, so a CUDA graph captures it."""
         c = self.config
-        share = torch.zeros(flat.shape[0], c.n_routed_experts, dtype=self.wide, device=flat.device)
-        share.scatter_(1, experts, weights)
+        share = self._share(flat, weights, experts)
         out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
         for e in range(c.n_routed_experts):
             w1, w3, w2 = (self._linear(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
