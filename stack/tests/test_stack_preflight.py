@@ -110,12 +110,12 @@ def test_one_engram_entry_serves_and_is_checked_for_every_rank(ready):
 
 def test_the_drafter_workers_identity(ready, tmp_path):
     """The worker serves target A; an engine of target A passes, an engine of B fails."""
-    from remote_drafter.target import TargetConfig, random_target
-    from remote_drafter.worker import spawn_worker
-    tiny = TargetConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    from remote_drafter.models.llama import LlamaConfig, random_llama
+    from remote_drafter.worker.server import spawn_worker
+    tiny = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, intermediate_size=64)
     for name, seed in (("a", 0), ("b", 1)):
-        random_target(tiny, seed).save(str(tmp_path / name))
+        random_llama(tiny, seed).save(str(tmp_path / name))
     proc, address = spawn_worker(["--drafter", "ngram", "--target", str(tmp_path / "a"),
                                   "--listen", "127.0.0.1:0"])
     try:
@@ -203,7 +203,7 @@ def test_an_engine_across_two_hosts(ready, tmp_path, capsys):
 def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
     """STACK_DRAFTER_WEIGHTS=exl3: the pack's fidelity gate record must say it passed (the
     worker would refuse to start; preflight says so first)."""
-    from remote_drafter import gate
+    from remote_drafter.models import fidelity_gate as gate
     cfg, _ = ready
     pack = tmp_path / "pack"
     pack.mkdir()

@@ -14,7 +14,7 @@ from remote_drafter.testing import make_models
 
 
 def described(address: str) -> dict:
-    from remote_drafter.transport import RemoteTransport
+    from remote_drafter.engine.transport import RemoteTransport
     transport = RemoteTransport(address, "tcp")
     try:
         return transport.info(10).described

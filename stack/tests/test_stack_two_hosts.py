@@ -45,8 +45,8 @@ m.version = version
 
 
 def tiny_llama(folder: Path) -> None:
-    from remote_drafter.target import TargetConfig, random_target
-    random_target(TargetConfig(vocab_size=49152, hidden_size=256, num_hidden_layers=2,
+    from remote_drafter.models.llama import LlamaConfig, random_llama
+    random_llama(LlamaConfig(vocab_size=49152, hidden_size=256, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2,
                                intermediate_size=512)).save(str(folder))
     base = ROOT / ".artifacts/smollm2-135m"  # its tokenizer (the vocabulary above is its size)
@@ -103,9 +103,9 @@ def assert_target_only(model: Path, choice: dict) -> None:
     reference of the same checkpoint), or differ first where its top two are a near-tie."""
     import torch
 
-    from remote_drafter.reference import plain_decode, run_target
-    from remote_drafter.target import TargetLM
-    target, prompt, got = TargetLM.load(str(model)), choice["prompt_token_ids"], choice["token_ids"]
+    from remote_drafter.decode_loop import plain_decode, run_target
+    from remote_drafter.models.llama import LlamaLM
+    target, prompt, got = LlamaLM.load(str(model)), choice["prompt_token_ids"], choice["token_ids"]
     want = plain_decode(target, prompt, len(got))
     if got == want:
         return
@@ -137,8 +137,8 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
     sends nothing; deferred, every step with drafts moves rank 0's drafts to rank 1 in one
     broadcast (its time in the proposer's tp_broadcast histogram, printed)."""
     from longctx_bench.launch import free_port
-    from remote_drafter.transport import worker_stats
-    from remote_drafter.worker import spawn_worker
+    from remote_drafter.engine.transport import worker_stats
+    from remote_drafter.worker.server import spawn_worker
 
     model = tmp_path / "model"
     tiny_llama(model)

@@ -29,20 +29,20 @@ import numpy as np
 import torch
 
 from drafter_tp2.parity import compare_single_rounds
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import load_drafter
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
-from remote_drafter.identity import expectation, target_digest, tokenizer_digest
-from remote_drafter.target import TargetConfig, random_target
-from remote_drafter.transport import RemoteTransport
-from remote_drafter.worker import spawn_worker
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation, target_digest, tokenizer_digest
+from remote_drafter.engine.transport import RemoteTransport
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
+from remote_drafter.models.llama import LlamaConfig, random_llama
+from remote_drafter.models.registry import load_drafter
+from remote_drafter.worker.server import spawn_worker
 
 WIDTHS = {
-    "smollm2": dict(target=TargetConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=1,
+    "smollm2": dict(target=LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=1,
                                         num_attention_heads=9, num_key_value_heads=3,
                                         intermediate_size=1536),
                     dtype="float32"),
-    "large": dict(target=TargetConfig(vocab_size=129280, hidden_size=7168, num_hidden_layers=1,
+    "large": dict(target=LlamaConfig(vocab_size=129280, hidden_size=7168, num_hidden_layers=1,
                                       num_attention_heads=56, num_key_value_heads=8,
                                       intermediate_size=18432, tie_word_embeddings=False),
                   dtype="bfloat16"),
@@ -55,7 +55,7 @@ def build(base: str, name: str) -> tuple[str, str]:
     hidden-state DSpark drafter at that width, saved in the width's dtype."""
     t = WIDTHS[name]["target"]
     target, drafter = os.path.join(base, name, "target"), os.path.join(base, name, "dspark")
-    random_target(t, seed=0).save(target)
+    random_llama(t, seed=0).save(target)
     config = DSparkConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=3,
                           num_heads=t.num_attention_heads, num_kv_heads=t.num_key_value_heads,
                           intermediate_size=t.intermediate_size, window=128,

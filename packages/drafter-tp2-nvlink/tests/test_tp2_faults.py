@@ -12,12 +12,12 @@ import pytest
 
 from drafter_tp2.launcher import free_master
 from drafter_tp2.testing import RankPair, drafter_tp2, tp2_env, worker_args
-from remote_drafter.client import DrafterClient
-from remote_drafter.identity import expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.target import TargetLM
+from remote_drafter.decode_loop import plain_decode, speculative_decode
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.transport import RemoteTransport
+from remote_drafter.models.llama import LlamaLM
 from remote_drafter.testing import HIDDEN_LAYERS
-from remote_drafter.transport import RemoteTransport
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7]}
 NEW = 10
@@ -25,7 +25,7 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def target(models):
-    return TargetLM.load(models["target"])
+    return LlamaLM.load(models["target"])
 
 
 def decode_and_break(models, target, address, breaker):

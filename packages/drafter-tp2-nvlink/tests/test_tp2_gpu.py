@@ -10,10 +10,10 @@ import torch
 
 from drafter_tp2.parity import compare_single_rounds
 from drafter_tp2.testing import PairProcess, drafter_tp2, tp2_env, worker_args
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import load_drafter
-from remote_drafter.identity import expectation
-from remote_drafter.transport import RemoteTransport
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.transport import RemoteTransport
+from remote_drafter.models.registry import load_drafter
 
 ONE_GPU = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -93,8 +93,8 @@ def test_rounds_captured_on_an_owned_stream_replay_the_eager_round(models):
 @ONE_GPU
 def test_a_gpu_held_by_the_one_card_worker_refuses_a_pair_and_a_second_worker(models, lock_dir):
     """The lock's real key on a GPU: its UUID (auto mode locks GPUs without being asked)."""
-    from remote_drafter.device_lock import device_key
-    from remote_drafter.worker import spawn_worker
+    from remote_drafter.worker.device_lock import device_key
+    from remote_drafter.worker.server import spawn_worker
     one_card = ["--drafter", models["dspark"], "--target", models["target"], "--listen",
                 "127.0.0.1:0", "--device", "cuda:0"]
     env = tp2_env(REMOTE_DRAFTER_DEVICE_LOCK="auto", DRAFTER_TP2_REQUIRE_P2P="0")

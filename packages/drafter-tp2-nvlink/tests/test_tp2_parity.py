@@ -8,16 +8,16 @@ from drafter_tp2.parity import compare_single_rounds
 from drafter_tp2.testing import PairProcess, tp2_env, worker_args
 from ofl import Connection
 from ofl.errors import RemoteError
-from remote_drafter import protocol as P
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import load_drafter
-from remote_drafter.identity import Manifest, expectation
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.service import DraftService
-from remote_drafter.shadow import ShadowClient, synthetic_prompts
-from remote_drafter.target import TargetLM
+from remote_drafter.decode_loop import plain_decode, speculative_decode
+from remote_drafter.engine import protocol as P
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import Manifest, expectation
+from remote_drafter.engine.transport import LocalTransport, RemoteTransport
+from remote_drafter.models.llama import LlamaLM
+from remote_drafter.models.registry import load_drafter
 from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess
-from remote_drafter.transport import LocalTransport, RemoteTransport
+from remote_drafter.worker.service import DraftService
+from remote_drafter.worker.shadow_parity import ShadowClient, synthetic_prompts
 
 MAX_REQUESTS = 6
 
@@ -33,7 +33,7 @@ def pair(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(models):
-    return TargetLM.load(models["target"])
+    return LlamaLM.load(models["target"])
 
 
 def client_for(models, address, depth="8:5"):
@@ -138,12 +138,12 @@ def test_uneven_shards_odd_vocabulary_and_untied_head(tmp_path, lock_dir):
     """3 kv heads (split 2 + 1, as SmolLM2's 9/3), an odd feed-forward width and vocabulary
     (the head's shards padded for the gather), an untied output head: still the one-card
     drafts."""
-    from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
-    from remote_drafter.target import TargetConfig, random_target
-    t = TargetConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+    from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
+    from remote_drafter.models.llama import LlamaConfig, random_llama
+    t = LlamaConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                      num_key_value_heads=3, intermediate_size=129, tie_word_embeddings=False)
     target, drafter = str(tmp_path / "target"), str(tmp_path / "dspark")
-    random_target(t, seed=2).save(target)
+    random_llama(t, seed=2).save(target)
     DSparkDrafter.create(drafter, target, DSparkConfig(
         vocab_size=97, hidden_size=48, num_heads=6, num_kv_heads=3, intermediate_size=129,
         window=16, target_layers=[0, 1], target_hidden_size=48, mask_token_id=96), init_std=0.3)

@@ -9,9 +9,9 @@ import sys
 from drafter_tp2.launcher import free_master
 from drafter_tp2.pair import refusals
 from drafter_tp2.testing import PairProcess, RankPair, drafter_tp2, tp2_env, worker_args
-from remote_drafter.device_lock import DeviceLock, device_key
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.worker import spawn_worker
+from remote_drafter.models.dspark import DSparkDrafter
+from remote_drafter.worker.device_lock import DeviceLock, device_key
+from remote_drafter.worker.server import spawn_worker
 
 
 def run_worker(args, env) -> tuple[int, str]:

@@ -55,14 +55,14 @@ def cmd_pack(args) -> int:
 def cmd_unpack(args) -> int:
     from safetensors.torch import load_file, save_file
 
-    from remote_drafter.drafters.dspark import (
+    from remote_drafter.engine.identity import target_digest, tokenizer_digest
+    from remote_drafter.models.dspark import (
         CONFIG_FILE,
         WEIGHTS_FILE,
         DSparkConfig,
         DSparkDrafter,
         DSparkModel,
     )
-    from remote_drafter.identity import target_digest, tokenizer_digest
     with open(os.path.join(args.keep, "embed.json")) as f:
         meta = json.load(f)
     raw = b"".join(open(os.path.join(args.keep, f"embed.part{i}"), "rb").read() for i in (0, 1))
@@ -85,7 +85,7 @@ def cmd_unpack(args) -> int:
 
 def _requests(args):
     from native_drafter.states import requests_from
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models.dspark import DSparkDrafter
     drafter = DSparkDrafter.load(args.checkpoint, args.target, device=args.device)
     return drafter, requests_from(torch.load(args.states), drafter)
 
@@ -195,7 +195,7 @@ def copy_bandwidth(bench, device) -> tuple[float, float]:
 def cmd_latency(args) -> int:
     import triton.testing
 
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models.dspark import DSparkDrafter
     torch.backends.cuda.matmul.allow_tf32 = False
     dynamo = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):

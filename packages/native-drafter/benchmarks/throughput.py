@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from native_drafter.train import TrainConfig, train
-from remote_drafter.target import TargetConfig, random_target
+from remote_drafter.models.llama import LlamaConfig, random_llama
 
-SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                        num_key_value_heads=3, intermediate_size=1536, rms_norm_eps=1e-5, rope_theta=100000.0)
 
 
@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default="throughput.json")
     args = p.parse_args()
-    target = random_target(SMOLLM2, seed=0, proj_std=0.02, embed_std=0.02).to(args.device)
+    target = random_llama(SMOLLM2, seed=0, proj_std=0.02, embed_std=0.02).to(args.device)
     rng = np.random.default_rng(0)
     docs = rng.integers(0, SMOLLM2.vocab_size, 400_000).astype(np.uint16)
     offsets = np.arange(0, len(docs) + 1, 2000)

@@ -1,16 +1,16 @@
 import pytest
 
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkModel, init_weights
-from remote_drafter.target import TargetConfig, random_target
+from remote_drafter.models.dspark import DSparkConfig, DSparkModel, init_weights
+from remote_drafter.models.llama import LlamaConfig, random_llama
 
 LAYERS = (0, 1, 3)
 
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    config = TargetConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=128)
-    return random_target(config, seed=1)
+    return random_llama(config, seed=1)
 
 
 @pytest.fixture(scope="session")

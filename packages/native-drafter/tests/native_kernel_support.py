@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the native kernels' tests need Triton (native-drafter[test])")
 
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights  # noqa: E402
-from remote_drafter.target import TargetConfig, random_target  # noqa: E402
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
+from remote_drafter.models.llama import LlamaConfig, random_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TARGET = TargetConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+TARGET = LlamaConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=256)
 
 
@@ -37,6 +37,6 @@ def tiny_model(seed: int = 0, width: int = 5, **over) -> DSparkModel:
 def tiny_checkpoint(folder) -> tuple[str, str]:
     """(checkpoint, target) folders: a random tiny target and a DSpark drafter built for it."""
     target, ckpt = str(folder / "target"), str(folder / "drafter")
-    random_target(TARGET, seed=3).save(target)
+    random_llama(TARGET, seed=3).save(target)
     DSparkDrafter.create(ckpt, target, tiny_config(), seed=4, init_std=0.08)
     return ckpt, target

@@ -95,7 +95,7 @@ def test_a_stage_left_out_fails():
 
 
 def test_the_worker_back_end_needs_a_recorded_pass(tmp_path):
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models.dspark import DSparkDrafter
     ckpt, target = tiny_checkpoint(tmp_path)
     drafter = DSparkDrafter.load(ckpt, target, device=DEVICE)
     state = str(tmp_path / "state")

@@ -1,4 +1,4 @@
-"""Training sees what inference sees: the teacher's rows equal TargetLM.forward, a training
+"""Training sees what inference sees: the teacher's rows equal LlamaLM.forward, a training
 anchor's context is laid out as DSparkDrafter lays it out for a live request, and its
 first draft's distribution is the drafter's own. The teacher's weights from the GGUF are
 the miniature folder's, bit for bit (vLLM CPU tier, where that folder exists)."""
@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from native_drafter.objective import anchors, draft_logits, make_batch
 from native_drafter.teacher import gguf_state, teacher_forward, unpermute
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.identity import Manifest
+from remote_drafter.engine.identity import Manifest
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dspark import DSparkDrafter
 
 ROOT = Path(__file__).resolve().parents[3]
 

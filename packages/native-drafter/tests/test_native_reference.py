@@ -8,9 +8,9 @@ from native_kernel_support import tiny_model
 
 from native_drafter.kernel_gate import random_inputs
 from native_drafter.reference import RoundInputs, as_dtype, stage_names, staged_round
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.identity import Manifest
+from remote_drafter.engine.identity import Manifest
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dspark import DSparkDrafter
 
 
 def f64(inputs: RoundInputs) -> RoundInputs:
@@ -57,7 +57,7 @@ def test_stage_zero_attention_by_hand():
     h, kvh, d = c.num_heads, c.num_kv_heads, c.hidden_size // c.num_heads
     qkv, kv = ref["L0.qkv"].numpy(), ref["L0.ctx_kv"].numpy()
     pos_b = inputs.anchor_pos[:, None].numpy() + np.arange(5)
-    # angles in float32, as remote_drafter.layers.rotate defines them (at positions near
+    # angles in float32, as remote_drafter.models.llama_layers.rotate defines them (at positions near
     # 2e5 a float32 angle is off by ~1e-2 rad from the exact one: part of the function)
     inv = np.float32(1.0) / (np.float32(c.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
 
@@ -121,12 +121,12 @@ def test_hooks_change_nothing_and_probs_reproduce_the_modules_attention():
     v_blk = ref["L0.qkv"][..., (c.num_heads + c.num_kv_heads) * d:]
     v = torch.cat([v_ctx, v_blk], 1).view(3, c.window + 5, c.num_kv_heads, d).transpose(1, 2)
     out = (ref["L0.attn_probs"] @ v.repeat_interleave(group, 1)).transpose(1, 2).reshape(3, 5, -1)
-    # the module's attention runs in float32 inside (remote_drafter.layers.Attention)
+    # the module's attention runs in float32 inside (remote_drafter.models.llama_layers.Attention)
     torch.testing.assert_close(out, ref["L0.attn"], rtol=1e-5, atol=1e-6)
 
 
 def test_reference_drafts_equal_the_torch_drafters():
-    from remote_drafter.history import History
+    from remote_drafter.engine.history import History
     model = tiny_model(seed=5)
     drafter = DSparkDrafter(model.config, model, Manifest(kind="dspark"), "cpu")
     rng = np.random.default_rng(0)

@@ -13,9 +13,9 @@ from native_kernel_support import DEVICE, tiny_checkpoint
 
 from native_drafter.cli import main as native_drafter
 from native_drafter.worker_check import compare_workers
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.history import History
+from remote_drafter.engine.history import History
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dspark import DSparkDrafter
 
 
 def worker_env(state: str) -> dict:

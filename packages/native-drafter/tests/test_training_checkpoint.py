@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from native_drafter.evaluate import exact_rounds
-from remote_drafter.drafters.dspark import CONFIG_FILE, WEIGHTS_FILE, DSparkDrafter
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.target import TargetLM
+from remote_drafter.models.dspark import CONFIG_FILE, WEIGHTS_FILE, DSparkDrafter
+from remote_drafter.models.llama import LlamaLM
+from remote_drafter.models.ngram import NgramDrafter
 
 ROOT = Path(__file__).resolve().parents[3]
 CKPT = ROOT / "packages" / "native-drafter" / "checkpoints" / "smollm2-135m-dspark"
@@ -47,7 +47,7 @@ def test_checkpoint_loads_as_the_worker_loads_it():
 
 @pytest.fixture(scope="module")
 def target():
-    return TargetLM.load(str(TARGET))
+    return LlamaLM.load(str(TARGET))
 
 
 @pytest.mark.vllm

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from ofl.cli import emit_result
-from remote_drafter import protocol as P
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.target import TargetConfig, random_target
+from remote_drafter.engine import protocol as P
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
+from remote_drafter.models.llama import LlamaConfig, random_llama
+from remote_drafter.worker.service import DraftService, ServiceConfig
 
-TARGET = TargetConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+TARGET = LlamaConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=64)
 TARGET_HIDDEN, TARGET_LAYERS, WINDOW, K = 7168, [1, 2, 3], 128, 5
 FEATURE = TARGET_HIDDEN * len(TARGET_LAYERS)
@@ -46,7 +46,7 @@ def measure(batches: list[int], rounds: int) -> dict:
     """Round, model and host p50 (ms) per batch size, on the remote_drafter imported."""
     with tempfile.TemporaryDirectory() as base:
         target, path = os.path.join(base, "target"), os.path.join(base, "dspark")
-        random_target(TARGET, seed=0).save(target)
+        random_llama(TARGET, seed=0).save(target)
         DSparkDrafter.create(path, target, DSparkConfig(
             vocab_size=TARGET.vocab_size, hidden_size=TARGET.hidden_size, num_heads=4,
             num_kv_heads=2, intermediate_size=64, window=WINDOW, mask_token_id=TARGET.vocab_size - 1,

@@ -24,16 +24,17 @@ import numpy as np
 import torch
 
 from remote_drafter.bench import drive_rounds, percentiles
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest, load_drafter
-from remote_drafter.drafters.dsv41 import Dsv41Drafter
-from remote_drafter.dsv41 import tiny
-from remote_drafter.dsv41.config import Dsv41DrafterConfig, weight_table
-from remote_drafter.dsv41.model import Dsv41Model
-from remote_drafter.identity import Manifest
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.transport import LocalTransport, RemoteTransport
-from remote_drafter.worker import Worker
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import Manifest
+from remote_drafter.engine.transport import LocalTransport, RemoteTransport
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dsv41 import tiny
+from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, weight_table
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter
+from remote_drafter.models.dsv41.model import Dsv41Model
+from remote_drafter.models.registry import load_drafter
+from remote_drafter.worker.server import Worker
+from remote_drafter.worker.service import DraftService, ServiceConfig
 
 GIB = 1 << 30
 CARD_3090 = 24 * 10**9  # bytes on an RTX 3090

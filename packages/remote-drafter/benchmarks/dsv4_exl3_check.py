@@ -16,7 +16,7 @@ its own conversion (`conversion.convert_model -b BITS --mtp_bits 16 --head_bits 
 trunk's layers quantised to EXL3, the drafter and the shared head left unquantised, so the
 taps are those of exllamav3's quantised trunk and the drafters should still agree); and on
 its conversion with the drafter quantised too (`--mtp_bits BITS --head_bits 6`), which this
-project's drafter loads from exllamav3's own output folder (drafters/dsv41.load_exl3_pack:
+project's drafter loads from exllamav3's own output folder (models/dsv41/exl3_pack.load:
 the same EXL3 tensors, run through exllamav3's quantised linear): both sides then draft with
 identical quantised weights.
 EXL3_DSPARK_CONF=0: every round's drafts are verified (none cut by confidence).
@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.drafters.dsv41 import Dsv41Drafter
-from remote_drafter.dsv41 import tiny
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dsv41 import tiny
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 2048
@@ -308,7 +308,7 @@ def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) 
     (k+1)-th expert flips the choice: the position's logits move by O(1), the others not at all."""
     from torch.nn import functional as F
 
-    from remote_drafter.dsv41.model import Dsv41Model
+    from remote_drafter.models.dsv41.model import Dsv41Model
     m, c, rng = drafter.model, drafter.config, np.random.default_rng(seed)
     exact = Dsv41Model.route
 
@@ -349,7 +349,7 @@ def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) 
 
 def stored_drafter(folder: str) -> dict:
     """How exllamav3 stored the drafter's tensors (expert 0 standing for every expert)."""
-    from remote_drafter.dsv41 import checkpoint
+    from remote_drafter.models.dsv41 import checkpoint
     stored = checkpoint.stored_drafter_tensors(folder)
     shown = {n: [s.dtype, list(s.shape)] for n, s in sorted(stored.items())
              if ".experts." not in n or ".experts.0." in n}

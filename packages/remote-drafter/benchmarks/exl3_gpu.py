@@ -1,5 +1,5 @@
-"""EXL3 drafting (issue 19): the drafter's linears quantised with exllamav3's quantiser and run
-through its LinearEXL3, against the same drafter dense. Three modes:
+"""EXL3 drafting: the drafter's linears quantised with exllamav3's quantiser and run
+through its LinearEXL3, against the same drafter dense. Two modes:
 
   --prepare DIR   (CPU, before) the SmolLM2 miniature's real taps: round starts from this
                   repository's text, the target (SmolLM2-135M, float32) run over each prefix;
@@ -17,11 +17,9 @@ through its LinearEXL3, against the same drafter dense. Three modes:
                   distributions; the estimated V4.1-Flash width (dsv41_gpu.py's FLASH, random
                   EXL3 tensors at 4 bits): weight bytes, peak memory with four sequences,
                   round p50 at batch 1 / 4 / 16.
-  --evaluate DIR  (CPU, after) from the rows the GPU returned and the target's head: per-position
-                  draft agreement and total-variation distance of EXL3 (and bf16) vs float32
-                  along float32's chain; exact acceptance E_1..E_5 (native-drafter's exact
-                  rounds, T = 0) of the drafter with exllamav3's reconstructed weights vs the
-                  trained drafter.
+
+The CPU evaluation of what --gpu returns (agreement, TV and exact acceptance with
+native-drafter's evaluator) is packages/native-drafter/benchmarks/exl3_evaluate.py.
 """
 
 from __future__ import annotations
@@ -66,19 +64,19 @@ def text_docs() -> list[str]:
 
 
 def prepare(out: str, rounds: int) -> None:
-    """A gate rounds file (remote_drafter.gate) of the SmolLM2 target, with the embedding rows
+    """A gate rounds file (remote_drafter.models.fidelity_gate) of the SmolLM2 target, with the embedding rows
     the block needs riding along."""
     from tokenizers import Tokenizer
 
-    from remote_drafter import gate
-    from remote_drafter.drafters.dspark import DSparkConfig
-    from remote_drafter.identity import target_digest
-    from remote_drafter.reference import plain_decode  # the target's own greedy tokens
-    from remote_drafter.target import TargetLM
+    from remote_drafter.decode_loop import plain_decode
+    from remote_drafter.engine.identity import target_digest
+    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models.dspark import DSparkConfig
+    from remote_drafter.models.llama import LlamaLM
     meta = json.load(open(CHECKPOINT / "drafter.json"))
     config = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
     tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
-    target = TargetLM.load(str(TARGET), "cpu")
+    target = LlamaLM.load(str(TARGET), "cpu")
     rng = np.random.default_rng(0)
     docs = [d for d in text_docs() if len(d) > 4000]
     taken, used = [], {config.mask_token_id}
@@ -116,8 +114,8 @@ class Results(dict):
 def smollm2_model(state_folder: str, taps: dict, dtype, device):
     """The drafter of `state_folder` (a checkpoint or an EXL3 pack) with the carried embedding
     rows and an identity 'head', so block_logits returns the final normed hidden rows."""
-    from remote_drafter import exl3
-    from remote_drafter.drafters.dspark import DSparkConfig, DSparkModel
+    from remote_drafter.models import exl3
+    from remote_drafter.models.dspark import DSparkConfig, DSparkModel
     meta = json.load(open(os.path.join(state_folder, "drafter.json")))
     c = DSparkConfig(**{k: v for k, v in meta.items() if not k.endswith("_digest")})
     embed = torch.zeros(c.vocab_size, c.hidden_size)
@@ -164,8 +162,8 @@ def save_split(tensors: dict, out: str, stem: str) -> list[str]:
 
 
 def step_smollm2(res: Results, taps_dir: str, out: str, work: str) -> None:
-    from remote_drafter import exl3
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models import exl3
+    from remote_drafter.models.dspark import DSparkDrafter
     taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
     rounds = sum(1 for k in taps if k.startswith("prefix."))
     rows = {}
@@ -203,8 +201,8 @@ def step_smollm2(res: Results, taps_dir: str, out: str, work: str) -> None:
 
 
 def step_tiny_dsv41(res: Results, work: str) -> None:
-    from remote_drafter.drafters.dsv41 import Dsv41Drafter
-    from remote_drafter.dsv41 import tiny
+    from remote_drafter.models.dsv41 import tiny
+    from remote_drafter.models.dsv41.drafter import Dsv41Drafter
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv41_gpu import random_rounds
     folder = os.path.join(work, "tiny-v41")
@@ -241,8 +239,8 @@ def gate_cli(dense, folder: str, pack: str, work: str) -> dict:
     random taps: the ratio is then the pack's chain agreement with bf16, not an acceptance."""
     import subprocess
 
-    from remote_drafter import gate
-    from remote_drafter.drafters import DraftRequest
+    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models.base import DraftRequest
     rng, rounds = np.random.default_rng(11), []
     for _ in range(32):
         t = int(rng.integers(20, 300))
@@ -268,16 +266,16 @@ def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0
     drafter in this process, same requests, same batch."""
     import subprocess
 
-    from remote_drafter.client import DrafterClient
-    from remote_drafter.drafters import DraftRequest
-    from remote_drafter.drafters.dsv41 import Dsv41Drafter
-    from remote_drafter.transport import RemoteTransport
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.transport import RemoteTransport
+    from remote_drafter.models.base import DraftRequest
+    from remote_drafter.models.dsv41.drafter import Dsv41Drafter
     pack = os.path.join(work, pack_name)
     if not os.path.isdir(pack):
         raise RuntimeError(f"no {pack_name}: the tiny_dsv41 step did not make it")
     if weights is None:
-        from remote_drafter import gate
-        weights = ("--weights", "exl3") + (("--ungated",) if gate.refusal(pack, None) else ())
+        from remote_drafter.worker import exl3_admission
+        weights = ("--weights", "exl3") + (("--ungated",) if exl3_admission.refusal(pack, None) else ())
     local = Dsv41Drafter.load(pack, device=device)
     cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", "--listen", "127.0.0.1:0",
            "--drafter", f"dsv41:{pack}", "--device", device, *weights]
@@ -373,7 +371,7 @@ def round_floor(drafter, linears: dict, dense_bytes: dict, batch: int) -> dict:
 
 
 def module_bytes(m) -> int:
-    from remote_drafter import exl3
+    from remote_drafter.models import exl3
     return sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
 
 
@@ -381,7 +379,7 @@ def random_exl3(shape: tuple[int, int], bits: int, gen, device):
     """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only)."""
     from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
 
-    from remote_drafter import exl3
+    from remote_drafter.models import exl3
     n_out, n_in = shape
     k, n = exl3.padded(n_in), exl3.padded(n_out)
     trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=gen,
@@ -395,11 +393,11 @@ def random_exl3(shape: tuple[int, int], bits: int, gen, device):
 
 
 def step_flash(res: Results, batches: list[int], rounds: int) -> None:
-    from remote_drafter.drafters.dsv41 import Dsv41Drafter
-    from remote_drafter.dsv41 import tiny
-    from remote_drafter.dsv41.config import weight_table
-    from remote_drafter.dsv41.model import Dsv41Model, linear_names
-    from remote_drafter.identity import Manifest
+    from remote_drafter.engine.identity import Manifest
+    from remote_drafter.models.dsv41 import tiny
+    from remote_drafter.models.dsv41.config import weight_table
+    from remote_drafter.models.dsv41.drafter import Dsv41Drafter
+    from remote_drafter.models.dsv41.model import Dsv41Model, linear_names
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv41_gpu import FLASH, random_rounds, round_p50, width_config
     torch.cuda.empty_cache()
@@ -411,7 +409,7 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
     for name in names:
         shape = table[name][0]
         if name.endswith(".attn.wo_a.weight"):
-            from remote_drafter.exl3 import Exl3Groups
+            from remote_drafter.models.exl3 import Exl3Groups
             linears[name] = Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), 4, gen, "cuda")
                                         for _ in range(config.o_groups)])
         else:
@@ -449,7 +447,7 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
                             "floor_ms": round(floor_ms, 3), "p50_over_floor": round(p50 / floor_ms, 1)})
         res.save()
         say(f"  flash batch {batch}: {f['rounds'][-1]}")
-    # CUDA graphs: every EXL3 expert on every row (Dsv41Model._every_expert), one graph a bucket
+    # CUDA graphs: every EXL3 expert on every row (Dsv41Model._all_experts_one_by_one), one graph a bucket
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv41_gpu import random_rounds
     eager = {b: drafter.draft(random_rounds(drafter, b, 160, b), want_probs=False) for b in batches}
@@ -473,7 +471,7 @@ def step_flash(res: Results, batches: list[int], rounds: int) -> None:
 
 def step_flash_bf16(res: Results, batches: list[int], rounds: int) -> None:
     """The same width in bf16 in the same run (the baseline), eager and with CUDA graphs."""
-    from remote_drafter.drafters.dsv41 import GRAPH_BATCHES
+    from remote_drafter.models.dsv41.drafter import GRAPH_BATCHES
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv41_gpu import random_drafter, round_p50
     drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
@@ -491,7 +489,7 @@ def step_flash_bf16(res: Results, batches: list[int], rounds: int) -> None:
 def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: int) -> None:
     res = Results(os.path.join(out, "exl3-gpu.json"))
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    from remote_drafter import exl3
+    from remote_drafter.models import exl3
     t0 = time.monotonic()
     res["exllamav3"] = exl3.load_exllamav3(say).version
     res["import_s"] = round(time.monotonic() - t0, 1)
@@ -517,90 +515,11 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
 
 # -- CPU, after ----------------------------------------------------------------------------
 
-def drafter_with(folder: str, weights: dict[str, torch.Tensor] | None = None, bf16: bool = False):
-    """The trained drafter (float32, CPU) with `weights` (module name -> W) put in place, or
-    with every weight rounded to bfloat16 (the bf16 drafter's values, computed in float32)."""
-    from remote_drafter.drafters.dspark import DSparkDrafter
-    d = DSparkDrafter.load(folder, str(TARGET))
-    state = d.model.state_dict()
-    for n, w in (weights or {}).items():
-        state[n + ".weight"] = w.float()
-    if bf16:
-        state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
-    d.model.load_state_dict(state)
-    return d
-
-
-def evaluate(taps_dir: str, got: str, out: str, per_class_limit: int) -> None:
-    from acceptance_ceiling.chain import exact
-    from native_drafter.evaluate import TargetDists, dspark_chain
-    from remote_drafter import gate
-    from remote_drafter.drafters.dspark import DSparkDrafter
-    from remote_drafter.target import TargetLM
-    taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
-    rows = load_file(os.path.join(got, "smollm2-rows.safetensors"))
-    res = json.load(open(os.path.join(got, "exl3-gpu.json")))
-    trained = DSparkDrafter.load(str(CHECKPOINT), str(TARGET))
-    model = trained.model
-    head = model.head.float()
-    rounds = rows["float32"].shape[0]
-    fidelity = {}
-    for name in [k for k in rows if k != "float32"]:
-        agree, tv = np.zeros(5), np.zeros(5)
-        for i in range(rounds):
-            prev = [int(taps[f"prefix.{i}"][-1])] * 2
-            for j in range(5):
-                ps = []
-                for src, p in zip(("float32", name), prev):
-                    z = rows[src][i, j] @ head.T + model.markov(torch.tensor([p]))[0]
-                    ps.append(torch.softmax(z.double(), -1))
-                agree[j] += int(ps[0].argmax() == ps[1].argmax())
-                tv[j] += 0.5 * float((ps[0] - ps[1]).abs().sum())
-                prev = [int(ps[0].argmax())] * 2  # along float32's chain
-        fidelity[name] = {"agreement_per_position": (agree / rounds).round(4).tolist(),
-                          "tv_t1_per_position": (tv / rounds).round(5).tolist()}
-    res["smollm2_fidelity_vs_float32"] = fidelity
-    target = TargetLM.load(str(TARGET), "cpu")
-    dists = TargetDists(target)
-    drafters = {"trained_float32": trained, "bfloat16_weights": drafter_with(str(CHECKPOINT), bf16=True)}
-    for bits in BITS:
-        recon = {}
-        for f in res["smollm2"][f"exl3_{bits}"]["reconstructed_files"]:
-            recon.update(load_file(os.path.join(got, f)))
-        drafters[f"exl3_{bits}_reconstructed"] = drafter_with(str(CHECKPOINT), recon)
-    models = {n: d.model for n, d in drafters.items()}
-    e = {n: [] for n in models}
-    for i in range(rounds):
-        prefix = [int(x) for x in taps[f"prefix.{i}"]]
-        logits, hidden = dists.logits_hidden(prefix, tuple(model.config.target_layers))
-        dists.remember(prefix, logits[-1])
-        for n, m in models.items():
-            chain = dspark_chain(m, hidden, prefix)
-            e[n].append([exact(dists, chain, prefix, k).mean for k in range(1, 6)])
-    acc = {n: {"E_k": np.mean(v, 0).round(4).tolist(), "accepted_length_k5": round(1 + float(np.mean(v, 0)[-1]), 4)}
-           for n, v in e.items()}
-    for n in acc:
-        for base in ("trained_float32", "bfloat16_weights"):
-            acc[n][f"vs_{base}_k5"] = round(acc[n]["E_k"][-1] / max(acc[base]["E_k"][-1], 1e-9), 4)
-    res["smollm2_exact_acceptance"] = {"rounds": rounds, "temperature": 0.0, "per_drafter": acc}
-    # the fidelity gate as `remote-drafter exl3 gate` computes it (remote_drafter.gate), here on
-    # exllamav3's reconstructed weights: greedy verification against the target's own tokens
-    gate_rounds, _ = gate.read_rounds(os.path.join(taps_dir, "taps.safetensors"))
-    res["smollm2_gate"] = {n: gate.measure(drafters["bfloat16_weights"], d, gate_rounds)
-                           for n, d in drafters.items() if n != "bfloat16_weights"}
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps({k: res[k] for k in ("smollm2_fidelity_vs_float32", "smollm2_exact_acceptance",
-                                          "smollm2_gate")}, indent=1))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", metavar="DIR")
     ap.add_argument("--gpu", metavar="DIR", help="the prepared taps")
-    ap.add_argument("--evaluate", metavar="DIR", help="the prepared taps (with --got)")
-    ap.add_argument("--got", help="the folder the GPU step wrote")
-    ap.add_argument("--out", required=True, help="GPU: a folder; evaluate: a JSON file")
+    ap.add_argument("--out", required=True, help="--gpu: the folder its files go to")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--steps", default="smollm2,tiny_dsv41,worker,flash")
     ap.add_argument("--batches", default="1,4,16")
@@ -613,7 +532,7 @@ def main(argv=None) -> int:
         gpu(args.gpu, args.out, args.steps.split(","), [int(b) for b in args.batches.split(",")],
             args.timed_rounds)
     else:
-        evaluate(args.evaluate, args.got, args.out, 0)
+        ap.error("--prepare DIR or --gpu DIR")
     return 0
 
 

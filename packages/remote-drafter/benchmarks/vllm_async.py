@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from longctx_bench.launch import VllmServer, free_port
 from longctx_bench.metrics import request_metrics
 from longctx_bench.sse import RequestRecord, stream_completion
-from remote_drafter.worker import spawn_worker
+from remote_drafter.worker.server import spawn_worker
 
 PROMPT = "Count the colours: red green blue, red green blue, red green blue, red green blue, red"
 SPEC = json.dumps({"method": "custom_class", "model": "remote_drafter.vllm.RemoteProposer",

@@ -11,5 +11,5 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def target(models):
-    from remote_drafter.target import TargetLM
-    return TargetLM.load(models["target"])
+    from remote_drafter.models.llama import LlamaLM
+    return LlamaLM.load(models["target"])

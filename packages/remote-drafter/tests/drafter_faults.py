@@ -9,7 +9,7 @@ import itertools
 import os
 import time
 
-from remote_drafter.drafters import load_drafter
+from remote_drafter.models.registry import load_drafter
 
 
 def faulty(target, device, **options):

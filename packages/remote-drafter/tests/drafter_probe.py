@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from remote_drafter.drafters import load_drafter
+from remote_drafter.models.registry import load_drafter
 
 LAYERS = tuple(int(x) for x in os.environ.get("PROBE_LAYERS", "3,29").split(","))
 

@@ -1,6 +1,6 @@
 """An independent float64 reference of one DSpark draft block of DeepSeek-V4.1's drafter, and of
 DeepSeek-V4's (config model_type "deepseek_v4"): a literal transcription of vLLM 0.33.0's
-forward, read in its wheel, kept apart from remote_drafter.dsv41.model so that the two can
+forward, read in its wheel, kept apart from remote_drafter.models.dsv41.model so that the two can
 check each other (tests/test_dsv41_reference.py).
 
 Inputs are the raw config.json (text fields under `text_config` or flat, read here with vLLM's

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 from async_handoff import Handoff, HandoffConfig
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.transport import ADAPTER
-from remote_drafter.worker import Worker
+from remote_drafter.engine.transport import ADAPTER
+from remote_drafter.models.ngram import NgramDrafter
+from remote_drafter.worker.server import Worker
 
 NO_TORCH = ("import sys\n"
             "sys.modules['torch'] = sys.modules['safetensors'] = None  # importing them fails\n")
@@ -51,30 +51,30 @@ def test_the_proxy_side_of_each_package():
         "import json, sys\n"
         "import async_handoff.hostflags\n"
         "from async_handoff.proxy import load_adapter\n"
-        "load_adapter('remote_drafter.adapter:DrafterProxyAdapter', {'address': '127.0.0.1:1'})\n"
+        "load_adapter('remote_drafter.engine.proxy_adapter:DrafterProxyAdapter', {'address': '127.0.0.1:1'})\n"
         "print(json.dumps(sorted(m for m in sys.modules\n"
         "                        if m.partition('.')[0] in ('async_handoff', 'remote_drafter'))))"))
     assert set(ours) == {
         "async_handoff", "async_handoff.proxy", "async_handoff.hostflags", "async_handoff._hostflags",
         "async_handoff._hostflags.lib", "async_handoff.adapters", "async_handoff.env",
-        "remote_drafter", "remote_drafter.adapter", "remote_drafter.identity", "remote_drafter.protocol"}
+        "remote_drafter", "remote_drafter.engine.proxy_adapter", "remote_drafter.engine.identity", "remote_drafter.engine.protocol"}
 
 
 def test_local_mode_serves_ngram_without_torch_and_names_the_extra_for_neural_drafters(tmp_path):
     ngram = python(NO_TORCH + (
-        "from remote_drafter.factory import make_client\n"
+        "from remote_drafter.vllm.client_factory import make_client\n"
         "client = make_client()\n"
         "client.add_request(1, [1, 2, 3, 1, 2])\n"
         "print(client.propose()[1].tokens.tolist())"), {"REMOTE_DRAFTER_DRAFTER": "ngram"})
     assert json.loads(ngram) == [3, 1, 2]  # what followed the earlier [1, 2]
     refused = python(NO_TORCH + (
-        "from remote_drafter.drafters import WorkerExtraMissing\n"
-        "from remote_drafter.factory import make_client\n"
+        "from remote_drafter.models import WorkerExtraMissing\n"
+        "from remote_drafter.vllm.client_factory import make_client\n"
         "try:\n"
         "    make_client()\n"
         "except WorkerExtraMissing as exc:\n"
         "    print(exc)"), {"REMOTE_DRAFTER_DRAFTER": str(tmp_path)})  # a checkpoint folder
-    assert "remote_drafter.drafters.dspark needs torch" in refused
+    assert "remote_drafter.models.registry.dspark needs torch" in refused
     assert "pip install 'dsv41-remote-drafter[worker]'" in refused
 
 

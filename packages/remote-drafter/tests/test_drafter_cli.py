@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 import remote_drafter.cli  # noqa: E402
-from remote_drafter.testing import WorkerProcess  # noqa: E402
-from remote_drafter.worker import spawn_worker  # noqa: E402
+from remote_drafter.testing import WorkerProcess
+from remote_drafter.worker.server import spawn_worker
 
 
 def cli(*args, check=True):

@@ -4,11 +4,11 @@ validation) against the n-gram drafter in local mode."""
 import numpy as np
 import pytest
 
-from remote_drafter import protocol as P
-from remote_drafter.client import DepthTable, DrafterClient, as_rows
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.service import DraftService
-from remote_drafter.transport import LocalTransport
+from remote_drafter.engine import protocol as P
+from remote_drafter.engine.client import DepthTable, DrafterClient, as_rows
+from remote_drafter.engine.transport import LocalTransport
+from remote_drafter.models.ngram import NgramDrafter
+from remote_drafter.worker.service import DraftService
 
 VOCAB = 96
 

@@ -7,12 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter import protocol as P  # noqa: E402
-from remote_drafter.client import DrafterClient, as_rows  # noqa: E402
-from remote_drafter.drafters import load_drafter  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.service import DraftService  # noqa: E402
-from remote_drafter.transport import LocalTransport  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.engine import protocol as P  # noqa: E402
+from remote_drafter.engine.client import DrafterClient, as_rows  # noqa: E402
+from remote_drafter.engine.transport import LocalTransport  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
+from remote_drafter.worker.service import DraftService  # noqa: E402
 
 
 def test_rows_from_tensors_of_any_dtype():

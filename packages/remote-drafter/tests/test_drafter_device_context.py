@@ -10,11 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter import protocol as P  # noqa: E402
-from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
-from remote_drafter.drafters.dspark import DSparkDrafter  # noqa: E402
-from remote_drafter.history import History  # noqa: E402
-from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
+from remote_drafter.engine import protocol as P  # noqa: E402
+from remote_drafter.engine.history import History  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.dspark import DSparkDrafter  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
+from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
 
 CLIENT = 7
 

@@ -1,4 +1,4 @@
-"""Lifetime device locks (remote_drafter.device_lock), shared by the one-card worker and
+"""Lifetime device locks (remote_drafter.worker.device_lock), shared by the one-card worker and
 drafter-tp2's ranks: a held device refuses a second worker naming the holder, a dead
 holder's lock is cleared, the lock is free again (with no record) once the worker stops.
 CPU tier: REMOTE_DRAFTER_DEVICE_LOCK=1 locks CPU 'devices' as auto locks GPUs; the same
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter.device_lock import DeviceBusy, DeviceLock, device_key, worker_lock  # noqa: E402
-from remote_drafter.worker import spawn_worker  # noqa: E402
+from remote_drafter.worker.device_lock import DeviceBusy, DeviceLock, device_key, worker_lock
+from remote_drafter.worker.server import spawn_worker
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_auto_locks_gpus_only_and_bad_modes_are_refused(lock_dir, monkeypatch):
 def test_a_dead_holders_lock_is_cleared(lock_dir):
     key = device_key("cpu:7")
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from remote_drafter.device_lock import DeviceLock; "
+        "import sys, time; from remote_drafter.worker.device_lock import DeviceLock; "
         f"DeviceLock({key!r}, {lock_dir!r}).acquire(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -12,18 +12,18 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-import remote_drafter.drafters as drafters  # noqa: E402
+import remote_drafter.models as drafters  # noqa: E402
 from ofl import Connection  # noqa: E402
 from ofl.errors import RemoteError  # noqa: E402
 from ofl.testing import stop_process  # noqa: E402
-from remote_drafter import protocol as P  # noqa: E402
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.factory import CapacityModeError, make_client  # noqa: E402
-from remote_drafter.identity import Manifest, expectation  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.target import random_target  # noqa: E402
-from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess  # noqa: E402
-from remote_drafter.transport import RemoteTransport  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode
+from remote_drafter.engine import protocol as P
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import Manifest, expectation
+from remote_drafter.engine.transport import RemoteTransport
+from remote_drafter.models.llama import random_llama
+from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess
+from remote_drafter.vllm.client_factory import CapacityModeError, make_client
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: [4, 4, 2, 8, 1, 7]}
 NEW = 20
@@ -125,7 +125,7 @@ def test_a_slow_link_costs_only_the_deadline(models, target, reference):
 
 
 def test_identity_mismatch_is_refused(models, target, reference, worker, tmp_path):
-    random_target(target.config, seed=7).save(str(tmp_path / "other"))
+    random_llama(target.config, seed=7).save(str(tmp_path / "other"))
     wrong_target = expectation(str(tmp_path / "other"), None)
     client = remote_client(models, worker.address, expect=wrong_target)
     assert decode(target, client).tokens == reference

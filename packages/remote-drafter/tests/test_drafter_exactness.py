@@ -7,13 +7,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 from async_handoff import HandoffConfig  # noqa: E402
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.drafters import load_drafter  # noqa: E402
-from remote_drafter.identity import expectation  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.service import DraftService  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.identity import expectation  # noqa: E402
+from remote_drafter.engine.transport import AsyncTransport, LocalTransport, RemoteTransport  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess, WrongEveryThird  # noqa: E402
-from remote_drafter.transport import AsyncTransport, LocalTransport, RemoteTransport  # noqa: E402
+from remote_drafter.worker.service import DraftService  # noqa: E402
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7], 3: list(range(10, 40))}  # 3 is longer than the window
 NEW = 24

@@ -5,13 +5,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
-from remote_drafter.identity import expectation  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.target import TargetLM  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.identity import expectation  # noqa: E402
+from remote_drafter.engine.transport import RemoteTransport  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.llama import LlamaLM  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess  # noqa: E402
-from remote_drafter.transport import RemoteTransport  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="GPU tier: no CUDA here; benchmarks/gpu.sh runs it on an H200")
@@ -37,7 +38,7 @@ def test_cuda_drafts_equal_cpu_drafts_at_greedy(models):
 def test_a_cuda_worker_keeps_decoding_exact(models):
     worker = WorkerProcess(models["dspark"], models["target"], "tcp", 0, "--device", "cuda")
     try:
-        target = TargetLM.load(models["target"])
+        target = LlamaLM.load(models["target"])
         client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(models["target"], None)),
                                "8:5", deadline_s=10)
         prompts = {1: [1, 2, 3, 4, 5], 2: list(range(10, 40))}

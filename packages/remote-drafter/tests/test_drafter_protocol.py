@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_drafter import protocol as P
+from remote_drafter.engine import protocol as P
 
 FP = bytes(range(16))
 

@@ -12,13 +12,13 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 
 from scipy.stats import chisquare  # noqa: E402
 
-import remote_drafter.reference as reference  # noqa: E402
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
-from remote_drafter.reference import speculative_decode  # noqa: E402
-from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
-from remote_drafter.target import TargetConfig, random_target  # noqa: E402
-from remote_drafter.transport import LocalTransport  # noqa: E402
+import remote_drafter.decode_loop as reference  # noqa: E402
+from remote_drafter.decode_loop import speculative_decode  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.transport import LocalTransport  # noqa: E402
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
+from remote_drafter.models.llama import LlamaConfig, random_llama  # noqa: E402
+from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
 
 VOCAB, T, N, PROMPT = 6, 0.8, 3000, [1, 4, 2]
 
@@ -26,7 +26,7 @@ VOCAB, T, N, PROMPT = 6, 0.8, 3000, [1, 4, 2]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     base = tmp_path_factory.mktemp("sampling")
-    target = random_target(TargetConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+    target = random_llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1,
                                         intermediate_size=64), seed=3, proj_std=0.3, embed_std=0.5)
     target.save(str(base / "target"))

@@ -16,7 +16,7 @@ import pytest
 from longctx_bench.launch import VllmServer, free_port
 from ofl.http import read_counters
 from remote_drafter.vllm import PLACEHOLDER
-from remote_drafter.worker import spawn_worker
+from remote_drafter.worker.server import spawn_worker
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
 MODEL = Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"
@@ -81,9 +81,9 @@ def assert_same(got: dict, want: dict) -> None:
 def local_drafter(tmp_path_factory):
     """A token-only DSpark drafter for SmolLM2 (random weights) and its resident footprint
     in the engine: its own weights (it shares the engine's embedding and head)."""
-    from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter
-    from remote_drafter.target import TargetConfig
-    t = TargetConfig.from_hf(json.loads((MODEL / "config.json").read_text()))
+    from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
+    from remote_drafter.models.llama import LlamaConfig
+    t = LlamaConfig.from_hf(json.loads((MODEL / "config.json").read_text()))
     out = str(tmp_path_factory.mktemp("drafter") / "dspark-tokens")
     DSparkDrafter.create(out, str(MODEL), DSparkConfig(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_heads=t.num_attention_heads,
@@ -180,8 +180,8 @@ def test_a_hidden_state_drafter_gets_the_targets_rows(baseline, tmp_path):
     (accepts and rejects alike), the target's own hidden rows at the right positions."""
     from drafter_probe import LAYERS
 
-    from remote_drafter.reference import run_target
-    from remote_drafter.target import TargetLM
+    from remote_drafter.decode_loop import run_target
+    from remote_drafter.models.llama import LlamaLM
     rounds = tmp_path / "rounds"
     rounds.mkdir()
     tests = str(Path(__file__).parent)
@@ -201,7 +201,7 @@ def test_a_hidden_state_drafter_gets_the_targets_rows(baseline, tmp_path):
         proc.kill()
         proc.wait()
     assert drafted > accepted > 0, (drafted, accepted)  # both paths: accepts and rejects
-    target = TargetLM.load(str(MODEL))
+    target = LlamaLM.load(str(MODEL))
     records = sorted(rounds.glob("*.npz"), key=lambda p: int(p.stem))
     assert not np.load(records[0])["rows"].any()  # the worker's warm-up, before it serves
     records = records[1:]

@@ -10,13 +10,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter import protocol as P  # noqa: E402
-from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
-from remote_drafter.drafters.ngram import NgramDrafter  # noqa: E402
-from remote_drafter.history import History  # noqa: E402
-from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
-from remote_drafter.target import TargetLM, random_target  # noqa: E402
+from remote_drafter.engine import protocol as P  # noqa: E402
+from remote_drafter.engine.history import History  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.llama import LlamaLM, random_llama  # noqa: E402
+from remote_drafter.models.ngram import NgramDrafter  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.testing import HIDDEN_LAYERS, TINY  # noqa: E402
+from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
 
 
 def request(drafter, length: int, seed: int, depth: int = 5, temperature: float = 0.0):
@@ -117,7 +118,7 @@ def test_checkpoint_identities(models, tmp_path):
 
 
 def test_a_drafter_refuses_another_target(models, tmp_path):
-    random_target(TINY, seed=5).save(str(tmp_path / "other"))
+    random_llama(TINY, seed=5).save(str(tmp_path / "other"))
     with pytest.raises(ValueError, match="was built for target"):
         load_drafter(models["dspark"], str(tmp_path / "other"))
     with pytest.raises(ValueError, match="pass the target"):
@@ -125,7 +126,7 @@ def test_a_drafter_refuses_another_target(models, tmp_path):
 
 
 def test_target_loads_what_it_saved(models):
-    t = TargetLM.load(models["target"])
+    t = LlamaLM.load(models["target"])
     with open(os.path.join(models["target"], "config.json")) as f:
         assert json.load(f)["model_type"] == "llama"
     logits, hidden = t(torch.tensor([1, 2, 3]), HIDDEN_LAYERS)

@@ -18,9 +18,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from remote_drafter.cli import main  # noqa: E402
-from remote_drafter.dsv41 import checkpoint, quant  # noqa: E402
-from remote_drafter.dsv41.checkpoint import INDEX_FILE  # noqa: E402
-from remote_drafter.dsv41.tiny import write_tiny  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, quant  # noqa: E402
+from remote_drafter.models.dsv41.checkpoint import INDEX_FILE  # noqa: E402
+from remote_drafter.models.dsv41.tiny import write_tiny  # noqa: E402
 
 SHARD2 = "model-00002-of-00002.safetensors"
 
@@ -322,7 +322,7 @@ def test_a_v4_checkpoint_loads_with_its_own_names_and_the_targets_expert_counts(
 
 
 def test_a_v4_config_is_read_as_vllm_reads_deepseek_v4(tiny_v4):
-    from remote_drafter.dsv41.config import Dsv41DrafterConfig
+    from remote_drafter.models.dsv41.config import Dsv41DrafterConfig
     with open(os.path.join(tiny_v4, "config.json")) as f:
         config = json.load(f)
     assert config["num_nextn_predict_layers"] == 1 and "text_config" not in config

@@ -9,18 +9,19 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.drafters import DraftRequest, load_drafter  # noqa: E402
-from remote_drafter.drafters.dsv41 import Dsv41Drafter  # noqa: E402
-from remote_drafter.dsv41 import tiny  # noqa: E402
-from remote_drafter.identity import expectation  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.target import TargetConfig, TargetLM, random_target  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.identity import expectation  # noqa: E402
+from remote_drafter.engine.transport import RemoteTransport  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.dsv41 import tiny  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.llama import LlamaConfig, LlamaLM, random_llama  # noqa: E402
+from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.testing import WorkerProcess  # noqa: E402
-from remote_drafter.transport import RemoteTransport  # noqa: E402
 
 # Llama-style, as wide as the tiny V4.1 drafter, with as many layers as its taps need
-TARGET = TargetConfig(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden_layers=4,
+TARGET = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=tiny.HIDDEN, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 
 
@@ -29,7 +30,7 @@ def folders(tmp_path_factory):
     base = tmp_path_factory.mktemp("dsv41")
     tiny.write_tiny(str(base / "dsv41"))
     tiny.write_tiny(str(base / "dsv4"), seed=1, variant="v4")
-    random_target(TARGET, seed=0).save(str(base / "target"))
+    random_llama(TARGET, seed=0).save(str(base / "target"))
     return {"dsv41": str(base / "dsv41"), "dsv4": str(base / "dsv4"), "target": str(base / "target")}
 
 
@@ -79,7 +80,7 @@ def test_it_loads_as_configured(either):
 
 
 def test_a_drafter_for_another_vocabulary_is_refused(folders, tmp_path):
-    random_target(TargetConfig(vocab_size=96, hidden_size=tiny.HIDDEN), seed=1).save(str(tmp_path / "t"))
+    random_llama(LlamaConfig(vocab_size=96, hidden_size=tiny.HIDDEN), seed=1).save(str(tmp_path / "t"))
     with pytest.raises(ValueError, match="vocabulary of 1024"):
         load_drafter("dsv41:" + folders["dsv41"], str(tmp_path / "t"))
 
@@ -201,7 +202,7 @@ def test_the_confidence_cut_off_is_off_by_default_and_shortens_drafts(drafter, f
 def test_a_worker_serves_it_exactly_at_t0(folders, variant):
     """`remote-drafter worker --drafter dsv41:<folder>` through the client, for a V4.1 and a
     V4 checkpoint: decoding with its drafts yields the tokens the target yields alone."""
-    target = TargetLM.load(folders["target"])
+    target = LlamaLM.load(folders["target"])
     prompts = {1: [1, 2, 3, 4, 5], 2: list(range(10, 150))}  # 2 is longer than the window
     layers = (1, 2, 3)
     worker = WorkerProcess("dsv41:" + folders[variant], folders["target"])

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's drafter and DeepSeek-V4's (each test runs for both variants),
-remote_drafter.dsv41.model against the independent float64 transcription of vLLM 0.33.0 in
+remote_drafter.models.dsv41.model against the independent float64 transcription of vLLM 0.33.0 in
 dsv41_reference.py, on random toy-width weights: stage by stage in float32 (relative error
 <= 1e-5 each) and the whole block's greedy drafts; and the reference's own invariants (window,
 RoPE, Sinkhorn, routing, the Markov chain)."""
@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 
 import dsv41_reference as ref  # noqa: E402
 
-from remote_drafter.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
-from remote_drafter.dsv41.model import Dsv41Model  # noqa: E402
-from remote_drafter.dsv41.tiny import tiny_config  # noqa: E402
+from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.dsv41.tiny import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 SEED = 20261201

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's vLLM tier runs it")
 
 from longctx_bench.launch import VllmServer  # noqa: E402
-from remote_drafter.worker import spawn_worker  # noqa: E402
+from remote_drafter.worker.server import spawn_worker  # noqa: E402
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
 PLUGIN = Path(__file__).resolve().parent / "vllm_cpu_dsv4"

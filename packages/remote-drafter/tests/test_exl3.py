@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 import remote_drafter.cli  # noqa: E402
-from remote_drafter import exl3  # noqa: E402
-from remote_drafter.dsv41 import checkpoint, tiny  # noqa: E402
-from remote_drafter.dsv41.config import markov_names  # noqa: E402
-from remote_drafter.dsv41.model import Dsv41Model, linear_names  # noqa: E402
+from remote_drafter.models import exl3  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
+from remote_drafter.models.dsv41.config import markov_names  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model, linear_names  # noqa: E402
 
 
 def test_refusals_name_the_missing_piece(monkeypatch):
@@ -91,7 +91,7 @@ def test_served_linears_replace_dense_weights_exactly(tmp_path, variant):
 def test_zero_dim_tensors_are_digested_as_their_bytes():
     """exllamav3 stores markers (mul1) as 0-dim tensors; a pack's identity digests them too
     (seen on the H200: the first tiny V4.1 pack failed to load on one)."""
-    from remote_drafter.drafters.dspark import tensor_bytes
+    from remote_drafter.models.tensors import tensor_bytes
     assert tensor_bytes(torch.tensor(3, dtype=torch.int32)) == (3).to_bytes(4, "little")
     assert tensor_bytes(torch.tensor([1, 2], dtype=torch.int16)) == b"\x01\x00\x02\x00"
 
@@ -146,7 +146,7 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
     stored, the trunk not read; a mis-shaped or missing weight is refused by name. (The
     kernels on such a pack, against exllamav3's own drafter, run in
     benchmarks/dsv4_exl3_check.py on the GPU.)"""
-    from remote_drafter.drafters import dsv41
+    from remote_drafter.models.dsv41 import exl3_pack
     quantised = exllamav3_style(tmp_path / "src", tmp_path / "exl3", variant)
     folder = str(tmp_path / "exl3")
     assert exl3.is_pack(folder) and exl3.made_by_exllamav3(folder)
@@ -154,7 +154,7 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
     monkeypatch.setattr(exl3, "require", lambda device: None)
     monkeypatch.setattr(exl3, "linear_from", lambda state, module, shape, device: ("exl3", module, shape))
     monkeypatch.setattr(exl3, "Exl3Groups", lambda groups: ("groups", groups))
-    loaded = dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+    loaded = exl3_pack.load(folder, torch.float32, "cpu")
     assert sorted(loaded.linears) == sorted(quantised)
     c = loaded.config
     for name, served in loaded.linears.items():
@@ -165,7 +165,7 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
             assert served == ("exl3", name.removesuffix(".weight"), checkpoint.weight_table(c)[name][0])
     assert not set(loaded.linears) & set(loaded.weights)
     assert loaded.weights["embed.weight"].dtype == torch.float32 and loaded.not_read == []
-    again = dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+    again = exl3_pack.load(folder, torch.float32, "cpu")
     assert (again.drafter_digest, again.markov_digest) == (loaded.drafter_digest, loaded.markov_digest)
 
     from safetensors.torch import load_file, save_file
@@ -177,15 +177,15 @@ def test_a_model_exllamav3_converted_loads_by_deepseeks_names(tmp_path, monkeypa
     bad[0, -1] = 1.0  # padding that is not zeros: not exllamav3's padding
     save_file({**state, w2: bad}, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match="zero-padded"):
-        dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+        exl3_pack.load(folder, torch.float32, "cpu")
     norm = "mtp.0.attn_norm.weight"
     save_file({**state, norm: state[norm][:-1].contiguous()}, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match=rf"{norm}: shape"):
-        dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+        exl3_pack.load(folder, torch.float32, "cpu")
     del state[norm]
     save_file(state, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match=rf"{norm}: missing"):
-        dsv41.load_exl3_pack(folder, torch.float32, "cpu")
+        exl3_pack.load(folder, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("variant", ["v41", "v4"])
@@ -210,11 +210,11 @@ def test_every_expert_on_every_row_is_the_chosen_experts_sum(tmp_path, variant):
 def test_a_conversion_keeping_the_drafter_at_16_bits_serves_its_dense_weights(tmp_path, monkeypatch):
     """`convert_model --mtp_bits 16`: the drafter's linears are stored fp16 (wo_a by group
     slice), read as dense weights equal to the checkpoint's; only the head is served EXL3."""
-    from remote_drafter.drafters import dsv41
+    from remote_drafter.models.dsv41 import exl3_pack
     exllamav3_style(tmp_path / "src", tmp_path / "exl3", "v4", mtp_bits16=True)
     monkeypatch.setattr(exl3, "require", lambda device: None)
     monkeypatch.setattr(exl3, "linear_from", lambda state, module, shape, device: ("exl3", module, shape))
-    loaded = dsv41.load_exl3_pack(str(tmp_path / "exl3"), torch.float32, "cpu")
+    loaded = exl3_pack.load(str(tmp_path / "exl3"), torch.float32, "cpu")
     assert sorted(loaded.linears) == ["head.weight"] and loaded.not_read == []
     source = checkpoint.load(str(tmp_path / "src"), torch.float32).weights
     for name in linear_names(loaded.config):

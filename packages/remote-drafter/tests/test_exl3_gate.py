@@ -20,10 +20,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 import remote_drafter.cli  # noqa: E402
-from remote_drafter import exl3, gate  # noqa: E402
-from remote_drafter.drafters import DraftRequest  # noqa: E402
-from remote_drafter.drafters.dsv41 import Dsv41Drafter  # noqa: E402
-from remote_drafter.dsv41 import checkpoint, tiny  # noqa: E402
+from remote_drafter.models import exl3  # noqa: E402
+from remote_drafter.models import fidelity_gate as gate  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.worker import exl3_admission, round_recorder  # noqa: E402
 
 POSITIONS = (3, 40, 127, 200)  # below, at and above the 128-row window
 
@@ -163,29 +165,29 @@ def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinie
 def test_the_record_decides_what_may_be_served(tmp_path):
     pack, rounds = str(tmp_path), str(tmp_path / "r.safetensors")
     gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))], target_digest="t" * 64)
-    assert "no fidelity gate record" in gate.refusal(pack, "d" * 64)
+    assert "no fidelity gate record" in exl3_admission.refusal(pack, "d" * 64)
     result = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.8,
               "acceptance_ratio": 0.9, "agreement": [1.0] * 5, "tv": 0.01, "tv_max": 0.02,
               "goal": 0.97, "passed": False}
     gate.record(pack, result, "d" * 64, "r" * 64, rounds, "t" * 64)
-    why = gate.refusal(pack, "d" * 64)
+    why = exl3_admission.refusal(pack, "d" * 64)
     assert "failed the fidelity gate" in why and "1.800" in why and "90.0%" in why and "\n" not in why
     gate.record(pack, {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
                 "d" * 64, "r" * 64, rounds, "t" * 64)
-    assert gate.refusal(pack, "d" * 64) is None and gate.refusal(pack, None) is None
-    assert "is for drafter dddddddddddd" in gate.refusal(pack, "e" * 64)
-    assert "target" in gate.refusal(pack, "d" * 64, target_digest="u" * 64)
+    assert exl3_admission.refusal(pack, "d" * 64) is None and exl3_admission.refusal(pack, None) is None
+    assert "is for drafter dddddddddddd" in exl3_admission.refusal(pack, "e" * 64)
+    assert "target" in exl3_admission.refusal(pack, "d" * 64, target_digest="u" * 64)
     rec = gate.read_record(pack)
     assert rec["rounds_sha256"] == gate.sha256_file(rounds) and rec["target"] == "t" * 64
     assert rec["reference_drafter"] == "r" * 64 and rec["date"] and rec["version"]
     # a pass at a lower goal of its own does not clear the pack: the worker's bar is GOAL
     gate.record(pack, {**result, "goal": 0.8, "passed": True}, "d" * 64, "r" * 64, rounds)
-    assert "goal 97%" in gate.refusal(pack, "d" * 64)
+    assert "goal 97%" in exl3_admission.refusal(pack, "d" * 64)
     passed = {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True}
     gate.record(pack, {**passed, "rounds": gate.MIN_ROUNDS - 1}, "d" * 64, "r" * 64, rounds)
-    assert f"fewer than the {gate.MIN_ROUNDS}" in gate.refusal(pack, "d" * 64)
+    assert f"fewer than the {gate.MIN_ROUNDS}" in exl3_admission.refusal(pack, "d" * 64)
     gate.record(pack, passed, "d" * 64, "d" * 64, rounds)  # gated against itself
-    assert "against its own weights" in gate.refusal(pack, "d" * 64)
+    assert "against its own weights" in exl3_admission.refusal(pack, "d" * 64)
 
 
 def test_the_gate_command_explains_itself(capsys):
@@ -218,8 +220,8 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, rounds_a, tmp_path
     assert rec["reference_drafter"] == gate.weights_of(a.manifest())
     # the Markov head is part of the weights the record names (the drafter digest leaves it out)
     other_markov = gate.weights_of(replace(pack.manifest(), markov="m" * 64))
-    assert gate.refusal(str(root / "pack"), gate.weights_of(pack.manifest())) is None
-    assert "is for drafter" in gate.refusal(str(root / "pack"), other_markov)
+    assert exl3_admission.refusal(str(root / "pack"), gate.weights_of(pack.manifest())) is None
+    assert "is for drafter" in exl3_admission.refusal(str(root / "pack"), other_markov)
     assert rec["rounds"] == gate.MIN_ROUNDS and rec["target"] is None
     # the pack holds the reference's weights rounded to bf16: on these rounds it keeps up
     assert rec["acceptance_ratio"] >= 0.97 and code == 0
@@ -285,7 +287,7 @@ def test_a_pack_that_passed_its_gate_is_served(tinies, rounds_a, tmp_path, capsy
     assert remote_drafter.cli.main(["exl3", "gate", str(pack), "--reference", str(root / "a"),
                                     "--rounds", rounds, "--device", "cpu", "--dtype", "float32"]) == 0
     served = {}
-    import remote_drafter.worker as worker_module
+    import remote_drafter.worker.server as worker_module
     real = worker_module.Worker
 
     class Recorded(real):
@@ -303,8 +305,10 @@ def test_a_pack_that_passed_its_gate_is_served(tinies, rounds_a, tmp_path, capsy
 def test_ungated_serving_is_marked_in_what_the_worker_describes(tinies):
     _, a, _ = tinies
     drafter = Dsv41Drafter.load(str(tinies[0] / "a"), device="cpu")
-    remote_drafter.cli.mark_gate(drafter, "no record")
-    assert drafter.describe()["exl3_gate"] == "UNGATED: no record"
+    with pytest.raises(exl3_admission.Refused, match="no fidelity gate record"):
+        exl3_admission.after_loading(str(tinies[0] / "a"), drafter, False, ungated_ok=False)
+    exl3_admission.after_loading(str(tinies[0] / "a"), drafter, False, ungated_ok=True)
+    assert drafter.describe()["exl3_gate"].startswith("UNGATED: ") and "no fidelity gate record" in drafter.describe()["exl3_gate"]
     assert "exl3_gate" not in a.describe()
 
 
@@ -312,16 +316,16 @@ def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
     """`worker --record-gate-rounds`: at T = 0 the tokens committed after a round's anchor
     are the target's greedy tokens and the rows sent before it its taps, so each recorded
     round equals what the target itself computes there; the file is a gate rounds file."""
-    from remote_drafter.client import DrafterClient
-    from remote_drafter.drafters.dspark import DSparkDrafter
-    from remote_drafter.reference import plain_decode, run_target, speculative_decode
-    from remote_drafter.service import DraftService, ServiceConfig
-    from remote_drafter.target import TargetLM
+    from remote_drafter.decode_loop import plain_decode, run_target, speculative_decode
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.transport import LocalTransport
+    from remote_drafter.models.dspark import DSparkDrafter
+    from remote_drafter.models.llama import LlamaLM
     from remote_drafter.testing import HIDDEN_LAYERS, make_models
-    from remote_drafter.transport import LocalTransport
+    from remote_drafter.worker.service import DraftService, ServiceConfig
     paths = make_models(str(tmp_path))
     drafter = DSparkDrafter.load(paths["dspark"], paths["target"])
-    target = TargetLM.load(paths["target"], "cpu")
+    target = LlamaLM.load(paths["target"], "cpu")
     path = str(tmp_path / "rounds.safetensors")
     service = DraftService(drafter, ServiceConfig(record_gate_rounds=path, gate_rounds=5,
                                                   gate_depth=3, gate_spacing=7))
@@ -351,8 +355,8 @@ def test_a_round_beyond_the_kept_tokens():
     """A history keeps its last max_tokens tokens: earlier prefix positions are zeros (the
     gated drafters read the newest token, the length and the window's rows), and a round whose
     continuation left the kept tokens before it completed is dropped, not misrecorded."""
-    from remote_drafter.history import History
-    recorder = gate.RoundRecorder("/tmp/r.safetensors", 4, 3, None, spacing=1)
+    from remote_drafter.engine.history import History
+    recorder = round_recorder.RoundRecorder("/tmp/r.safetensors", 4, 3, None, spacing=1)
     h = History(8, 4, 2)
     tokens = np.arange(100, 120, dtype=np.int32)  # 20 positions, the last 8 kept
     h.reset(tokens, np.ones((19, 2), np.float32))
@@ -370,8 +374,8 @@ def test_a_round_beyond_the_kept_tokens():
 
 
 def test_only_greedy_requests_are_recorded():
-    from remote_drafter.history import History
-    recorder = gate.RoundRecorder("/nowhere", 2, 3, None, spacing=1)
+    from remote_drafter.engine.history import History
+    recorder = round_recorder.RoundRecorder("/nowhere", 2, 3, None, spacing=1)
     h = History(64, 8, 4)
     h.reset(np.arange(10, dtype=np.int32), np.ones((9, 4), np.float32))
     recorder.seen("sampled", h, 1.0)

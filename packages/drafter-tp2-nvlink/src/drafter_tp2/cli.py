@@ -47,7 +47,7 @@ def checked(args) -> tuple[list[str], str]:
 
 def rank_config(args):
     from remote_drafter.cli import capacity_config
-    from remote_drafter.service import ServiceConfig
+    from remote_drafter.worker.service import ServiceConfig
 
     from .rank import RankConfig
     devices, mode = checked(args)

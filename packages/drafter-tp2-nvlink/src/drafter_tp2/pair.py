@@ -10,7 +10,7 @@ import subprocess
 
 import torch
 
-from remote_drafter.device_lock import device_key
+from remote_drafter.worker.device_lock import device_key
 
 
 def torch_device(device: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from remote_drafter.drafters import Drafter, DraftRequest
+from remote_drafter.models.base import Drafter, DraftRequest
 
 
 def compare_single_rounds(client, one: Drafter, rounds: int, max_tokens: int, seed: int) -> dict:

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remote_drafter.device_lock import DeviceBusy, DeviceLock, device_key, lock_dir
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.service import ServiceConfig
-from remote_drafter.worker import Worker
+from remote_drafter.models.dspark import DSparkDrafter
+from remote_drafter.worker.device_lock import DeviceBusy, DeviceLock, device_key, lock_dir
+from remote_drafter.worker.server import Worker
+from remote_drafter.worker.service import ServiceConfig
 
 from .capture import Rounds
 from .channel import Channel

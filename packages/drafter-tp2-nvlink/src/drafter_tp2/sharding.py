@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remote_drafter.drafters.dspark import DSparkModel
-from remote_drafter.layers import MLP, Attention
+from remote_drafter.models.dspark import DSparkModel
+from remote_drafter.models.llama_layers import MLP, Attention
 
 WORLD = 2
 

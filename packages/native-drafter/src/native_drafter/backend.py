@@ -12,9 +12,9 @@ from collections import OrderedDict
 
 import torch
 
-from remote_drafter.drafters import Drafter
-from remote_drafter.drafters.dspark import DSparkDrafter, split
-from remote_drafter.drafters.pick import Picker
+from remote_drafter.models.base import Drafter
+from remote_drafter.models.dspark import DSparkDrafter
+from remote_drafter.models.pick import Picker, split
 
 from . import passes
 from .native import NativeRound

@@ -43,11 +43,11 @@ def cmd_tokens(args) -> int:
 
 
 def cmd_identity(args) -> int:
-    from remote_drafter.identity import target_digest, tokenizer_digest
+    from remote_drafter.engine.identity import target_digest, tokenizer_digest
     out = {"target_digest": target_digest(args.target), "tokenizer_digest": tokenizer_digest(args.target)}
     if args.checkpoint:  # loads it as the worker would (checks the target digest)
-        from remote_drafter.drafters.dspark import WEIGHTS_FILE, DSparkDrafter
-        from remote_drafter.identity import sha256_file
+        from remote_drafter.engine.identity import sha256_file
+        from remote_drafter.models.dspark import WEIGHTS_FILE, DSparkDrafter
         out = {"manifest": DSparkDrafter.load(args.checkpoint, args.target).manifest().to_json(),
                "safetensors_sha256": sha256_file(os.path.join(args.checkpoint, WEIGHTS_FILE)),
                "safetensors_bytes": os.path.getsize(os.path.join(args.checkpoint, WEIGHTS_FILE))}
@@ -57,11 +57,11 @@ def cmd_identity(args) -> int:
 
 def load_target(args, device: str):
     """The target: from the Hugging Face folder (--target) or the GGUF (--gguf / env)."""
-    from remote_drafter.target import TargetLM
+    from remote_drafter.models.llama import LlamaLM
 
     from .teacher import load_teacher
     if getattr(args, "target", None):
-        return TargetLM.load(args.target, device)
+        return LlamaLM.load(args.target, device)
     return load_teacher(args.gguf or env.NATIVE_DRAFTER_GGUF.get() or None, device)
 
 
@@ -99,9 +99,9 @@ def cmd_evaluate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from remote_drafter.drafters.dspark import DSparkDrafter, DSparkModel, init_weights
-    from remote_drafter.drafters.ngram import NgramDrafter
-    from remote_drafter.identity import Manifest
+    from remote_drafter.engine.identity import Manifest
+    from remote_drafter.models.dspark import DSparkDrafter, DSparkModel, init_weights
+    from remote_drafter.models.ngram import NgramDrafter
 
     from .corpus import load_tokens
     from .evaluate import by_class, exact_rounds, measured, round_starts
@@ -154,14 +154,14 @@ def _load_unchecked(folder: str, target, device: str):
     import torch
     from safetensors.torch import load_file
 
-    from remote_drafter.drafters.dspark import (
+    from remote_drafter.engine.identity import Manifest
+    from remote_drafter.models.dspark import (
         CONFIG_FILE,
         WEIGHTS_FILE,
         DSparkConfig,
         DSparkDrafter,
         DSparkModel,
     )
-    from remote_drafter.identity import Manifest
     with open(os.path.join(folder, CONFIG_FILE)) as f:
         meta = json.load(f)
     ident = Manifest(target=meta.pop("target_digest"), tokenizer=meta.pop("tokenizer_digest"), kind="dspark")
@@ -187,14 +187,14 @@ def print_table(result: dict) -> None:
 def cmd_states(args) -> int:
     import torch
 
-    from remote_drafter.drafters.dspark import DSparkDrafter
-    from remote_drafter.target import TargetLM
+    from remote_drafter.models.dspark import DSparkDrafter
+    from remote_drafter.models.llama import LlamaLM
 
     from .corpus import load_tokens
     from .states import make_states
     drafter = DSparkDrafter.load(args.checkpoint, args.target)
     tokens, offsets, _ = load_tokens(args.tokens, args.split)
-    states = make_states(TargetLM.load(args.target), tokens, offsets, drafter.hidden_layers,
+    states = make_states(LlamaLM.load(args.target), tokens, offsets, drafter.hidden_layers,
                          drafter.window, args.requests, args.seed)
     torch.save(states, args.out)
     print(f"native-drafter states: {args.requests} round starts ({args.split} documents {states['docs']}) "
@@ -205,7 +205,7 @@ def cmd_states(args) -> int:
 def cmd_gate(args) -> int:
     import torch
 
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models.dspark import DSparkDrafter
 
     from . import passes
     from .gate import merge, write

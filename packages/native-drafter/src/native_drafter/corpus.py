@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from remote_drafter.identity import sha256_file
+from remote_drafter.engine.identity import sha256_file
 
 CLASSES = ("code", "prose", "structured")
 

@@ -5,7 +5,7 @@
   (the target runs on prefix + drafts). At T = 0 each round is deterministic, so the mean
   over round starts is exact for that set. Per position: reach_i = P(drafts 1..i all
   accepted) = mean(E_i - E_{i-1}); conditional acceptance = reach_i / reach_{i-1}.
-* measured (remote_drafter.reference.speculative_decode): the reference speculative loop
+* measured (remote_drafter.decode_loop.speculative_decode): the reference speculative loop
   decodes from validation prompts with drafts from the real DrafterClient; mean accepted
   length = 1 + accepted / rounds, and the per-position reach from the accepted counts.
 
@@ -20,9 +20,9 @@ import torch
 
 from acceptance_ceiling.chain import exact
 from acceptance_ceiling.dists import adjust
-from remote_drafter.drafters.dspark import DSparkModel
-from remote_drafter.drafters.ngram import NgramDrafter
-from remote_drafter.target import TargetLM
+from remote_drafter.models.dspark import DSparkModel
+from remote_drafter.models.llama import LlamaLM
+from remote_drafter.models.ngram import NgramDrafter
 
 from .corpus import CLASSES
 
@@ -51,7 +51,7 @@ def round_starts(offsets: np.ndarray, classes: np.ndarray, per_class: int, seed:
 class TargetDists:
     """prefix -> the target's distribution at T = 0 (one-hot argmax), cached per prefix."""
 
-    def __init__(self, target: TargetLM):
+    def __init__(self, target: LlamaLM):
         self.target, self.cache, self.calls = target, {}, 0
         self.device = next(target.parameters()).device
 
@@ -113,7 +113,7 @@ def ngram_chain(drafter: NgramDrafter, prefix: list[int], vocab: int):
     return dist
 
 
-def exact_rounds(target: TargetLM, drafters: dict, tokens: np.ndarray, offsets: np.ndarray,
+def exact_rounds(target: LlamaLM, drafters: dict, tokens: np.ndarray, offsets: np.ndarray,
                  starts: list[tuple[int, str, int]], layers: tuple[int, ...], progress=None) -> dict:
     """E_1..E_K per round start and drafter: {drafter: [[E_1..E_K] per start]}.
     drafters: name -> DSparkModel or NgramDrafter."""
@@ -154,14 +154,14 @@ def by_class(per_start: list, starts: list) -> dict:
     return out
 
 
-def measured(target: TargetLM, spec: dict, tokens, offsets, starts, new_tokens: int,
+def measured(target: LlamaLM, spec: dict, tokens, offsets, starts, new_tokens: int,
              layers: tuple[int, ...], k: int = K_MAX) -> dict:
     """The reference speculative loop at T = 0 from each start's prefix, per drafter:
     {drafter: {class: {...}}}. spec: name -> a remote_drafter Drafter."""
-    from remote_drafter.client import DrafterClient
-    from remote_drafter.reference import speculative_decode
-    from remote_drafter.service import DraftService
-    from remote_drafter.transport import LocalTransport
+    from remote_drafter.decode_loop import speculative_decode
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.transport import LocalTransport
+    from remote_drafter.worker.service import DraftService
 
     out = {}
     for name, drafter in spec.items():

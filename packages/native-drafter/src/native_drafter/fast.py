@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from remote_drafter.drafters.dspark import DSparkModel
+from remote_drafter.models.dspark import DSparkModel
 
 from .gate import GateReport, compare, merge
 from .objective import Batch, Objective, draft_logits, reference_loss

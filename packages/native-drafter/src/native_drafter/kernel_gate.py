@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkModel, init_weights
+from remote_drafter.models.dspark import DSparkConfig, DSparkModel, init_weights
 
 from .gate import Check, GateReport, compare, merge
 from .native import NativeRound, with_width
@@ -125,7 +125,7 @@ def stage_table(report: GateReport, num_layers: int) -> str:
 def real_case(model: DSparkModel, requests, name: str = "trained") -> Case:
     """Real drafter states (DraftRequests of target text, states.py) through the trained
     drafter, laid out as the worker lays them out."""
-    from remote_drafter.drafters.dspark import DSparkDrafter
+    from remote_drafter.models.dspark import DSparkDrafter
 
     from .reference import inputs_from_requests
     layout = DSparkDrafter(model.config, model, None, "cpu")

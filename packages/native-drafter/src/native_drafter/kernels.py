@@ -90,7 +90,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Ten
 @triton.jit
 def _rotated(x_ptr, rows, stride, col, cos_ptr, sin_ptr, mask, D2: tl.constexpr):
     """One head's vectors at `rows` (columns col .. col+2*D2 of a row-major buffer), rotated
-    as remote_drafter.layers.rotate does: halves (x1 c - x2 s, x2 c + x1 s), tables by row."""
+    as remote_drafter.models.llama_layers.rotate does: halves (x1 c - x2 s, x2 c + x1 s), tables by row."""
     rh = tl.arange(0, D2)
     m = mask[:, None]
     x1 = tl.load(x_ptr + rows * stride + col + rh[None, :], mask=m, other=0.0)

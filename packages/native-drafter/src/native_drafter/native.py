@@ -8,7 +8,7 @@ attention, o_proj + residual, gate/up + SwiGLU (post-attention RMSNorm fused), d
 residual; the head (final RMSNorm fused, float32 logits for all W positions in one pass
 over the head's weights); then per draft position the Markov correction with a per-tile
 argmax and the argmax across tiles. The block's embedding gather and the RoPE tables are
-torch ops on the device (the tables come from remote_drafter.layers.rotate itself).
+torch ops on the device (the tables come from remote_drafter.models.llama_layers.rotate itself).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from remote_drafter.drafters.dspark import DSparkModel
-from remote_drafter.layers import rotate
+from remote_drafter.models.dspark import DSparkModel
+from remote_drafter.models.llama_layers import rotate
 
 from . import kernels as K
 from .reference import RoundInputs

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remote_drafter.drafters.dspark import DSparkModel
+from remote_drafter.models.dspark import DSparkModel
 
 
 @dataclass(frozen=True)

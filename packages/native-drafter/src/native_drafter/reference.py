@@ -4,7 +4,7 @@ float32 (GPU, TF32 off), with every intermediate the native kernels produce read
 Not a second implementation: `DSparkModel.block_logits` itself runs, and forward hooks on
 its submodules record what each sublayer computed. Only the attention probabilities, which
 the torch module never keeps, are recomputed from the hooked q/k projections with
-`remote_drafter.layers.rotate`; a test checks that probabilities @ v reproduce the module's
+`remote_drafter.models.llama_layers.rotate`; a test checks that probabilities @ v reproduce the module's
 own attention output. The Markov chain is DSparkDrafter.draft's at T = 0: previous token
 x_0 = anchor, logits_i = z_i + W2 W1[x_{i-1}], x_i = argmax (first index on ties).
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from remote_drafter.drafters.dspark import DSparkDrafter, DSparkModel
-from remote_drafter.layers import rotate
+from remote_drafter.models.dspark import DSparkDrafter, DSparkModel
+from remote_drafter.models.llama_layers import rotate
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.history import History
+from remote_drafter.engine.history import History
+from remote_drafter.models.base import DraftRequest
 
 
 def make_states(target, tokens: np.ndarray, offsets: np.ndarray, layers: tuple[int, ...],

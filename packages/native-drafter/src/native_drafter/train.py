@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from remote_drafter.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
-from remote_drafter.target import TargetLM
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
+from remote_drafter.models.llama import LlamaLM
 
 from . import gate as gate_mod
 from .fast import TOLERANCES, FastPath, training_gate
@@ -49,7 +49,7 @@ class TrainConfig:
     target_layers: tuple[int, ...] = TARGET_LAYERS  # whose hidden rows condition the drafter
 
 
-def drafter_config(target: TargetLM, layers=TARGET_LAYERS, num_layers: int = 3,
+def drafter_config(target: LlamaLM, layers=TARGET_LAYERS, num_layers: int = 3,
                    markov_rank: int = 32, block: int = 5, window: int = 128) -> DSparkConfig:
     """The miniature's drafter (ARCHITECTURE.md § DSpark drafter): three layers at the target's width and head
     layout, conditioned on three target layers, W = 5, window 128, Markov rank 32."""
@@ -98,7 +98,7 @@ class Rows:
         return torch.from_numpy(out), torch.from_numpy(pick[:, 1] - pick[:, 0])
 
 
-def teacher_batches(teacher: TargetLM, config: DSparkConfig, tokens, lengths, anchors_per: int,
+def teacher_batches(teacher: LlamaLM, config: DSparkConfig, tokens, lengths, anchors_per: int,
                     generator: torch.Generator, device):
     """The teacher's pass over one [S, L] token batch, cut into shuffled anchor batches."""
     tokens = tokens.to(device)
@@ -135,7 +135,7 @@ def lr_at(cfg: TrainConfig, step: int, fraction: float) -> float:
     return cfg.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
-def train(teacher: TargetLM, train_tokens: np.ndarray, train_offsets: np.ndarray,
+def train(teacher: LlamaLM, train_tokens: np.ndarray, train_offsets: np.ndarray,
           val_tokens: np.ndarray, val_offsets: np.ndarray, cfg: TrainConfig, out: str,
           identity: dict, provenance: dict, device: str = "cuda", log=print,
           fast: FastPath | None = None) -> dict:

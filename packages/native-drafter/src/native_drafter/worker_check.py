@@ -5,10 +5,10 @@ states, the CI test on a tiny drafter under the Triton interpreter)."""
 
 from __future__ import annotations
 
-from remote_drafter.client import DrafterClient
-from remote_drafter.identity import expectation
-from remote_drafter.transport import RemoteTransport
-from remote_drafter.worker import spawn_worker
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.transport import RemoteTransport
+from remote_drafter.worker.server import spawn_worker
 
 ROUNDS = 16  # rounds per batch before a request without drafts counts as not drafted
 

@@ -29,20 +29,19 @@ import numpy as np
 import torch
 
 from ofl.cli import emit_result
-
-from .client import DrafterClient
-from .drafters.dspark import DSparkConfig, DSparkDrafter
-from .identity import expectation
-from .reference import speculative_decode
-from .shadow import synthetic_prompts
-from .target import TargetConfig, random_target
-from .transport import AsyncTransport, RemoteTransport
-from .worker import spawn_worker
+from remote_drafter.decode_loop import speculative_decode
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.transport import AsyncTransport, RemoteTransport
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
+from remote_drafter.models.llama import LlamaConfig, random_llama
+from remote_drafter.worker.server import spawn_worker
+from remote_drafter.worker.shadow_parity import synthetic_prompts
 
 WIDTHS = {
-    "tiny": TargetConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    "tiny": LlamaConfig(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=256),
-    "smollm2": TargetConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=4,
+    "smollm2": LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=4,
                             num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
                             rope_theta=100000.0),
 }
@@ -51,7 +50,7 @@ WIDTHS = {
 def make_models(base: str, width: str) -> dict:
     t = WIDTHS[width]
     paths = {n: os.path.join(base, n) for n in ("target", "dspark", "dspark-tokens")}
-    random_target(t, seed=0, proj_std=0.2 if width == "tiny" else 0.05).save(paths["target"])
+    random_llama(t, seed=0, proj_std=0.2 if width == "tiny" else 0.05).save(paths["target"])
     common = dict(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_heads=t.num_attention_heads,
                   num_kv_heads=t.num_key_value_heads, intermediate_size=t.intermediate_size,
                   mask_token_id=t.vocab_size - 1, rope_theta=t.rope_theta)
@@ -130,10 +129,9 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
 
 def bench_rounds(paths, args, width) -> list[dict]:
     from async_handoff import HandoffConfig
-
-    from .drafters import load_drafter
-    from .service import DraftService, ServiceConfig
-    from .transport import LocalTransport
+    from remote_drafter.engine.transport import LocalTransport
+    from remote_drafter.models.registry import load_drafter
+    from remote_drafter.worker.service import DraftService, ServiceConfig
     t = WIDTHS[width]
     out = []
     expect = expectation(paths["target"], None)
@@ -177,7 +175,7 @@ def bench_rounds(paths, args, width) -> list[dict]:
 
 def bench_spec_cache(paths, args, width) -> list[dict]:
     out = []
-    target = random_target(WIDTHS[width], seed=0, proj_std=0.2 if width == "tiny" else 0.05)
+    target = random_llama(WIDTHS[width], seed=0, proj_std=0.2 if width == "tiny" else 0.05)
     target = target.to(args.device) if args.device != "cpu" else target
     expect = expectation(paths["target"], None)
     for name, spec in (("target-copy", "lm"), ("dspark-tokens", paths["dspark-tokens"])):

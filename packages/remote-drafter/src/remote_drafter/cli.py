@@ -25,9 +25,10 @@ from importlib.metadata import entry_points
 
 from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
-
-from . import env, gate
-from .drafters import WorkerExtraMissing, spec_folder, worker_side
+from remote_drafter import env
+from remote_drafter.models import fidelity_gate as gate
+from remote_drafter.models.registry import WorkerExtraMissing, spec_folder, worker_side
+from remote_drafter.worker import exl3_admission
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
@@ -38,10 +39,10 @@ KERNEL_PROVIDERS = {"native": "dsv41-native-drafter and Triton (pip install pack
 
 
 def cmd_init(args) -> int:
-    TargetConfig = worker_side("remote_drafter.target", "a new drafter").TargetConfig
-    from .drafters.dspark import DSparkConfig, DSparkDrafter
+    LlamaConfig = worker_side("remote_drafter.models.llama", "a new drafter").LlamaConfig
+    from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
     with open(f"{args.target}/config.json") as f:
-        t = TargetConfig.from_hf(json.load(f))
+        t = LlamaConfig.from_hf(json.load(f))
     layers = [] if args.token_only else [int(x) for x in args.target_layers.split(",")]
     if any(not 0 <= x < t.num_hidden_layers for x in layers):
         raise SystemExit(f"--target-layers must lie in [0, {t.num_hidden_layers})")
@@ -99,7 +100,7 @@ def capacity_config(args) -> dict:
 
 
 def _service_config(args):
-    from .service import ServiceConfig
+    from remote_drafter.worker.service import ServiceConfig
     return ServiceConfig(**capacity_config(args),
                          spec_cache=args.spec_cache, spec_cache_outcomes=args.spec_cache_outcomes,
                          spec_cache_bytes=int(args.spec_cache_mb * (1 << 20)),
@@ -127,32 +128,19 @@ def kernel_loader(name: str):
         raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
 
 
-def check_exl3_pack(spec: str, device: str):
-    """--weights exl3: refused without CUDA or exllamav3, or for a folder that is no EXL3
-    pack; then exllamav3 is imported (its extension built, said while it waits). Returns
-    remote_drafter.exl3."""
-    exl3 = worker_side("remote_drafter.exl3", "--weights exl3")
-    exl3.require(device)
-    if not exl3.is_pack(spec_folder(spec)):
-        raise ValueError(f"{spec_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
-                         "make them with `remote-drafter exl3 convert`")
-    exl3.load_exllamav3()
-    return exl3
-
-
 def cmd_exl3_convert(args) -> int:
     worker_side("torch", "exl3 convert")
-    exl3 = worker_side("remote_drafter.exl3", "exl3 convert")
+    exl3 = worker_side("remote_drafter.models.exl3", "exl3 convert")
     exl3.require(args.device)
     exl3.load_exllamav3()
     folder, log = spec_folder(args.folder), (lambda m: print(m, flush=True))
     if os.path.exists(os.path.join(folder, "drafter.json")):
         if args.head_bits:
             raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
-        from .drafters.dspark import DSparkDrafter
+        from remote_drafter.models.dspark import DSparkDrafter
         meta = DSparkDrafter.convert_exl3(folder, args.out, args.bits, args.device, log)
     else:
-        from .drafters.dsv41 import Dsv41Drafter
+        from remote_drafter.models.dsv41.drafter import Dsv41Drafter
         meta = Dsv41Drafter.convert_exl3(folder, args.out, args.bits, args.head_bits, args.device, log)
     print(f"remote-drafter exl3 convert: {args.out} ({meta['kind']}, {len(meta['linears'])} linears "
           f"at {args.bits} bits{f', head at {args.head_bits}' if args.head_bits else ''}); serve it "
@@ -171,9 +159,9 @@ def gate_spec(folder: str) -> tuple[str, dict]:
 
 def cmd_exl3_gate(args) -> int:
     torch = worker_side("torch", "exl3 gate")
-    from .drafters import load_drafter
-    from .identity import target_digest
-    exl3 = check_exl3_pack(args.pack, args.device)
+    from remote_drafter.engine.identity import target_digest
+    from remote_drafter.models.registry import load_drafter
+    exl3 = exl3_admission.load_exl3(args.pack, args.device)
     pack = spec_folder(args.pack)
     if exl3.is_pack(spec_folder(args.reference)):
         raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
@@ -214,23 +202,16 @@ def cmd_worker(args) -> int:
     with_kernels = None if args.kernels == "torch" else kernel_loader(args.kernels)
 
     from ofl.server import parse_address
-
-    from .device_lock import DeviceBusy, worker_lock
-    from .drafters import load_drafter
-    from .worker import Worker
-    if args.ungated and args.weights != "exl3":
-        raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
-    if args.record_gate_rounds and (why := gate.recording_refusal(args.record_gate_rounds, args.gate_rounds)):
+    from remote_drafter.models.registry import load_drafter
+    from remote_drafter.worker.device_lock import DeviceBusy, worker_lock
+    from remote_drafter.worker.round_recorder import recording_refusal
+    from remote_drafter.worker.server import Worker
+    if args.record_gate_rounds and (why := recording_refusal(args.record_gate_rounds, args.gate_rounds)):
         raise ValueError(why)
-    ungated = None  # why an EXL3 pack has not passed its gate, served anyway (--ungated)
-    if args.weights == "exl3":  # refused before the card is locked; then exllamav3 builds
-        check_exl3_pack(args.drafter, args.device)
-        # the record alone now (a missing or failed gate costs no load); its digest once loaded
-        if (ungated := gate.refusal(spec_folder(args.drafter), None)) and not args.ungated:
-            return refuse_to_start(ungated)
-    elif worker_side("remote_drafter.exl3", "the worker").is_pack(spec_folder(args.drafter)):
-        return refuse_to_start(f"{spec_folder(args.drafter)} holds EXL3 weights: serve it with "
-                               "--weights exl3 (which checks its fidelity gate)")
+    try:  # refused before the card is locked; then exllamav3 builds
+        ungated = exl3_admission.before_loading(args.drafter, args.weights, args.device, args.ungated)
+    except exl3_admission.Refused as exc:
+        return refuse_to_start(str(exc))
     stop = shutdown_event()
     try:  # before anything lands on the card: one drafter worker per device, of any kind
         lock = worker_lock(args.device)
@@ -243,11 +224,11 @@ def cmd_worker(args) -> int:
         if with_kernels:
             drafter = with_kernels(drafter, args.device)
         if args.weights == "exl3":
-            ungated = gate.refusal(spec_folder(args.drafter), gate.weights_of(drafter.manifest()),
-                                   drafter.manifest().target if args.target else None)
-            if ungated and not args.ungated:
-                return refuse_to_start(ungated)
-            mark_gate(drafter, ungated)
+            try:
+                exl3_admission.after_loading(args.drafter, drafter, bool(args.target), args.ungated)
+            except exl3_admission.Refused as exc:
+                return refuse_to_start(str(exc))
+            ungated = drafter.serving_notes["exl3_gate"] != "passed"
         host, port = parse_address(args.listen, 7480)
         worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
         d = worker.service.describe()
@@ -274,18 +255,8 @@ def refuse_to_start(why: str) -> int:
     return 2
 
 
-def mark_gate(drafter, ungated: str | None) -> None:
-    """What the worker's status and handshake say of an EXL3 pack's gate (describe() feeds
-    both): passed, or UNGATED with the reason, logged too."""
-    if ungated:
-        logging.getLogger("remote_drafter.worker").warning(
-            "serving an EXL3 pack that has not passed the fidelity gate (--ungated: for "
-            "measuring it, never in production): %s", ungated)
-    drafter.serving_notes = {"exl3_gate": f"UNGATED: {ungated}" if ungated else "passed"}
-
-
 def cmd_identity(args) -> int:
-    from .drafters import load_drafter
+    from remote_drafter.models.registry import load_drafter
     manifest = load_drafter(args.drafter, args.target).manifest().to_json()
     text = json.dumps(manifest, indent=1)
     if args.out:
@@ -296,24 +267,24 @@ def cmd_identity(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .transport import worker_stats
+    from remote_drafter.engine.transport import worker_stats
     print(json.dumps(worker_stats(args.worker, args.backend), indent=1))
     return 0
 
 
 def cmd_shadow(args) -> int:
-    TargetLM = worker_side("remote_drafter.target", "the local copy").TargetLM
+    LlamaLM = worker_side("remote_drafter.models.llama", "the local copy").LlamaLM
     import torch  # present: the target needs it too
 
-    from .client import DrafterClient
-    from .drafters import load_drafter
-    from .identity import expectation
-    from .reference import speculative_decode
-    from .service import DraftService
-    from .shadow import ShadowClient, synthetic_prompts
-    from .transport import LocalTransport, RemoteTransport
+    from remote_drafter.decode_loop import speculative_decode
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.identity import expectation
+    from remote_drafter.engine.transport import LocalTransport, RemoteTransport
+    from remote_drafter.models.registry import load_drafter
+    from remote_drafter.worker.service import DraftService
+    from remote_drafter.worker.shadow_parity import ShadowClient, synthetic_prompts
     torch.manual_seed(0)
-    target = TargetLM.load(args.target)
+    target = LlamaLM.load(args.target)
     local_drafter = load_drafter(args.drafter, args.target)
     expect = expectation(args.target, None)
     remote = DrafterClient(RemoteTransport(args.worker, args.backend, expect),
@@ -348,7 +319,7 @@ def cmd_shadow(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    checkpoint = worker_side("remote_drafter.dsv41.checkpoint", "inspect")
+    checkpoint = worker_side("remote_drafter.models.dsv41.checkpoint", "inspect")
     d = checkpoint.describe(args.folder)
     if args.json:
         print(json.dumps(d, indent=1))
@@ -378,7 +349,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_tiny_dsv41(args) -> int:
-    tiny = worker_side("remote_drafter.dsv41.tiny", "tiny-dsv41")
+    tiny = worker_side("remote_drafter.models.dsv41.tiny", "tiny-dsv41")
     made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers, args.variant,
                            quantized=not args.unquantized)
     stored = "bf16 linears and" if args.unquantized else args.experts_dtype

@@ -11,13 +11,12 @@ import time
 import numpy as np
 
 from ofl.testing import ChildProcess
+from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
+from remote_drafter.models.llama import LlamaConfig, random_llama
+from remote_drafter.models.lm import LMDrafter
+from remote_drafter.worker.server import spawn_worker
 
-from .drafters.dspark import DSparkConfig, DSparkDrafter
-from .drafters.lm import LMDrafter
-from .target import TargetConfig, random_target
-from .worker import spawn_worker
-
-TINY = TargetConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+TINY = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=128)
 HIDDEN_LAYERS = (0, 2, 3)
 
@@ -25,7 +24,7 @@ HIDDEN_LAYERS = (0, 2, 3)
 def make_models(base: str) -> dict:
     """target/ (random tiny Llama), dspark/ (hidden-state drafter), dspark-tokens/ (token-only)."""
     paths = {name: os.path.join(base, name) for name in ("target", "dspark", "dspark-tokens")}
-    random_target(TINY, seed=0).save(paths["target"])
+    random_llama(TINY, seed=0).save(paths["target"])
     common = dict(vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size, num_heads=4,
                   num_kv_heads=2, window=16, mask_token_id=TINY.vocab_size - 1)
     DSparkDrafter.create(paths["dspark"], paths["target"],

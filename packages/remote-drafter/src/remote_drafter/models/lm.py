@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from ..identity import Manifest, digest_tensors, target_digest, tokenizer_digest
-from ..target import TargetLM
-from . import Draft, Drafter, DraftRequest
-from .dspark import split
-from .pick import Picker
+from remote_drafter.engine.identity import Manifest, digest_tensors, target_digest, tokenizer_digest
+
+from .base import Draft, Drafter, DraftRequest
+from .llama import LlamaLM
+from .pick import Picker, split
 
 
 class LMDrafter(Drafter):
     kind = "lm"
 
-    def __init__(self, model: TargetLM, manifest: Manifest, device: str = "cpu",
+    def __init__(self, model: LlamaLM, manifest: Manifest, device: str = "cpu",
                  max_depth: int = 8, history_tokens: int = 4096):
         self.model, self._manifest, self.device = model, manifest, device
         self.vocab_size, self.max_depth, self.history_tokens = model.config.vocab_size, max_depth, history_tokens
@@ -23,7 +23,7 @@ class LMDrafter(Drafter):
 
     @classmethod
     def from_folder(cls, folder: str, device: str = "cpu", **options) -> LMDrafter:
-        model = TargetLM.load(folder, device=device)
+        model = LlamaLM.load(folder, device=device)
         digest = target_digest(folder)
         state = model.state_dict()
         manifest = Manifest(target=digest, tokenizer=tokenizer_digest(folder), kind=cls.kind,

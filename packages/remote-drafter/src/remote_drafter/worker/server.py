@@ -10,11 +10,11 @@ import sys
 import threading
 
 from ofl import Server
+from remote_drafter.models.base import Drafter
 
-from .drafters import Drafter
 from .service import DraftService, ServiceConfig
 
-log = logging.getLogger("remote_drafter.worker")
+log = logging.getLogger("remote_drafter.worker.server")
 
 
 class Worker:

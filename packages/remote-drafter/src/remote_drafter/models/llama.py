@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .layers import Block, RMSNorm
+from .llama_layers import Block, RMSNorm
 
 
 @dataclass
-class TargetConfig:
+class LlamaConfig:
     vocab_size: int = 96
     hidden_size: int = 64
     num_hidden_layers: int = 4
@@ -31,7 +31,7 @@ class TargetConfig:
     tie_word_embeddings: bool = True
 
     @classmethod
-    def from_hf(cls, data: dict) -> TargetConfig:
+    def from_hf(cls, data: dict) -> LlamaConfig:
         """From a Hugging Face config.json; newer transformers keep rope_theta under
         rope_parameters (reading only the top level gave SmolLM2 the default 10,000 instead
         of its 100,000). Refuses what this model does not implement."""
@@ -45,7 +45,7 @@ class TargetConfig:
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: TargetConfig):
+    def __init__(self, c: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -54,8 +54,8 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class TargetLM(nn.Module):
-    def __init__(self, config: TargetConfig):
+class LlamaLM(nn.Module):
+    def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
@@ -91,9 +91,9 @@ class TargetLM(nn.Module):
                        **asdict(self.config)}, f, indent=1)
 
     @classmethod
-    def load(cls, folder: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TargetLM:
+    def load(cls, folder: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaLM:
         with open(os.path.join(folder, "config.json")) as f:
-            config = TargetConfig.from_hf(json.load(f))
+            config = LlamaConfig.from_hf(json.load(f))
         model = cls(config)
         state = {}
         for name in sorted(os.listdir(folder)):
@@ -105,13 +105,13 @@ class TargetLM(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
 
-def random_target(config: TargetConfig, seed: int = 0, proj_std: float = 0.2,
-                  embed_std: float = 1.0) -> TargetLM:
+def random_llama(config: LlamaConfig, seed: int = 0, proj_std: float = 0.2,
+                  embed_std: float = 1.0) -> LlamaLM:
     """A random target for tests. Projections large enough that it does not just repeat
     its input token (its greedy text varies); `embed_std` sets how peaked its next-token
     distributions are (small: flat, for sampling tests)."""
     torch.manual_seed(seed)
-    model = TargetLM(config)
+    model = LlamaLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:

@@ -298,42 +298,42 @@ class Dsv41Model:
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(j, flat)
         if j in self.stacked:
-            out = self._all_experts(j, flat, weights, experts)
+            out = self._all_experts_stacked(j, flat, weights, experts)
         elif self.every_expert:
-            out = self._every_expert(j, flat, weights, experts)
+            out = self._all_experts_one_by_one(j, flat, weights, experts)
         else:
-            out = self._chosen_experts(j, flat, weights, experts)
+            out = self._chosen_experts_only(j, flat, weights, experts)
         if c.n_shared_experts:
             w1, w3, w2 = (self._linear(j, f"ffn.shared_experts.{n}.weight") for n in ("w1", "w3", "w2"))
             out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide)
         return out.to(x.dtype).view_as(x)
 
-    def _all_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
+    def _all_experts_stacked(self, j: int, flat, weights, experts) -> torch.Tensor:
         """Every expert on every row, weighted by its routing weight (zero where not chosen)."""
         w1, w3, w2 = self.stacked[j]
-        share = self._share(flat, weights, experts)
+        share = self._dense_routing(flat, weights, experts)
         y = swiglu(flat, lambda x: torch.einsum("th,eih->eti", x, w1),
                    lambda x: torch.einsum("th,eih->eti", x, w3),
                    lambda a: torch.einsum("eti,ehi->eth", a, w2), self.config.swiglu_limit)
         return torch.einsum("eth,te->th", y.to(self.wide), share)
 
-    def _share(self, flat, weights, experts) -> torch.Tensor:
+    def _dense_routing(self, flat, weights, experts) -> torch.Tensor:
         """[rows, experts]: each row's routing weight of every expert, zero where not chosen."""
         share = torch.zeros(flat.shape[0], self.config.n_routed_experts, dtype=self.wide, device=flat.device)
         return share.scatter_(1, experts, weights)
 
-    def _every_expert(self, j: int, flat, weights, experts) -> torch.Tensor:
-        """_all_experts for experts another back end serves (EXL3: no stacked tensor), one
+    def _all_experts_one_by_one(self, j: int, flat, weights, experts) -> torch.Tensor:
+        """_all_experts_stacked for experts another back end serves (EXL3: no stacked tensor), one
         expert at a time: no host read of the routing, so a CUDA graph captures it."""
         c = self.config
-        share = self._share(flat, weights, experts)
+        share = self._dense_routing(flat, weights, experts)
         out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)
         for e in range(c.n_routed_experts):
             w1, w3, w2 = (self._linear(j, f"ffn.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
             out += swiglu(flat, w1, w3, w2, c.swiglu_limit).to(self.wide) * share[:, e, None]
         return out
 
-    def _chosen_experts(self, j: int, flat, weights, experts) -> torch.Tensor:
+    def _chosen_experts_only(self, j: int, flat, weights, experts) -> torch.Tensor:
         """Each chosen expert on the rows that chose it (reads the routing on the host)."""
         c = self.config
         out = torch.zeros(flat.shape, dtype=self.wide, device=flat.device)

@@ -1,9 +1,8 @@
-"""The fidelity gate of an EXL3 drafter (issue 19: "a drafter that fails the fidelity gate is
-not served"). The quantised drafter (the candidate) and its dense original (the reference)
+"""The fidelity gate of an EXL3 drafter: a drafter that fails it is not served. The quantised drafter (the candidate) and its dense original (the reference)
 draft from the same recorded rounds of the target; the candidate passes when its mean
 accepted length under greedy verification is at least GOAL of the reference's. The result is
 recorded in the pack folder (GATE_FILE) and the worker serves a pack only while that record
-passed for exactly the drafter it loaded (`refusal`).
+passed for exactly the drafter it loaded (worker.exl3_admission).
 
 Torch-free at import (torch and safetensors are imported where used): reading a record, as
 the worker's early check and a launcher do, needs neither.
@@ -12,21 +11,18 @@ the worker's early check and a launcher do, needs neither.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .drafters import DraftRequest
-from .identity import sha256_file
-from .sampling import is_greedy
+from remote_drafter.engine.identity import sha256_file
 
-log = logging.getLogger(__name__)
+from .base import DraftRequest
+
 GATE_FILE = "exl3-gate.json"  # not exl3.json: packs from exllamav3's own converter have none
-GOAL = 0.97                   # the issue's bar: >= 97% of bf16's acceptance at 4 bits
+GOAL = 0.97                   # a pack keeps >= 97% of its dense drafter's acceptance
 MIN_ROUNDS = 32               # fewer rounds pass or fail by luck: one round moves the ratio > 3%
 TAPS_KEY = "taps_of"          # the rounds file's metadata: the target layers its taps are
 FORMAT = 1
@@ -94,102 +90,6 @@ def read_rounds(path: str) -> tuple[list[Round], dict[str, str]]:
     if not rounds:
         raise ValueError(f"{path}: no gate rounds (prefix.0, continuation.0, taps.0, ...)")
     return rounds, meta
-
-
-# -- recording rounds from the engine's own traffic ----------------------------------------
-
-class RoundRecorder:
-    """Gate rounds from the requests a worker serves (`worker --record-gate-rounds FILE`).
-    At T = 0 speculative decoding commits exactly the target's greedy tokens, and the rows
-    the engine sends are the target's taps: a request's history is a recording of the target.
-    A round starts at a commit (its anchor: the newest token, at position t; the window's rows
-    before it), at most one per request at a time and `spacing` positions apart; it completes
-    once `depth` more tokens are committed (its continuation). With `count` rounds in, the
-    file is written (beside the serving, in a thread) and recording stops; `close()` writes
-    what there is. Requests at other temperatures are not recorded."""
-
-    def __init__(self, path: str, count: int, depth: int, target_digest: str | None,
-                 spacing: int = 256, hidden_layers=()):
-        why = recording_refusal(path, count)
-        if why:
-            raise ValueError(why)
-        self.path, self.count, self.depth, self.spacing = path, count, depth, spacing
-        self.target_digest, self.hidden_layers = target_digest, list(hidden_layers)
-        self.done: list[Round] = []
-        self.pending: dict = {}   # request key -> (t, taps, prefix)
-        self.last_start: dict = {}  # request key -> the anchor of its last round
-        self.writer = None
-        self.written = 0          # rounds in the file, once written
-        self.error: str | None = None  # why writing it failed
-
-    @property
-    def full(self) -> bool:
-        return len(self.done) >= self.count
-
-    def seen(self, key, history, temperature: float) -> None:
-        """After a request's open or commit (its history as it now stands)."""
-        if self.full or not is_greedy(temperature):
-            return
-        kept = history.length - len(history.tokens)  # positions before the kept tokens
-        if key in self.pending:
-            t, taps, prefix = self.pending[key]
-            if history.length < t + 1 + self.depth:
-                return
-            del self.pending[key]
-            start = t + 1 - kept
-            if start >= 0:  # else the continuation already left the kept tokens
-                self.done.append(Round(taps, prefix, history.tokens[start:start + self.depth].astype(np.int64)))
-                if self.full:
-                    self._write()
-            return
-        t = history.length - 1
-        if t - self.last_start.get(key, -self.spacing) < self.spacing or t < 1:
-            return
-        rows = history.rows
-        if rows is not None and len(rows) < min(t, history.window):
-            return  # opened with fewer rows than its window reads: the gate could not use it
-        self.last_start[key] = t
-        taps = None if rows is None else np.array(rows, np.float16)
-        # tokens before the kept ones are zeros: the gated drafters read the anchor, the
-        # length and the window's rows, not earlier tokens
-        prefix = np.concatenate([np.zeros(kept, np.int64), history.tokens.astype(np.int64)])
-        self.pending[key] = (t, taps, prefix)
-
-    def forget(self, key) -> None:
-        self.pending.pop(key, None)
-        self.last_start.pop(key, None)
-
-    def close(self) -> None:
-        if self.writer is None and self.done:
-            self._write()
-        if self.writer is not None:
-            self.writer.join()
-
-    def _write(self) -> None:
-        rounds = list(self.done)
-        self.writer = threading.Thread(target=self._save, args=(rounds,), name="gate-rounds",
-                                       daemon=False)
-        self.writer.start()
-
-    def _save(self, rounds: list[Round]) -> None:
-        try:
-            write_rounds(self.path, rounds, self.target_digest, hidden_layers=self.hidden_layers)
-        except Exception as exc:  # noqa: BLE001 - the worker serves on; status says why
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.error("writing %d gate rounds to %s failed: %s", len(rounds), self.path, self.error)
-            return
-        self.written = len(rounds)
-        log.info("wrote %d gate rounds to %s", len(rounds), self.path)
-
-
-def recording_refusal(path: str, count: int) -> str | None:
-    """Why rounds cannot be recorded into `path` (checked at start-up, not after hours)."""
-    if count < 1:
-        return f"--gate-rounds {count}: record at least 1 (the gate needs {MIN_ROUNDS})"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        return f"--record-gate-rounds {path}: {folder} is not a folder this process can write"
-    return None
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -305,36 +205,3 @@ def summary(rec: dict) -> str:
     return (f"accepted length {rec['candidate_accepted']:.3f} vs the reference's "
             f"{rec['reference_accepted']:.3f}: {share} of it, goal {rec['goal']:.0%} "
             f"({rec['rounds']} rounds, depth {rec['depth']}, {rec.get('date', '?')})")
-
-
-def refusal(pack: str, drafter_digest: str | None, target_digest: str | None = None,
-            goal: float = GOAL) -> str | None:
-    """Why `pack` may not be served (one line), or None. drafter_digest None: the record
-    alone (before the drafter is loaded); target_digest: compared where the record has one.
-    The bar is `goal` whatever the record's own goal was: a gate run with a lower --goal
-    measures, it does not clear a pack for serving."""
-    try:
-        rec = read_record(pack)
-    except (OSError, ValueError) as exc:
-        return f"{pack}: its fidelity gate record ({GATE_FILE}) is unreadable: {exc}"
-    if rec is None:
-        return (f"{pack} has no fidelity gate record ({GATE_FILE}): run `remote-drafter exl3 gate "
-                f"{pack} --reference <its dense drafter> --rounds <gate rounds file>` first")
-    try:
-        if rec["rounds"] < MIN_ROUNDS:
-            return (f"{pack}'s fidelity gate ran on {rec['rounds']} rounds, fewer than the "
-                    f"{MIN_ROUNDS} that make a pass more than luck: run it again on more")
-        ratio = rec["acceptance_ratio"]
-        if ratio is None or ratio < goal or not rec["passed"]:
-            return f"{pack} failed the fidelity gate: {summary({**rec, 'goal': max(goal, rec['goal'])})}"
-    except (KeyError, TypeError) as exc:
-        return f"{pack}: its fidelity gate record ({GATE_FILE}) is incomplete ({exc!r}): run the gate again"
-    if rec.get("drafter") == rec.get("reference_drafter"):
-        return f"{pack} was gated against its own weights: gate it against its dense drafter"
-    if drafter_digest is not None and rec.get("drafter") != drafter_digest:
-        return (f"{pack}'s fidelity gate record is for drafter {str(rec.get('drafter'))[:12]}, "
-                f"the pack loads as {drafter_digest[:12]}: its weights changed since; run the gate again")
-    if target_digest and rec.get("target") and rec["target"] != target_digest:
-        return (f"{pack}'s fidelity gate ran on target {rec['target'][:12]}'s rounds, this worker "
-                f"serves target {target_digest[:12]}: run the gate with rounds of this target")
-    return None

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import env
+from remote_drafter import env
+
 from . import protocol as P
 from .history import History
 from .identity import Manifest
 from .metrics import Metrics
 
-log = logging.getLogger("remote_drafter.client")
+log = logging.getLogger("remote_drafter.engine.client")
 LOG_EVERY_S = 10.0
 
 COUNTERS = {
@@ -446,6 +447,24 @@ class DrafterClient:
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()
+
+    @property
+    def asynchronous(self) -> bool:
+        """Rounds are submitted now and collected later (through the proxy)."""
+        return getattr(self.transport, "asynchronous", False)
+
+    @property
+    def transport_name(self) -> str:
+        return type(self.transport).__name__
+
+    @property
+    def local_drafter(self):
+        """The drafter itself in local mode (the engine's own process), else None."""
+        return getattr(getattr(self.transport, "service", None), "drafter", None)
+
+    def worker_info(self, deadline_s: float) -> WorkerInfo:
+        """The worker's limits and the drafter's description (asked once, then cached)."""
+        return self.transport.info(deadline_s)
 
     def close(self) -> None:
         self.transport.close()

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .client import DrafterClient
-from .sampling import is_greedy
-from .target import TargetLM
-from .verify import sample, verify_chain
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.sampling import is_greedy
+from remote_drafter.engine.verify import sample, verify_chain
+from remote_drafter.models.llama import LlamaLM
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
@@ -25,14 +25,14 @@ def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
     return torch.softmax(logits.double() / temperature, -1).cpu().numpy()
 
 
-def run_target(target: TargetLM, tokens: list[int], layers: tuple[int, ...] = ()):
+def run_target(target: LlamaLM, tokens: list[int], layers: tuple[int, ...] = ()):
     """The target's (logits, hidden) for `tokens`, on the host, wherever the target runs."""
     device = next(target.parameters()).device
     logits, hidden = target(torch.tensor(tokens, device=device), layers)
     return logits.cpu(), hidden.cpu()
 
 
-def plain_decode(target: TargetLM, prompt, new_tokens: int, temperature: float = 0.0,
+def plain_decode(target: LlamaLM, prompt, new_tokens: int, temperature: float = 0.0,
                  rng: np.random.Generator | None = None) -> list[int]:
     seq, rng = list(prompt), rng or np.random.default_rng(0)
     for _ in range(new_tokens):
@@ -53,7 +53,7 @@ class SpecResult:
         return 1 + float(np.mean(self.accepted)) if self.accepted else float("nan")
 
 
-def speculative_decode(target: TargetLM, client: DrafterClient, prompts: dict, new_tokens: int,
+def speculative_decode(target: LlamaLM, client: DrafterClient, prompts: dict, new_tokens: int,
                        temperature: float = 0.0, hidden_layers: tuple[int, ...] = (),
                        k: int | None = None, mode: str = "sync", seed: int = 0,
                        use_probs: bool = True, on_round=None) -> SpecResult:

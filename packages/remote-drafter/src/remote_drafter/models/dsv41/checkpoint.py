@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from safetensors import safe_open
 
-from ..drafters.dspark import tensor_bytes
-from ..identity import digest_tensors
+from remote_drafter.engine.identity import digest_tensors
+from remote_drafter.models.tensors import tensor_bytes
+
 from . import quant
 from .config import Dsv41DrafterConfig, expected_tensors, weight_table
 

@@ -13,7 +13,7 @@ from ofl import Connection
 from .client import WorkerInfo
 from .identity import Manifest, check_worker
 
-ADAPTER = "remote_drafter.adapter:DrafterProxyAdapter"
+ADAPTER = "remote_drafter.engine.proxy_adapter:DrafterProxyAdapter"
 
 
 def worker_stats(address: str, backend: str = "tcp") -> dict:
@@ -98,6 +98,8 @@ class RemoteTransport:
 class AsyncTransport(RemoteTransport):
     """Rounds through the proxy process (async_handoff): submit now, wait later. The
     engine's own connection only fetches the worker's limits and identities."""
+
+    asynchronous = True
 
     def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
                  config: HandoffConfig | None = None, link: str | None = None):

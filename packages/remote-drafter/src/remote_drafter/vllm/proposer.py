@@ -1,54 +1,34 @@
-"""The drafter inside vLLM (the only module here that imports vLLM).
+"""RemoteProposer: vLLM's `custom_class` proposer, drafting through a DrafterClient.
 
     --speculative-config '{"method":"custom_class",
                            "model":"remote_drafter.vllm.RemoteProposer",
                            "num_speculative_tokens":5}'
 
-RemoteProposer is vLLM's `custom_class` proposer; `remote_drafter.vllm:register` (a
-`vllm.general_plugins` entry point, loaded in every vLLM process, idempotent) wraps
-`GPUModelRunner.propose_draft_token_ids` so the proposer learns the batch's request ids and
-the finished requests, `take_draft_token_ids` and `_update_states` (the CPU runner inherits
-all three). An asynchronous round submitted in `propose` keeps running past `take`: vLLM's
-scheduler needs only how many drafts each request has, so it takes placeholders of the
-promised count, and the real drafts are written into the input batch right after the next
-step's `_update_states`, before `_prepare_inputs` gathers the input ids (deferred
-collection, REMOTE_DRAFTER_VLLM_COLLECT=input). With tensor parallelism one round per step
-serves the TP group: only TP rank 0, whose drafts vLLM's multiprocessing executor hands the
-scheduler, holds a client (the others open no link and send no hidden rows); the scheduler
-sends its drafts to every rank, and deferred drafts go from rank 0 to the others in one
-broadcast on the group's CPU group after `_update_states`, so every rank's inputs are the
-same (a failed round: the same placeholders everywhere). The client comes from the environment
-(`factory.make_client`): local drafter (REMOTE_DRAFTER_DRAFTER), remote synchronous
-(REMOTE_DRAFTER_ADDRESS), remote through the proxy (VLLM_DSPARK_REMOTE_ASYNC=1); capacity
-mode refuses a local drafter. Drafters that read the target's hidden states get them: the
-plugin turns on vLLM's auxiliary hidden-state outputs at the drafter's layers (as for
-EAGLE-3) and hands the proposer, per request, the rows of the inputs each step committed
-(a prefill chunk, or the previous newest token and the accepted drafts; rejected drafts'
-rows are dropped). Any failure means no drafts this step (deferred: placeholders); vLLM
-verifies what it gets, so its output never changes.
+Contract (vLLM calls `__init__`, `load_model`, `propose`; the hooks call the rest):
+`propose` returns each row's drafts now (synchronous) or submits one round and returns
+nothing (asynchronous), which `take_rows` later turns into placeholders of the promised
+count (deferred collection, REMOTE_DRAFTER_VLLM_COLLECT=input) or the round's drafts;
+`fill` writes a deferred round's drafts into the next step's inputs. Under tensor
+parallelism only TP rank 0 holds a client; `fill` broadcasts its drafts to the other ranks.
+Any failure means no drafts this step (deferred: placeholders); vLLM verifies what it gets,
+so its output never changes. The whole story: ARCHITECTURE.md § The drafter in vLLM.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import time
 
 import numpy as np
 
-from . import env
-from .client import as_rows
-from .factory import make_client, remote_async
-from .metrics import Metrics
-from .transport import AsyncTransport
+from remote_drafter import env
+from remote_drafter.engine.metrics import Metrics
+
+from .client_factory import make_client, remote_async
+from .tensor_parallel import broadcast_drafts, shared_group
+from .versions import DEFERRED_SOURCES, refusal
 
 log = logging.getLogger("remote_drafter.vllm")
-# vLLM's auxiliary hidden state L is the stream entering layer L. DeepSeek-V4.1's drafter
-# names its taps that way, so its ids are used as given; the other drafters here name "the
-# output of layer i", which enters layer i + 1 (vLLM 0.33's rule for DSpark:
-# v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, get_eagle3_aux_layers_from_config).
-TAPS_AS_GIVEN = frozenset({"deepseek_v41"})
 START_DEADLINE_S = 10.0  # asking the worker which layers its drafter reads, at start-up
 # What a deferred round's drafts are until its reply is written in: any token id is safe,
 # since verification accepts a draft only where it equals the target's own choice.
@@ -63,97 +43,6 @@ HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input p
               "collect_wait": "Deferred round: time input preparation waited for the reply",
               "tp_broadcast": "Deferred drafts to every TP rank: time in the broadcast (ranks > 0: "
                               "with the wait for rank 0's collection)"}
-
-# What register() wraps, as vLLM 0.32 / 0.33 define it: {file: {class: {method: leading
-# parameters}}}. tools/check-vllm-hooks.py checks a vLLM release against it.
-HOOKS = {"vllm/v1/worker/gpu_model_runner.py": {"GPUModelRunner": {
-    "propose_draft_token_ids": ["self", "scheduler_output", "sampled_token_ids",
-                                "sampling_metadata", "hidden_states", "sample_hidden_states",
-                                "aux_hidden_states"],
-    "take_draft_token_ids": ["self"],
-    "_update_states": ["self", "scheduler_output"],
-    "_setup_eagle3_aux_hidden_state_outputs": ["self"]}}}
-# Deferred collection relies on the code of these functions as vLLM 0.32.0 and 0.33.0 have
-# it (the same in both): where the scheduled drafts enter the input batch and where the
-# batch is read. source_digest of each; another vLLM gets collection at take, saying why.
-DEFERRED_SOURCES = {
-    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "_update_states"): "1d3a025137b5fd9e",
-    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "execute_model"): "19c4bcd6969eb0df",
-    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "_prepare_inputs"): "5dc7641a34ad577b",
-    ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "take_draft_token_ids"): "608a48cfe33ceacc",
-    ("vllm/v1/worker/gpu_input_batch.py", "InputBatch", "update_req_spec_token_ids"): "7529faa1b955fda8",
-}
-# One round per TP group relies on vLLM's multiprocessing executor taking the drafts from TP
-# rank 0 alone (its output rank), as 0.32.0 and 0.33.0 have it; another vLLM gets a round
-# per rank, and deferral is refused under TP.
-SHARED_SOURCES = {
-    ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "_get_output_rank"): "82a750d1541e6ba5",
-    ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor", "take_draft_token_ids"): "8f25b3fd120e84c7",
-}
-
-
-def source_digest(source: str) -> str:
-    """A function's source, from its `def` line, blank lines and indentation left out: the
-    same from inspect.getsource (at run time) and from a release's file (the hook checker)."""
-    lines = [line.strip() for line in source.splitlines() if line.strip()]
-    start = next(i for i, line in enumerate(lines) if line.startswith("def "))
-    return hashlib.sha256("\n".join(lines[start:]).encode()).hexdigest()[:16]
-
-
-def refusal(sources: dict) -> str | None:
-    """Why this vLLM's code differs from `sources` (DEFERRED_SOURCES, SHARED_SOURCES; None:
-    it does not)."""
-    import importlib
-    for (path, cls, name), digest in sources.items():
-        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        got = source_digest(inspect.getsource(getattr(getattr(module, cls), name)))
-        if got != digest:
-            return f"{cls}.{name} differs from the vLLM releases checked (digest {got}, want {digest})"
-    return None
-
-
-def shared_group(vllm_config):
-    """(vLLM's TP group, None) when TP rank 0's round serves the whole group, else (None, why
-    not); (None, None) with one rank."""
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size == 1:
-        return None, None
-    if parallel.pipeline_parallel_size * parallel.prefill_context_parallel_size > 1:
-        return None, "pipeline or prefill context parallel: the drafts' rank is not TP rank 0"
-    if parallel.distributed_executor_backend != "mp":
-        return None, f"executor {parallel.distributed_executor_backend!r}, not vLLM's multiprocessing one"
-    why = refusal(SHARED_SOURCES)
-    if why:
-        return None, why
-    from vllm.distributed.parallel_state import get_tp_group
-    return get_tp_group(), None
-
-
-def aux_layer_ids(layers: tuple, model_type: str) -> tuple[int, ...]:
-    """The vLLM auxiliary hidden-state ids that carry the drafter's taps `layers` on a target
-    of `model_type`, sorted as vLLM returns them."""
-    shift = 0 if model_type in TAPS_AS_GIVEN else 1
-    return tuple(sorted({layer + shift for layer in layers}))
-
-
-def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, layers: tuple,
-                   ) -> dict[str, np.ndarray]:
-    """{request id: hidden rows [m, len(layers) x H]} of the inputs this step committed.
-    `aux`: vLLM's auxiliary hidden states, one [tokens, H] tensor per layer of sorted(layers)
-    (aux_layer_ids keeps the order, so the tensor of a tap is found by its rank)."""
-    import torch
-
-    order = sorted(set(layers))
-    scheduled = [int(scheduler_output.num_scheduled_tokens.get(rid, 0)) for rid in req_ids]
-    rows = as_rows(torch.cat([aux[order.index(layer)] for layer in layers], -1)[:sum(scheduled)])
-    out, start = {}, 0
-    for i, (rid, n) in enumerate(zip(req_ids, scheduled)):
-        spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
-        accepted = max(len(sampled[i]) - 1, 0) if i < len(sampled) else 0
-        out[rid] = rows[start:start + n - spec + accepted]
-        start += n
-    return out
-
 
 class RemoteProposer:
     def __init__(self, vllm_config):
@@ -177,7 +66,7 @@ class RemoteProposer:
         self.defer = self._defer_allowed(vllm_config)
         self.http = self._serve_metrics(vllm_config)
         log.info("remote drafter proposer: k=%d, %s%s", self.k,
-                 type(self.client.transport).__name__ if self.client else "no client (TP rank 0's rounds)",
+                 self.client.transport_name if self.client else "no client (TP rank 0's rounds)",
                  ", deferred collection" if self.defer else "")
 
     def _defer_allowed(self, vllm_config) -> bool:
@@ -223,8 +112,7 @@ class RemoteProposer:
         if self.hidden_layers:
             log.warning("remote drafter reads the target's hidden rows of layers %s",
                         list(self.hidden_layers))
-        drafter = getattr(getattr(self.client.transport, "service", None), "drafter", None)
-        model = getattr(drafter, "model", None)
+        model = getattr(self.client.local_drafter, "model", None)
         if target_model is None or model is None or not hasattr(model, "embed"):
             return
         try:
@@ -250,7 +138,7 @@ class RemoteProposer:
         if configured not in ("", "auto"):
             return tuple(int(x) for x in configured.split(","))
         try:
-            return tuple(self.client.transport.info(START_DEADLINE_S).hidden_layers)
+            return tuple(self.client.worker_info(START_DEADLINE_S).hidden_layers)
         except Exception as exc:  # noqa: BLE001 - no worker at start-up
             log.error("cannot ask the worker which target layers its drafter reads (%s): rounds "
                       "carry no hidden rows; a drafter that needs them drafts nothing. Set "
@@ -311,7 +199,7 @@ class RemoteProposer:
             k = min(self.k, self.client.depth(None))
             if not wanted or k == 0:
                 return out
-            if isinstance(self.client.transport, AsyncTransport):
+            if self.client.asynchronous:
                 # Submitted now, collected when vLLM takes the drafts (after the scheduler
                 # update and output handling): the round overlaps that engine work.
                 if self.client.submit(k):
@@ -362,7 +250,9 @@ class RemoteProposer:
             except Exception:  # noqa: BLE001 - never break the engine: placeholders stay
                 log.exception("collecting deferred drafts failed; placeholders are verified")
         if self.group is not None and self.defer and any(scheduled.values()):
-            drafts = self._share(drafts, scheduled)
+            started = time.perf_counter()
+            drafts = broadcast_drafts(self.group, drafts, scheduled)
+            self.metrics.observe("tp_broadcast", time.perf_counter() - started)
         for rid, tokens in drafts.items():
             index = batch.req_id_to_index.get(rid)
             if index is not None:
@@ -394,86 +284,5 @@ class RemoteProposer:
         self.metrics.inc("placeholders_verified", sum(map(len, out.values())) - filled)
         return out
 
-    def _share(self, drafts: dict[str, list[int]], scheduled: dict[str, list[int]],
-               ) -> dict[str, list[int]]:
-        """TP rank 0's drafts for every request scheduled with drafts (`drafts` at rank 0,
-        the scheduled tokens where it has none), on every rank: one broadcast of a tensor
-        whose layout each rank reads from the scheduler's output, the same on all."""
-        import torch
-        import torch.distributed as dist
-        flat = [t for rid, want in scheduled.items() for t in drafts.get(rid, want)]
-        tensor = torch.tensor(flat, dtype=torch.int32)
-        started = time.perf_counter()
-        dist.broadcast(tensor, src=self.group.ranks[0], group=self.group.cpu_group)
-        self.metrics.observe("tp_broadcast", time.perf_counter() - started)
-        values, out, start = tensor.tolist(), {}, 0
-        for rid, want in scheduled.items():
-            out[rid] = values[start:start + len(want)]
-            start += len(want)
-        return out
 
 
-def register() -> None:
-    """vllm.general_plugins entry point: idempotent in every vLLM process."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    original = GPUModelRunner.propose_draft_token_ids
-    if getattr(original, "_remote_drafter", False):
-        return
-
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, sample_hidden_states, aux_hidden_states,
-                                *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, RemoteProposer):
-            req_ids, rows = list(self.input_batch.req_ids), None
-            if drafter.hidden_layers and aux_hidden_states:
-                rows = committed_rows(scheduler_output, req_ids, sampled_token_ids,
-                                      aux_hidden_states, drafter.hidden_layers)
-            drafter.set_batch(req_ids, scheduler_output.finished_req_ids, rows)
-        return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                        hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs)
-
-    def setup_aux_hidden_state_outputs(self):
-        """Both runners call this at the end of load_model (for EAGLE-3): turn on the
-        outputs at the drafter's taps, in vLLM's ids for this target (aux_layer_ids)."""
-        drafter = getattr(self, "drafter", None)
-        if not isinstance(drafter, RemoteProposer) or not drafter.hidden_layers:
-            return original_setup(self)
-        model = self.get_model()
-        if not hasattr(model, "set_aux_hidden_state_layers"):
-            log.error("the target model cannot output hidden states: the drafter gets none")
-            drafter.hidden_layers = ()
-            return None
-        model_type = getattr(self.model_config.hf_config, "model_type", "")
-        model.set_aux_hidden_state_layers(aux_layer_ids(drafter.hidden_layers, model_type))
-        self.use_aux_hidden_state_outputs = True
-        return None
-
-    def take_draft_token_ids(self):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, RemoteProposer):
-            structured = any(getattr(self.requests[rid].sampling_params, "structured_outputs", None)
-                             for rid in self.input_batch.req_ids)
-            rows = drafter.take_rows(structured)
-            if rows is not None:
-                self._draft_token_ids = rows
-        return original_take(self)
-
-    def _update_states(self, scheduler_output):
-        out = original_update(self, scheduler_output)
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, RemoteProposer):
-            # not caught: a failed broadcast or write would leave TP ranks with other inputs
-            drafter.fill(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
-        return out
-
-    original_take = GPUModelRunner.take_draft_token_ids
-    original_update = GPUModelRunner._update_states
-    original_setup = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
-    propose_draft_token_ids._remote_drafter = True
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
-    GPUModelRunner._update_states = _update_states
-    # inspect.getsource follows __wrapped__: refusal reads vLLM's own code
-    take_draft_token_ids.__wrapped__, _update_states.__wrapped__ = original_take, original_update
-    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = setup_aux_hidden_state_outputs

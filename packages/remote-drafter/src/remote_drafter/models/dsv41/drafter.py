@@ -18,22 +18,22 @@ import json
 import logging
 import os
 from dataclasses import fields, replace
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .. import env, exl3
-from ..dsv41 import checkpoint
-from ..dsv41.config import Dsv41DrafterConfig, flatten, weight_table
-from ..dsv41.model import Dsv41Model, linear_names
-from ..identity import Manifest, target_digest, tokenizer_digest
-from . import Draft, Drafter, DraftRequest
-from .dspark import split
-from .graphs import BucketGraphs
-from .pick import Picker
-from .window import DeviceWindows
+from remote_drafter import env
+from remote_drafter.engine.identity import Manifest, target_digest, tokenizer_digest
+from remote_drafter.models import exl3
+from remote_drafter.models.base import Draft, Drafter, DraftRequest
+from remote_drafter.models.cuda_graphs import BucketGraphs
+from remote_drafter.models.pick import Picker, split
+from remote_drafter.models.window import DeviceWindows
+
+from . import checkpoint, exl3_pack
+from .config import flatten
+from .model import Dsv41Model, linear_names
 
 log = logging.getLogger(__name__)
 GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
@@ -69,7 +69,7 @@ class Dsv41Drafter(Drafter):
         """The drafter of the DeepSeek-V4.1 checkpoint in `folder`, serving `target` (the
         folder the engine decodes with; default `folder` itself, where DeepSeek ships it),
         whose vocabulary it must share. Float32 unless `dtype` says otherwise."""
-        loaded = (load_exl3_pack if exl3.is_pack(folder) else checkpoint.load)(
+        loaded = (exl3_pack.load if exl3.is_pack(folder) else checkpoint.load)(
             folder, dtype or torch.float32, device)
         served = target or folder
         vocab = flatten(checkpoint.read_config(served)).get("vocab_size")
@@ -182,44 +182,3 @@ class Dsv41Drafter(Drafter):
         return replace(d, **{f.name: getattr(d, f.name)[:low[0]] for f in fields(d)
                              if getattr(d, f.name) is not None})
 
-
-def load_exl3_pack(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
-    """EXL3 weights: a pack of ours (convert_exl3) or a DeepSeek-V4 / V4.1 model converted by
-    exllamav3's own convert_model, whose `mtp.*` names are DeepSeek's. A weight stored as
-    `<module>.trellis` (...) runs as an exl3.Exl3Linear (wo_a: its group slices,
-    `wo_a.slice.<g>`); any other weight is used as stored, in any float dtype (exllamav3 keeps
-    fp16), at the shape DeepSeek's table gives; a missing or mis-shaped one is refused by name.
-    Digests as checkpoint.load computes them, over exactly the stored bytes read."""
-    exl3.require(device)
-    config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
-    stored = checkpoint.stored_drafter_tensors(folder)  # exllamav3's trunk is never read
-    config = checkpoint.with_optional_heads(config, stored)
-    state = checkpoint.read_tensors(stored)
-    linears, weights, problems, used = {}, {}, [], set()
-    for name, (shape, _) in weight_table(config).items():
-        module = name.removesuffix(".weight")
-        grouped = name.endswith(".attn.wo_a.weight")
-        slices = [f"{module}.slice.{g}" for g in range(config.o_groups)] if grouped else []
-        if f"{module}.trellis" in state:
-            linears[name] = exl3.linear_from(state, module, shape, device)
-            used |= {f"{module}.{k}" for k in exl3.STORED}
-        elif slices and f"{slices[0]}.trellis" in state:
-            linears[name] = exl3.Exl3Groups([exl3.linear_from(state, s, (config.o_lora_rank, shape[1]), device)
-                                             for s in slices])
-            used |= {f"{s}.{k}" for s in slices for k in exl3.STORED}
-        elif name in state or (slices and f"{slices[0]}.weight" in state):
-            t = state[name] if name in state else torch.cat([state[f"{s}.weight"] for s in slices])
-            used |= {name} if name in state else {f"{s}.weight" for s in slices}
-            cut = t if tuple(t.shape) == tuple(shape) else exl3.unpadded(t, shape)
-            if cut is None:
-                problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}"
-                                " (or that, zero-padded)")
-                continue
-            weights[name] = cut.to(device, torch.float32 if cut.dtype == torch.float32 else dtype)
-        else:
-            problems.append(f"{name}: missing")
-    checkpoint.refuse(folder, problems, config.name)
-    drafter_digest, markov_digest = checkpoint.digests(config, state)
-    return SimpleNamespace(config=config, weights=weights, linears=linears,
-                           drafter_digest=drafter_digest, markov_digest=markov_digest,
-                           not_read=sorted(set(state) - used))

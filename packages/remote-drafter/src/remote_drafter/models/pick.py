@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..sampling import draw, is_greedy
+from remote_drafter.engine.sampling import draw, is_greedy
+
+from .base import Draft
 
 
 class Picker:
@@ -55,3 +57,10 @@ class Picker:
                     probs[b] = 0.0
                     probs[b, np.arange(tokens.shape[1]), tokens[b]] = 1.0
         return tokens, probs, own.astype(np.float32), alt_tokens, alt_probs
+
+
+def split(requests, tokens, probs, own, alt_tokens, alt_probs) -> list[Draft]:
+    """Per-request Drafts cut to each request's depth (shared by the batched back ends)."""
+    return [Draft(tokens[b, :r.depth], None if probs is None else probs[b, :r.depth],
+                  own[b, :r.depth], alt_tokens[b, :r.depth], alt_probs[b, :r.depth])
+            for b, r in enumerate(requests)]

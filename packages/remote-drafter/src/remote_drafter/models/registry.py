@@ -1,5 +1,4 @@
-"""Drafter back ends behind one interface (one small class per method, as vLLM's
-proposers): `dsv41` (DeepSeek-V4.1's own DSpark drafter, the `mtp.*` tensors of its
+"""Which back end a drafter spec names, and loading it: `dsv41` (DeepSeek-V4.1's own DSpark drafter, the `mtp.*` tensors of its
 checkpoint, as vLLM 0.33 computes it: `dsv41:<folder>`), `dspark` (a Llama-style DSpark
 chain drafter of this repository's own format, a checkpoint folder: the small variant the
 SmolLM2 miniature and the native drafter train and serve), `lm` (a small causal LM drafting
@@ -12,12 +11,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import dataclass
 
-import numpy as np
+from remote_drafter.engine.identity import Manifest
 
-from ..history import History
-from ..identity import Manifest
+from .base import Drafter
 
 WORKER_EXTRA = "dsv41-remote-drafter[worker]"
 WORKER_PACKAGES = ("torch", "safetensors")  # what the extra adds to the engine-side install
@@ -48,54 +45,6 @@ def worker_side(module: str, needed_by: str | None = None):
         raise WorkerExtraMissing(needed_by or module, exc.name) from exc
 
 
-@dataclass
-class DraftRequest:
-    history: History
-    depth: int              # drafts wanted (<= the drafter's max_depth)
-    temperature: float = 0.0
-    seed: int = 0
-
-
-@dataclass
-class Draft:
-    tokens: np.ndarray       # int32 [depth]
-    probs: np.ndarray | None  # float32 [depth, vocab]: what each token was drawn from
-    own_probs: np.ndarray    # float32 [depth]: the drafter's probability of its token
-    alt_tokens: np.ndarray   # int32 [depth]: its likeliest other token at each position
-    alt_probs: np.ndarray    # float32 [depth]
-    confidence: np.ndarray | None = None  # float32 [depth]: its estimate each is accepted
-
-
-class Drafter:
-    """A back end. Subclasses set these and implement draft()."""
-
-    kind = "base"
-    vocab_size: int
-    feature: int = 0         # width of one hidden row it consumes; 0 = token-only
-    max_depth: int = 8
-    window: int = 128        # hidden rows it looks at (and keeps per request)
-    history_tokens: int = 4096
-    hidden_layers: tuple = ()  # target layers whose hidden rows it consumes, in order
-
-    def manifest(self) -> Manifest:
-        raise NotImplementedError
-
-    def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
-        raise NotImplementedError
-
-    def new_history(self) -> History:
-        return History(self.history_tokens, self.window, self.feature)
-
-    def describe(self) -> dict:
-        model = getattr(self, "model", None)  # the weights' dtype changes drafts near ties
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "none"
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
-                "max_depth": self.max_depth, "window": self.window,
-                "history_tokens": self.history_tokens, "dtype": dtype,
-                "hidden_layers": list(self.hidden_layers),
-                **getattr(self, "serving_notes", {})}  # what the worker adds: its EXL3 gate state
-
-
 def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtype=None,
                  **options) -> Drafter:
     """'ngram', 'lm' (the target itself as drafter), 'dsv41:<folder>' (DeepSeek-V4.1's
@@ -103,10 +52,10 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtyp
     class taking (target, device, **options)); `dtype` (a torch dtype) casts a drafter's
     weights, a checkpoint's as they move to the device."""
     if spec.startswith(DSV41_PREFIX):  # before the 'module:Class' rule, which it resembles
-        Dsv41Drafter = worker_side(f"{__name__}.dsv41").Dsv41Drafter
+        Dsv41Drafter = worker_side("remote_drafter.models.dsv41.drafter").Dsv41Drafter
         return Dsv41Drafter.load(spec.removeprefix(DSV41_PREFIX), target, device, dtype, **options)
     if os.path.isdir(spec):
-        DSparkDrafter = worker_side(f"{__name__}.dspark").DSparkDrafter
+        DSparkDrafter = worker_side("remote_drafter.models.dspark").DSparkDrafter
         # cast tensor by tensor on the way: a float32 copy cast on the card would stay
         # reserved by the allocator (16.3 GB vs 7.5 GB of bf16 weights, measured on an H200)
         return DSparkDrafter.load(spec, target, device=device, **({"dtype": dtype} if dtype else {}))
@@ -118,7 +67,8 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtyp
 
 def _other_drafter(spec: str, target: str | None, device: str, options: dict) -> Drafter:
     if spec == "ngram":
-        from ..identity import target_digest, tokenizer_digest
+        from remote_drafter.engine.identity import target_digest, tokenizer_digest
+
         from .ngram import NgramDrafter
         if target:  # it serves this target: its vocabulary bounds ids, its digests identify it
             with open(os.path.join(target, "config.json")) as f:
@@ -126,7 +76,7 @@ def _other_drafter(spec: str, target: str | None, device: str, options: dict) ->
             options["target"] = Manifest(target_digest(target), tokenizer_digest(target))
         return NgramDrafter(**options)
     if spec == "lm":
-        LMDrafter = worker_side(f"{__name__}.lm").LMDrafter
+        LMDrafter = worker_side("remote_drafter.models.lm").LMDrafter
         if not target:
             raise ValueError("the 'lm' drafter runs the target checkpoint: pass --target")
         return LMDrafter.from_folder(target, device=device, **options)

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .drafters import Draft, DraftRequest
+from remote_drafter.models.base import Draft, DraftRequest
 
-log = logging.getLogger("remote_drafter.spec_cache")
+log = logging.getLogger("remote_drafter.worker.speculation_cache")
 
 
 @dataclass

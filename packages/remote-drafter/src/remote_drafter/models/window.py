@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..history import History
+from remote_drafter.engine.history import History
 
 # (new rows float32 [k, feature] on the host, their positions [k], device) -> rows [k, width]
 Encode = Callable[[np.ndarray, np.ndarray, torch.device], torch.Tensor]

@@ -6,10 +6,9 @@ memory went to KV cache, so with no worker the engine decodes target-only."""
 from __future__ import annotations
 
 from async_handoff.env import async_enabled
-
-from . import env
-from .client import DrafterClient
-from .identity import expectation
+from remote_drafter import env
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.identity import expectation
 
 
 class CapacityModeError(RuntimeError):
@@ -26,7 +25,7 @@ def make_client(target: str | None = None, **client_options) -> DrafterClient:
     target = target or env.REMOTE_DRAFTER_TARGET.get() or None
     address = env.REMOTE_DRAFTER_ADDRESS.get()
     if address:
-        from .transport import AsyncTransport, RemoteTransport
+        from remote_drafter.engine.transport import AsyncTransport, RemoteTransport
         expect = expectation(target, env.REMOTE_DRAFTER_MANIFEST.get() or None)
         backend = env.REMOTE_DRAFTER_BACKEND.get()
         transport = (AsyncTransport if remote_async() else RemoteTransport)(address, backend, expect)
@@ -40,7 +39,7 @@ def make_client(target: str | None = None, **client_options) -> DrafterClient:
     if not spec:
         raise ValueError("no drafter: set REMOTE_DRAFTER_ADDRESS (remote) or "
                          "REMOTE_DRAFTER_DRAFTER (local)")
-    from .drafters import load_drafter
-    from .service import DraftService
-    from .transport import LocalTransport
+    from remote_drafter.engine.transport import LocalTransport
+    from remote_drafter.models.registry import load_drafter
+    from remote_drafter.worker.service import DraftService
     return DrafterClient(LocalTransport(DraftService(load_drafter(spec, target))), **client_options)

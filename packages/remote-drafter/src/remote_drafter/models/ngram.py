@@ -8,8 +8,9 @@ import hashlib
 
 import numpy as np
 
-from ..identity import Manifest
-from . import Draft, Drafter, DraftRequest
+from remote_drafter.engine.identity import Manifest
+
+from .base import Draft, Drafter, DraftRequest
 
 
 class NgramDrafter(Drafter):

@@ -21,11 +21,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .. import exl3
-from ..identity import Manifest, digest_tensors, sha256_file, target_digest, tokenizer_digest
-from ..layers import Block, RMSNorm
-from . import Draft, Drafter, DraftRequest
-from .pick import Picker
+from remote_drafter.engine.identity import (
+    Manifest,
+    digest_tensors,
+    sha256_file,
+    target_digest,
+    tokenizer_digest,
+)
+
+from . import exl3
+from .base import Draft, Drafter, DraftRequest
+from .llama_layers import Block, RMSNorm
+from .pick import Picker, split
+from .tensors import tensor_bytes
 from .window import DeviceWindows, empty
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "drafter.safetensors"
@@ -114,10 +122,6 @@ def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSpark
                 p.normal_(0.0, std)
     return model
 
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's raw bytes, any dtype (numpy has no bfloat16: bf16 checkpoints load too)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # 0-dim too (EXL3 markers)
 
 
 def load_target_embedding(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,9 +274,3 @@ class DSparkDrafter(Drafter):
             previous = pick(logits, [r.history.length + i for r in requests])
         return split(requests, *pick.finish())
 
-
-def split(requests, tokens, probs, own, alt_tokens, alt_probs) -> list[Draft]:
-    """Per-request Drafts cut to each request's depth (shared by the batched back ends)."""
-    return [Draft(tokens[b, :r.depth], None if probs is None else probs[b, :r.depth],
-                  own[b, :r.depth], alt_tokens[b, :r.depth], alt_probs[b, :r.depth])
-            for b, r in enumerate(requests)]

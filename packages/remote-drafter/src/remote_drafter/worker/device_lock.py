@@ -21,9 +21,9 @@ import sys
 import tempfile
 import time
 
-from . import env
+from remote_drafter import env
 
-log = logging.getLogger("remote_drafter.device_lock")
+log = logging.getLogger("remote_drafter.worker.device_lock")
 
 
 class DeviceBusy(RuntimeError):

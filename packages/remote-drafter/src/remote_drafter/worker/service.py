@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import protocol as P
-from .drafters import Drafter, DraftRequest
-from .history import History
-from .metrics import Metrics
-from .spec_cache import SpeculationCache
+from remote_drafter.engine import protocol as P
+from remote_drafter.engine.history import History
+from remote_drafter.engine.metrics import Metrics
+from remote_drafter.models.base import Drafter, DraftRequest
 
-log = logging.getLogger("remote_drafter.service")
+from .speculation_cache import SpeculationCache
+
+log = logging.getLogger("remote_drafter.worker.service")
 
 COUNTERS = {
     "rounds": "Round messages answered",
@@ -94,7 +95,7 @@ class ServiceConfig:
     spec_cache_bytes: int = 64 << 20
     spec_cache_max_batch: int = 2  # rounds drafting more requests than this skip the cache
     inject_delay_s: float = 0.0    # testing: added to every round (a slow link on one machine)
-    # Gate rounds recorded from the requests served (gate.RoundRecorder): the file, how many,
+    # Gate rounds recorded from the requests served (round_recorder.RoundRecorder): the file, how many,
     # drafts per round (None: the drafter's max depth).
     record_gate_rounds: str | None = None
     gate_rounds: int = 64
@@ -130,7 +131,7 @@ class DraftService:
                                           self.config.spec_cache_bytes)
         self.recorder = None
         if self.config.record_gate_rounds:
-            from .gate import RoundRecorder
+            from .round_recorder import RoundRecorder
             self.recorder = RoundRecorder(self.config.record_gate_rounds, self.config.gate_rounds,
                                           self.config.gate_depth or drafter.max_depth,
                                           self.manifest.target or None, self.config.gate_spacing,
