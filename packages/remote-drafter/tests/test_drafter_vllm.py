@@ -15,7 +15,7 @@ import pytest
 
 from longctx_bench.launch import VllmServer, free_port
 from ofl.http import read_counters
-from remote_drafter.vllm import PLACEHOLDER
+from remote_drafter.vllm.proposer import PLACEHOLDER
 from remote_drafter.worker.server import spawn_worker
 
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
@@ -253,7 +253,7 @@ for name in ("sampled_token_ids", "self.input_batch.num_tokens_no_spec", "self.i
     assert name in call[:600], name
 assert "isinstance(self._draft_token_ids, list)" in inspect.getsource(GPUModelRunner._get_draft_token_ids_cpu)
 assert "finished_req_ids" in inspect.getsource(GPUModelRunner._update_states)
-from remote_drafter.vllm import DEFERRED_SOURCES, SHARED_SOURCES, refusal
+from remote_drafter.vllm.versions import DEFERRED_SOURCES, SHARED_SOURCES, refusal
 for sources in (DEFERRED_SOURCES, SHARED_SOURCES):
     assert refusal(sources) is None, refusal(sources)
 print("hooks ok", vllm.__version__)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from remote_drafter.vllm import aux_layer_ids
+from remote_drafter.vllm.hooks import aux_layer_ids
 
 RULE_FILE = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py"
 RULE = "get_eagle3_aux_layers_from_config"
