@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from remote_drafter.bench import WIDTHS, make_models
-from remote_drafter.client import DrafterClient
-from remote_drafter.drafters import DraftRequest
-from remote_drafter.drafters.dspark import DSparkDrafter
-from remote_drafter.reference import plain_decode, speculative_decode
-from remote_drafter.service import DraftService, ServiceConfig
-from remote_drafter.target import TargetLM
-from remote_drafter.transport import LocalTransport
+from remote_drafter.decode_loop import plain_decode, speculative_decode
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.transport import LocalTransport
+from remote_drafter.models.base import DraftRequest
+from remote_drafter.models.dspark import DSparkDrafter
+from remote_drafter.models.llama import LlamaLM
+from remote_drafter.worker.service import DraftService, ServiceConfig
 
 
 def requests(drafter, batch: int, seed: int, depth: int = 5):
@@ -94,7 +94,7 @@ def timing(paths, name, dtype, batches, repeats=50) -> list[dict]:
 
 
 def decode_check(paths, name) -> dict:
-    target = TargetLM.load(paths["target"], device="cuda")
+    target = LlamaLM.load(paths["target"], device="cuda")
     drafter = DSparkDrafter.load(paths[name], paths["target"], "cuda")
     prompts = {i: list(range(10 * i, 10 * i + 40)) for i in range(1, 5)}
     ref = {r: plain_decode(target, p, 48) for r, p in prompts.items()}

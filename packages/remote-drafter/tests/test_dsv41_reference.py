@@ -237,6 +237,40 @@ def test_the_whole_block_drafts_the_same_greedy_chain(toy, compared):
     assert drafts == out.drafts.tolist()
 
 
+# -- the model in float64: the same arithmetic as the reference, not merely close -----------
+
+FLOAT64_TOLERANCE = 1e-12  # float32 rounding would show as ~1e-7; summation order alone ~1e-15
+
+
+def test_in_float64_the_whole_block_agrees_with_the_reference_to_float64_rounding(toy, compared):
+    """The model built in float64 from the same weights, its own pass as in the test above
+    (encode_rows, padding rows, block_hidden, head, Markov chain, confidence): float64 leaves
+    no float32 rounding to hide behind, so any difference is a different computation. The
+    worst relative error is printed (pytest -s) as the figure findings/dsv41-drafter.md cites."""
+    c, _, out, _, window = compared
+    config, weights, taps, _ = toy
+    model = Dsv41Model(Dsv41DrafterConfig.from_json(config), weights, dtype=torch.float64)
+    layers, dim = ref.n_layers(c), c["head_dim"]
+    rows = model.encode_rows(taps[-len(window):].to(torch.float64), window).view(len(window), layers, dim)
+    ctx = torch.cat((torch.full((3, layers, dim), 9.0, dtype=torch.float64), rows))[None]
+    valid = torch.cat((torch.zeros(3, dtype=torch.bool), torch.ones(len(window), dtype=torch.bool)))[None]
+    h = model.block_hidden(ctx, valid, torch.tensor([7]), torch.tensor([P0]))[0]
+    previous = torch.tensor([7] + out.drafts.tolist()[:-1])
+    embed = model.markov_embed(previous)
+    errors = {}
+    for name, got, want in (("head hidden", h, out.head_hidden),
+                            ("head logits", model.logits(h), out.base_logits),
+                            ("Markov logits", model.markov_logits(model.logits(h), embed), out.logits),
+                            ("confidence", model.confidence(h, embed), out.confidences)):
+        assert got.dtype == torch.float64, name
+        errors[name] = float((got - want).norm() / want.norm())
+    worst = max(errors, key=errors.get)
+    print(f"\n{c['model_type']} float64 model vs float64 reference, worst relative error "
+          f"{errors[worst]:.1e} ({worst}); " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert errors[worst] < FLOAT64_TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
+    assert model.markov_logits(model.logits(h), embed).argmax(-1).tolist() == out.drafts.tolist()
+
+
 # -- tools/check-vllm-hooks.py guards the transcription --------------------------------------
 
 WHEEL = sorted(glob.glob(str(ROOT / ".artifacts/wheels/vllm-0.33.0-*.whl")))
