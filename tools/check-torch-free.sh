@@ -38,7 +38,11 @@ import ofl  # noqa: F401
 import remote_engram, remote_engram.server, remote_engram.client, remote_engram.cli  # noqa: F401,E401
 import async_handoff, async_handoff.proxy, async_handoff.handoff  # noqa: F401,E401
 import longctx_bench.cli, acceptance_ceiling.cli  # noqa: F401,E401
-import remote_drafter.vllm.client_factory, remote_drafter.vllm, remote_drafter.engine.proxy_adapter, remote_drafter.cli  # noqa: F401,E401
+import importlib, pkgutil  # noqa: E401
+import remote_drafter.engine
+for info in pkgutil.iter_modules(remote_drafter.engine.__path__, "remote_drafter.engine."):
+    importlib.import_module(info.name)  # the whole engine room
+import remote_drafter.vllm.client_factory, remote_drafter.vllm, remote_drafter.cli  # noqa: F401,E401
 import remote_drafter.worker.server, remote_drafter.models.ngram  # noqa: F401,E401
 assert "torch" not in sys.modules, "a torch-free package imported torch"
 print("check-torch-free: ok, no torch imported")
