@@ -38,6 +38,27 @@ KERNELS_GROUP = "remote_drafter.kernels"
 KERNEL_PROVIDERS = {"native": "dsv41-native-drafter and Triton (pip install packages/native-drafter)"}
 
 
+# -- init ---------------------------------------------------------------------------------------
+def init_parser(sub) -> None:
+    p = sub.add_parser("init", help="write a randomly initialised DSpark drafter for a target")
+    p.add_argument("--target", required=True, help="the target checkpoint folder (Llama-style)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--target-layers", default="2,15,29",
+                   help="target layers (0-based) whose hidden states condition the drafter")
+    p.add_argument("--token-only", action="store_true",
+                   help="condition on committed tokens only (engines without hidden states)")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--block", type=int, default=5, help="W: drafts per parallel pass")
+    p.add_argument("--markov-rank", type=int, default=32)
+    p.add_argument("--window", type=int, default=128, help="context positions attended")
+    p.add_argument("--heads", type=int, default=0, help="0: the target's")
+    p.add_argument("--kv-heads", type=int, default=0, help="0: the target's")
+    p.add_argument("--ffn", type=int, default=0, help="0: the target's intermediate size")
+    p.add_argument("--mask-token", type=int, default=None, help="default: the last vocabulary id")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_init)
+
+
 def cmd_init(args) -> int:
     LlamaConfig = worker_side("remote_drafter.models.llama", "a new drafter").LlamaConfig
     from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
@@ -61,6 +82,40 @@ def cmd_init(args) -> int:
     return 0
 
 
+# -- worker -------------------------------------------------------------------------------------
+def worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="serve a drafter to engines over ofl")
+    add_serving_args(p)
+    add_capacity_args(p)
+    add_spec_cache_args(p)
+    p.add_argument("--inject-delay-ms", type=float, default=0,
+                   help="testing only: delay every round (a slow link, measurable on one machine)")
+    add_gate_recording_args(p)
+    p.set_defaults(fn=cmd_worker)
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """Which drafter the worker serves, on what and how it is reached."""
+    p.add_argument("--listen", default="0.0.0.0:7480", help="HOST:PORT (port 0: any free)")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", default=None, help="the target folder (embedding, head, identity)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="dense", choices=["dense", "exl3"],
+                   help="exl3: the drafter folder is an EXL3 pack (`exl3 convert`) whose linears "
+                        "run through exllamav3's kernels (CUDA and the [exl3] extra); refused "
+                        "unless the pack passed `exl3 gate` for exactly these weights")
+    p.add_argument("--ungated", action="store_true",
+                   help="with --weights exl3: serve a pack that has not passed the fidelity "
+                        "gate: for measuring it, never in production (status shows UNGATED)")
+    p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
+    p.add_argument("--kernels", default="torch",
+                   help="what computes the drafter's round: torch, or a back end another package "
+                        f"registers under {KERNELS_GROUP}: native = native-drafter's Triton "
+                        "kernels (DSpark, float32; refused unless `native-drafter gate` passed "
+                        "on this GPU). Not --backend: that names the ofl transport")
+
+
 def add_capacity_args(p: argparse.ArgumentParser) -> None:
     """What a worker holds and for whom (this worker's and drafter-tp2's flags)."""
     p.add_argument("--max-requests", type=int, default=256,
@@ -78,6 +133,23 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
                         "$REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, else auto)")
     p.add_argument("--idle-timeout-s", type=float, default=600,
                    help="release a request not seen for this long")
+
+
+def add_spec_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-cache", action="store_true",
+                   help="pre-draft likely next rounds while the target verifies (token-only drafters)")
+    p.add_argument("--spec-cache-outcomes", type=int, default=3, help="outcomes pre-drafted per round")
+    p.add_argument("--spec-cache-mb", type=float, default=64, help="memory bound of the cache")
+    p.add_argument("--spec-cache-max-batch", type=int, default=2,
+                   help="rounds drafting more requests than this skip the cache (and draft batched)")
+
+
+def add_gate_recording_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record-gate-rounds", metavar="FILE", default=None,
+                   help="record EXL3 fidelity gate rounds (`exl3 gate --rounds`) from the requests "
+                        "served at temperature 0: their tap rows and the tokens the target "
+                        "committed after them; written when --gate-rounds are in, or at shutdown")
+    p.add_argument("--gate-rounds", type=int, default=64, help="rounds --record-gate-rounds keeps")
 
 
 def capacity_argv(args) -> list[str]:
@@ -128,84 +200,13 @@ def kernel_loader(name: str):
         raise ValueError(f"--kernels {name} ({registered[name].value}) does not load: {exc}") from exc
 
 
-def cmd_exl3_convert(args) -> int:
-    worker_side("torch", "exl3 convert")
-    exl3 = worker_side("remote_drafter.models.exl3", "exl3 convert")
-    exl3.require(args.device)
-    exl3.load_exllamav3()
-    folder, log = spec_folder(args.folder), (lambda m: print(m, flush=True))
-    if os.path.exists(os.path.join(folder, "drafter.json")):
-        if args.head_bits:
-            raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
-        from remote_drafter.models.dspark import DSparkDrafter
-        meta = DSparkDrafter.convert_exl3(folder, args.out, args.bits, args.device, log)
-    else:
-        from remote_drafter.models.dsv41.drafter import Dsv41Drafter
-        meta = Dsv41Drafter.convert_exl3(folder, args.out, args.bits, args.head_bits, args.device, log)
-    print(f"remote-drafter exl3 convert: {args.out} ({meta['kind']}, {len(meta['linears'])} linears "
-          f"at {args.bits} bits{f', head at {args.head_bits}' if args.head_bits else ''}); serve it "
-          "with --weights exl3")
-    return 0
-
-
-def gate_spec(folder: str) -> tuple[str, dict]:
-    """A drafter folder as load_drafter's spec: DSpark's (drafter.json) or DeepSeek's; the
-    latter without a confidence cut-off, so the gate compares whole chains."""
-    folder = spec_folder(folder)
-    if os.path.exists(os.path.join(folder, "drafter.json")):
-        return folder, {}
-    return f"dsv41:{folder}", {"confidence_cutoff": 0.0}
-
-
-def cmd_exl3_gate(args) -> int:
-    torch = worker_side("torch", "exl3 gate")
-    from remote_drafter.engine.identity import target_digest
-    from remote_drafter.models.registry import load_drafter
-    exl3 = exl3_admission.load_exl3(args.pack, args.device)
-    pack = spec_folder(args.pack)
-    if exl3.is_pack(spec_folder(args.reference)):
-        raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
-                         "drafter the pack was converted from")
-    rounds, meta = gate.read_rounds(args.rounds)
-    measured_on = meta.get(gate.TARGET_KEY)
-    if args.target and measured_on and (served := target_digest(args.target)) != measured_on:
-        raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
-                         f"{args.target} is {served[:12]}")
-    dtype = getattr(torch, args.dtype)
-    dtype = None if dtype == torch.float32 else dtype
-    loaded = {}
-    for name, folder, device in (("reference", args.reference, args.reference_device or args.device),
-                                 ("candidate", pack, args.device)):
-        spec, options = gate_spec(folder)
-        loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
-    if why := gate.taps_refusal(meta, loaded["candidate"]):
-        raise ValueError(f"{args.rounds}: {why}")
-    result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
-    path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
-                       gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
-    ratio = result["acceptance_ratio"]
-    print(f"{'':<10}{'accepted length':>16}   first-j agreement (j = 1..{result['depth']})")
-    print(f"{'reference':<10}{result['reference_accepted']:>16.3f}")
-    print(f"{'candidate':<10}{result['candidate_accepted']:>16.3f}   "
-          + " ".join(f"{a:.3f}" for a in result["agreement"]))
-    tv = "n/a" if result["tv"] is None else f"{result['tv']:.4f} (max {result['tv_max']:.4f})"
-    few = f" (fewer than the {gate.MIN_ROUNDS} rounds a pass needs)" if result["rounds"] < gate.MIN_ROUNDS else ""
-    print(f"remote-drafter exl3 gate: {result['rounds']} rounds{few}, ratio "
-          f"{'n/a (the reference accepted nothing)' if ratio is None else f'{ratio:.1%}'} "
-          f"(goal {args.goal:.0%}), first-draft TV at T = 1 {tv} -> "
-          f"{'PASS' if result['passed'] else 'FAIL'}; recorded in {path}")
-    return 0 if result["passed"] else 1
-
-
 def cmd_worker(args) -> int:
     torch = worker_side("torch", "the worker")
     with_kernels = None if args.kernels == "torch" else kernel_loader(args.kernels)
 
-    from ofl.server import parse_address
     from remote_drafter.models.registry import load_drafter
     from remote_drafter.worker.device_lock import DeviceBusy, worker_lock
     from remote_drafter.worker.round_recorder import recording_refusal
-    from remote_drafter.worker.server import Worker
     if args.record_gate_rounds and (why := recording_refusal(args.record_gate_rounds, args.gate_rounds)):
         raise ValueError(why)
     try:  # refused before the card is locked; then exllamav3 builds
@@ -229,19 +230,7 @@ def cmd_worker(args) -> int:
             except exl3_admission.Refused as exc:
                 return refuse_to_start(str(exc))
             ungated = drafter.serving_notes["exl3_gate"] != "passed"
-        host, port = parse_address(args.listen, 7480)
-        worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
-        d = worker.service.describe()
-        print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
-              f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
-              f"{d['max_requests_per_client']} per client, "
-              f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
-              f"on {args.device}{', device locked' if lock else ''}, {args.backend} on {worker.address}"
-              f"{'; EXL3 pack UNGATED (--ungated): not for production' if ungated else ''}", flush=True)
-        try:
-            wait_for_shutdown(stop)
-        finally:
-            worker.stop()
+        serve(args, drafter, stop, locked=bool(lock), ungated=ungated)
     finally:
         if lock:
             if torch.device(args.device).type == "cuda":
@@ -250,9 +239,37 @@ def cmd_worker(args) -> int:
     return 0
 
 
+def serve(args, drafter, stop, locked: bool, ungated: bool) -> None:
+    """Serve `drafter` until `stop` (SIGTERM or Ctrl-C), after one ready line on stdout."""
+    from ofl.server import parse_address
+    from remote_drafter.worker.server import Worker
+    host, port = parse_address(args.listen, 7480)
+    worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
+    d = worker.service.describe()
+    print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
+          f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
+          f"{d['max_requests_per_client']} per client, "
+          f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
+          f"on {args.device}{', device locked' if locked else ''}, {args.backend} on {worker.address}"
+          f"{'; EXL3 pack UNGATED (--ungated): not for production' if ungated else ''}", flush=True)
+    try:
+        wait_for_shutdown(stop)
+    finally:
+        worker.stop()
+
+
 def refuse_to_start(why: str) -> int:
     print(f"remote-drafter worker: refusing to start: {why}", file=sys.stderr)
     return 2
+
+
+# -- identity, status, shadow -------------------------------------------------------------------
+def identity_parser(sub) -> None:
+    p = sub.add_parser("identity", help="print the identity manifest of a drafter")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", default=None)
+    p.add_argument("--out", default=None, help="also write it here (REMOTE_DRAFTER_MANIFEST)")
+    p.set_defaults(fn=cmd_identity)
 
 
 def cmd_identity(args) -> int:
@@ -266,10 +283,34 @@ def cmd_identity(args) -> int:
     return 0
 
 
+def status_parser(sub) -> None:
+    p = sub.add_parser("status", help="a worker's counters, limits and identities (JSON)")
+    p.add_argument("--worker", required=True)
+    p.add_argument("--backend", default="tcp")
+    p.set_defaults(fn=cmd_status)
+
+
 def cmd_status(args) -> int:
     from remote_drafter.engine.transport import worker_stats
     print(json.dumps(worker_stats(args.worker, args.backend), indent=1))
     return 0
+
+
+def shadow_parser(sub) -> None:
+    p = sub.add_parser("shadow", help="compare a worker's drafts with a local copy's, round by round")
+    p.add_argument("--worker", required=True)
+    p.add_argument("--backend", default="tcp")
+    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
+    p.add_argument("--target", required=True)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--k", type=int, default=5, help="drafts per round")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--deadline-ms", type=float, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(fn=cmd_shadow)
 
 
 def cmd_shadow(args) -> int:
@@ -318,6 +359,17 @@ def cmd_shadow(args) -> int:
     return 0 if ok else 1
 
 
+# -- DeepSeek-V4.1 checkpoints ------------------------------------------------------------------
+def inspect_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="DeepSeek-V4.1's or V4's drafter in a checkpoint folder: its tensors, "
+                                       "dtypes, bytes and config, read from the headers; exit 1 "
+                                       "when a tensor differs from DeepSeek's layout")
+    p.add_argument("folder", help="config.json + model.safetensors.index.json and shards, or "
+                                  "one model.safetensors")
+    p.add_argument("--json", action="store_true", help="machine output")
+    p.set_defaults(fn=cmd_inspect)
+
+
 def cmd_inspect(args) -> int:
     checkpoint = worker_side("remote_drafter.models.dsv41.checkpoint", "inspect")
     d = checkpoint.describe(args.folder)
@@ -348,110 +400,7 @@ def cmd_inspect(args) -> int:
     return 1 if d["problems"] else 0
 
 
-def cmd_tiny_dsv41(args) -> int:
-    tiny = worker_side("remote_drafter.models.dsv41.tiny", "tiny-dsv41")
-    made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers, args.variant,
-                           quantized=not args.unquantized)
-    stored = "bf16 linears and" if args.unquantized else args.experts_dtype
-    print(f"remote-drafter tiny-dsv41: {args.out} ({args.variant}, {made['drafter']} drafter tensors, "
-          f"{made['trunk']} target tensors, {stored} experts, {made['bytes']:,} B in "
-          f"{len(made['files'])} shards); random weights: for tests, not for drafting")
-    return 0
-
-
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="remote-drafter", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("init", help="write a randomly initialised DSpark drafter for a target")
-    p.add_argument("--target", required=True, help="the target checkpoint folder (Llama-style)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--target-layers", default="2,15,29",
-                   help="target layers (0-based) whose hidden states condition the drafter")
-    p.add_argument("--token-only", action="store_true",
-                   help="condition on committed tokens only (engines without hidden states)")
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--block", type=int, default=5, help="W: drafts per parallel pass")
-    p.add_argument("--markov-rank", type=int, default=32)
-    p.add_argument("--window", type=int, default=128, help="context positions attended")
-    p.add_argument("--heads", type=int, default=0, help="0: the target's")
-    p.add_argument("--kv-heads", type=int, default=0, help="0: the target's")
-    p.add_argument("--ffn", type=int, default=0, help="0: the target's intermediate size")
-    p.add_argument("--mask-token", type=int, default=None, help="default: the last vocabulary id")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_init)
-
-    p = sub.add_parser("worker", help="serve a drafter to engines over ofl")
-    p.add_argument("--listen", default="0.0.0.0:7480", help="HOST:PORT (port 0: any free)")
-    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
-    p.add_argument("--target", default=None, help="the target folder (embedding, head, identity)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--weights", default="dense", choices=["dense", "exl3"],
-                   help="exl3: the drafter folder is an EXL3 pack (`exl3 convert`) whose linears "
-                        "run through exllamav3's kernels (CUDA and the [exl3] extra); refused "
-                        "unless the pack passed `exl3 gate` for exactly these weights")
-    p.add_argument("--ungated", action="store_true",
-                   help="with --weights exl3: serve a pack that has not passed the fidelity "
-                        "gate: for measuring it, never in production (status shows UNGATED)")
-    p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
-    p.add_argument("--kernels", default="torch",
-                   help="what computes the drafter's round: torch, or a back end another package "
-                        f"registers under {KERNELS_GROUP}: native = native-drafter's Triton "
-                        "kernels (DSpark, float32; refused unless `native-drafter gate` passed "
-                        "on this GPU). Not --backend: that names the ofl transport")
-    add_capacity_args(p)
-    p.add_argument("--spec-cache", action="store_true",
-                   help="pre-draft likely next rounds while the target verifies (token-only drafters)")
-    p.add_argument("--spec-cache-outcomes", type=int, default=3, help="outcomes pre-drafted per round")
-    p.add_argument("--spec-cache-mb", type=float, default=64, help="memory bound of the cache")
-    p.add_argument("--spec-cache-max-batch", type=int, default=2,
-                   help="rounds drafting more requests than this skip the cache (and draft batched)")
-    p.add_argument("--inject-delay-ms", type=float, default=0,
-                   help="testing only: delay every round (a slow link, measurable on one machine)")
-    p.add_argument("--record-gate-rounds", metavar="FILE", default=None,
-                   help="record EXL3 fidelity gate rounds (`exl3 gate --rounds`) from the requests "
-                        "served at temperature 0: their tap rows and the tokens the target "
-                        "committed after them; written when --gate-rounds are in, or at shutdown")
-    p.add_argument("--gate-rounds", type=int, default=64, help="rounds --record-gate-rounds keeps")
-    p.set_defaults(fn=cmd_worker)
-
-    p = sub.add_parser("identity", help="print the identity manifest of a drafter")
-    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
-    p.add_argument("--target", default=None)
-    p.add_argument("--out", default=None, help="also write it here (REMOTE_DRAFTER_MANIFEST)")
-    p.set_defaults(fn=cmd_identity)
-
-    p = sub.add_parser("status", help="a worker's counters, limits and identities (JSON)")
-    p.add_argument("--worker", required=True)
-    p.add_argument("--backend", default="tcp")
-    p.set_defaults(fn=cmd_status)
-
-    p = sub.add_parser("shadow", help="compare a worker's drafts with a local copy's, round by round")
-    p.add_argument("--worker", required=True)
-    p.add_argument("--backend", default="tcp")
-    p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
-    p.add_argument("--target", required=True)
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--k", type=int, default=5, help="drafts per round")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--deadline-ms", type=float, default=2000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(fn=cmd_shadow)
-
-    p = sub.add_parser("inspect", help="DeepSeek-V4.1's or V4's drafter in a checkpoint folder: its tensors, "
-                                       "dtypes, bytes and config, read from the headers; exit 1 "
-                                       "when a tensor differs from DeepSeek's layout")
-    p.add_argument("folder", help="config.json + model.safetensors.index.json and shards, or "
-                                  "one model.safetensors")
-    p.add_argument("--json", action="store_true", help="machine output")
-    p.set_defaults(fn=cmd_inspect)
-
+def tiny_dsv41_parser(sub) -> None:
     p = sub.add_parser("tiny-dsv41", help="write a tiny random DeepSeek-V4.1 or V4 checkpoint (its "
                                           "drafter at toy width, DeepSeek's names and dtypes, "
                                           "a few target tensors) for tests")
@@ -468,10 +417,29 @@ def main(argv=None) -> int:
                    help="no quantization_config: every linear and expert stored bf16")
     p.set_defaults(fn=cmd_tiny_dsv41)
 
+
+def cmd_tiny_dsv41(args) -> int:
+    tiny = worker_side("remote_drafter.models.dsv41.tiny", "tiny-dsv41")
+    made = tiny.write_tiny(args.out, args.seed, args.experts_dtype, args.layers, args.variant,
+                           quantized=not args.unquantized)
+    stored = "bf16 linears and" if args.unquantized else args.experts_dtype
+    print(f"remote-drafter tiny-dsv41: {args.out} ({args.variant}, {made['drafter']} drafter tensors, "
+          f"{made['trunk']} target tensors, {stored} experts, {made['bytes']:,} B in "
+          f"{len(made['files'])} shards); random weights: for tests, not for drafting")
+    return 0
+
+
+# -- EXL3 ---------------------------------------------------------------------------------------
+def exl3_parser(sub) -> None:
     p = sub.add_parser("exl3", help="EXL3 weights (exllamav3) for a drafter")
     exl3_sub = p.add_subparsers(dest="exl3_cmd", required=True)
-    p = exl3_sub.add_parser("convert", help="quantise a drafter's linears with exllamav3's quantiser "
-                                            "into an EXL3 pack (a drafter folder; needs CUDA)")
+    exl3_convert_parser(exl3_sub)
+    exl3_gate_parser(exl3_sub)
+
+
+def exl3_convert_parser(sub) -> None:
+    p = sub.add_parser("convert", help="quantise a drafter's linears with exllamav3's quantiser "
+                                       "into an EXL3 pack (a drafter folder; needs CUDA)")
     p.add_argument("folder", help="a DSpark drafter folder, or DeepSeek-V4.1's / V4's checkpoint "
                                   "folder (dsv41:<folder> accepted)")
     p.add_argument("out")
@@ -480,23 +448,49 @@ def main(argv=None) -> int:
                    help="DeepSeek's drafter: quantise the stored head too (default: kept as stored)")
     p.add_argument("--device", default="cuda:0")
     p.set_defaults(fn=cmd_exl3_convert)
-    p = exl3_sub.add_parser(
+
+
+def cmd_exl3_convert(args) -> int:
+    worker_side("torch", "exl3 convert")
+    exl3 = worker_side("remote_drafter.models.exl3", "exl3 convert")
+    exl3.require(args.device)
+    exl3.load_exllamav3()
+    folder, log = spec_folder(args.folder), (lambda m: print(m, flush=True))
+    if os.path.exists(os.path.join(folder, "drafter.json")):
+        if args.head_bits:
+            raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
+        from remote_drafter.models.dspark import DSparkDrafter
+        meta = DSparkDrafter.convert_exl3(folder, args.out, args.bits, args.device, log)
+    else:
+        from remote_drafter.models.dsv41.drafter import Dsv41Drafter
+        meta = Dsv41Drafter.convert_exl3(folder, args.out, args.bits, args.head_bits, args.device, log)
+    print(f"remote-drafter exl3 convert: {args.out} ({meta['kind']}, {len(meta['linears'])} linears "
+          f"at {args.bits} bits{f', head at {args.head_bits}' if args.head_bits else ''}); serve it "
+          "with --weights exl3")
+    return 0
+
+
+EXL3_GATE_DESCRIPTION = (
+    "The fidelity gate of an EXL3 pack. The pack (the candidate) and its dense "
+    "drafter (the reference,\nin --dtype) draft from the same recorded rounds "
+    "of the target (--rounds: per round the\ntarget's tap rows, the tokens up to "
+    "the anchor, and the target's own greedy continuation).\nMeasured: each "
+    "drafter's mean accepted length under greedy verification (the longest\n"
+    "prefix of its T = 0 drafts equal to the continuation); their ratio, "
+    "candidate over\nreference; per position j the share of rounds whose first "
+    "j drafts are identical in\nboth; the total-variation distance of the first "
+    "draft's distribution at T = 1.\nPasses when the ratio is >= --goal (a "
+    "reference accepting nothing measures nothing:\nno pass). Writes "
+    "exl3-gate.json into the pack (with the pack's drafter and Markov-head digests; the worker\n"
+    "serves --weights exl3 only while that record passed for the weights it "
+    "loads).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
+
+
+def exl3_gate_parser(sub) -> None:
+    p = sub.add_parser(
         "gate", help="the fidelity gate: may this EXL3 pack be served? (the worker refuses a pack "
                      "without a passed record)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="The fidelity gate of an EXL3 pack. The pack (the candidate) and its dense "
-                    "drafter (the reference,\nin --dtype) draft from the same recorded rounds "
-                    "of the target (--rounds: per round the\ntarget's tap rows, the tokens up to "
-                    "the anchor, and the target's own greedy continuation).\nMeasured: each "
-                    "drafter's mean accepted length under greedy verification (the longest\n"
-                    "prefix of its T = 0 drafts equal to the continuation); their ratio, "
-                    "candidate over\nreference; per position j the share of rounds whose first "
-                    "j drafts are identical in\nboth; the total-variation distance of the first "
-                    "draft's distribution at T = 1.\nPasses when the ratio is >= --goal (a "
-                    "reference accepting nothing measures nothing:\nno pass). Writes "
-                    "exl3-gate.json into the pack (with the pack's drafter and Markov-head digests; the worker\n"
-                    "serves --weights exl3 only while that record passed for the weights it "
-                    "loads).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=EXL3_GATE_DESCRIPTION)
     p.add_argument("pack", help="the EXL3 pack folder (`exl3 convert`'s OUT; dsv41:<folder> accepted)")
     p.add_argument("--reference", required=True,
                    help="the dense drafter it was converted from (DSpark folder or DeepSeek's checkpoint)")
@@ -517,10 +511,87 @@ def main(argv=None) -> int:
                    help="both drafters' dense weights (the reference's all, the pack's unquantised ones)")
     p.set_defaults(fn=cmd_exl3_gate)
 
-    p = sub.add_parser("env", help="every environment variable, its default and meaning")
-    p.set_defaults(fn=lambda a: print(describe(env.ALL)) or 0)
 
-    args = ap.parse_args(argv)
+def gate_spec(folder: str) -> tuple[str, dict]:
+    """A drafter folder as load_drafter's spec: DSpark's (drafter.json) or DeepSeek's; the
+    latter without a confidence cut-off, so the gate compares whole chains."""
+    folder = spec_folder(folder)
+    if os.path.exists(os.path.join(folder, "drafter.json")):
+        return folder, {}
+    return f"dsv41:{folder}", {"confidence_cutoff": 0.0}
+
+
+def cmd_exl3_gate(args) -> int:
+    torch = worker_side("torch", "exl3 gate")
+    from remote_drafter.engine.identity import target_digest
+    from remote_drafter.models.registry import load_drafter
+    exl3 = exl3_admission.load_exl3(args.pack, args.device)
+    pack = spec_folder(args.pack)
+    if exl3.is_pack(spec_folder(args.reference)):
+        raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
+                         "drafter the pack was converted from")
+    rounds, meta = gate.read_rounds(args.rounds)
+    measured_on = meta.get(gate.TARGET_KEY)
+    if args.target and measured_on and (served := target_digest(args.target)) != measured_on:
+        raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
+                         f"{args.target} is {served[:12]}")
+    dtype = getattr(torch, args.dtype)
+    dtype = None if dtype == torch.float32 else dtype
+    loaded = {}
+    for name, folder, device in (("reference", args.reference, args.reference_device or args.device),
+                                 ("candidate", pack, args.device)):
+        spec, options = gate_spec(folder)
+        loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
+    if why := gate.taps_refusal(meta, loaded["candidate"]):
+        raise ValueError(f"{args.rounds}: {why}")
+    result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
+    path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
+                       gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
+    print_gate_result(result, args.goal, path)
+    return 0 if result["passed"] else 1
+
+
+def print_gate_result(result: dict, goal: float, path: str) -> None:
+    ratio = result["acceptance_ratio"]
+    print(f"{'':<10}{'accepted length':>16}   first-j agreement (j = 1..{result['depth']})")
+    print(f"{'reference':<10}{result['reference_accepted']:>16.3f}")
+    print(f"{'candidate':<10}{result['candidate_accepted']:>16.3f}   "
+          + " ".join(f"{a:.3f}" for a in result["agreement"]))
+    tv = "n/a" if result["tv"] is None else f"{result['tv']:.4f} (max {result['tv_max']:.4f})"
+    few = f" (fewer than the {gate.MIN_ROUNDS} rounds a pass needs)" if result["rounds"] < gate.MIN_ROUNDS else ""
+    print(f"remote-drafter exl3 gate: {result['rounds']} rounds{few}, ratio "
+          f"{'n/a (the reference accepted nothing)' if ratio is None else f'{ratio:.1%}'} "
+          f"(goal {goal:.0%}), first-draft TV at T = 1 {tv} -> "
+          f"{'PASS' if result['passed'] else 'FAIL'}; recorded in {path}")
+
+
+# -- env, and the whole command line ------------------------------------------------------------
+def env_parser(sub) -> None:
+    p = sub.add_parser("env", help="every environment variable, its default and meaning")
+    p.set_defaults(fn=cmd_env)
+
+
+def cmd_env(args) -> int:
+    print(describe(env.ALL))
+    return 0
+
+
+SUBCOMMANDS = (init_parser, worker_parser, identity_parser, status_parser, shadow_parser,
+               inspect_parser, tiny_dsv41_parser, exl3_parser, env_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="remote-drafter", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add_subcommand in SUBCOMMANDS:  # in this order in --help
+        add_subcommand(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, WorkerExtraMissing) as exc:  # one clear line, no traceback
