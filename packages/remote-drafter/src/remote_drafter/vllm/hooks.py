@@ -51,11 +51,20 @@ def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, lay
 
 def register() -> None:
     """vllm.general_plugins entry point: idempotent in every vLLM process."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    original = GPUModelRunner.propose_draft_token_ids
-    if getattr(original, "_remote_drafter", False):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
+    if getattr(Runner.propose_draft_token_ids, "_remote_drafter", False):
         return
+    propose = propose_hook(Runner.propose_draft_token_ids)
+    take = take_hook(Runner.take_draft_token_ids)
+    update = update_states_hook(Runner._update_states)
+    setup = aux_setup_hook(Runner._setup_eagle3_aux_hidden_state_outputs)
+    propose._remote_drafter = True
+    Runner.propose_draft_token_ids, Runner.take_draft_token_ids = propose, take
+    Runner._update_states, Runner._setup_eagle3_aux_hidden_state_outputs = update, setup
 
+
+def propose_hook(original):
+    """The proposer learns the batch's request ids, finished requests and committed rows."""
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
@@ -68,13 +77,16 @@ def register() -> None:
             drafter.set_batch(req_ids, scheduler_output.finished_req_ids, rows)
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                         hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs)
+    return propose_draft_token_ids
 
+
+def aux_setup_hook(original):
     def setup_aux_hidden_state_outputs(self):
         """Both runners call this at the end of load_model (for EAGLE-3): turn on the
         outputs at the drafter's taps, in vLLM's ids for this target (aux_layer_ids)."""
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, RemoteProposer) or not drafter.hidden_layers:
-            return original_setup(self)
+            return original(self)
         model = self.get_model()
         if not hasattr(model, "set_aux_hidden_state_layers"):
             log.error("the target model cannot output hidden states: the drafter gets none")
@@ -84,7 +96,11 @@ def register() -> None:
         model.set_aux_hidden_state_layers(aux_layer_ids(drafter.hidden_layers, model_type))
         self.use_aux_hidden_state_outputs = True
         return None
+    return setup_aux_hidden_state_outputs
 
+
+def take_hook(original):
+    """An asynchronous round hands placeholders (or its drafts) when vLLM takes them."""
     def take_draft_token_ids(self):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
@@ -93,23 +109,20 @@ def register() -> None:
             rows = drafter.take_rows(structured)
             if rows is not None:
                 self._draft_token_ids = rows
-        return original_take(self)
+        return original(self)
+    # inspect.getsource follows __wrapped__: versions' digest check reads vLLM's own code
+    take_draft_token_ids.__wrapped__ = original
+    return take_draft_token_ids
 
+
+def update_states_hook(original):
+    """A deferred round's drafts are written into the next step's inputs."""
     def _update_states(self, scheduler_output):
-        out = original_update(self, scheduler_output)
+        out = original(self, scheduler_output)
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
             # not caught: a failed broadcast or write would leave TP ranks with other inputs
             drafter.fill(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
         return out
-
-    original_take = GPUModelRunner.take_draft_token_ids
-    original_update = GPUModelRunner._update_states
-    original_setup = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
-    propose_draft_token_ids._remote_drafter = True
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
-    GPUModelRunner._update_states = _update_states
-    # inspect.getsource follows __wrapped__: refusal reads vLLM's own code
-    take_draft_token_ids.__wrapped__, _update_states.__wrapped__ = original_take, original_update
-    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = setup_aux_hidden_state_outputs
+    _update_states.__wrapped__ = original  # as in take_hook
+    return _update_states
