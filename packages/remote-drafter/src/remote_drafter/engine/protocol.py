@@ -1,30 +1,22 @@
-"""The drafter wire protocol (version 1), carried as ofl messages. Torch-free.
-
-A request is one message holding one entry per running request of the engine, so a step
-costs one round trip and the worker batches all of them on its device:
+"""The drafter wire protocol (version 1), carried as ofl messages (where a round sits in a
+step: ARCHITECTURE.md § Drafting data path). Torch-free. One request holds one entry per
+running request of the engine, so a step costs one round trip and the worker drafts a batch:
 
     RequestHeader (32 B): magic "DRQ1", version u16, kind u16, fingerprint 16 B,
                           n_entries u32, client_id u32
     per entry: Entry (48 B), tokens int32[n_tokens], rows[n_rows x feature] (row_dtype)
-
-An entry continues a request (the tokens committed since the last round and the target's
-hidden states of the rows that became known: one per token), opens one (its bounded
-history: its newest tokens, the hidden rows of all but the newest, and `length`, the count
-of tokens committed in all, which fixes positions), or releases one. Continues carry
-`length` too (the count after their tokens): a worker whose count differs is out of step
-with the client and answers "unknown request", so the client re-opens. Requests are named
-(client_id, request_id): engines sharing a worker never see each other's requests. `k` asks
-for up to k drafts (0: just record the tokens). The fingerprint is the digest of the
-identity manifest both sides agreed on in the handshake; the worker refuses any other.
-
     ReplyHeader (16 B): magic "DRP1", version u16, kind u16, n_entries u32, vocab u32
     per entry: ReplyEntry (24 B), tokens int32[n_drafts], probs float32[n_drafts x vocab]
                when has_probs, message utf-8[msg_len]
 
-A malformed message (framing, sizes, magic, version, fingerprint) is refused whole with an
-ofl error reply; a bad entry (ids out of range, wrong row count, a reply that would not fit
-the link, ...) gets status INVALID and its message, an open past its client's quota status
-QUOTA, while the other entries are served.
+An entry opens a request (its bounded history and `length`, the count of tokens committed in
+all, which fixes positions), continues one (the tokens committed since, their hidden rows,
+and `length` after them: a worker holding another count answers "unknown request", so the
+client re-opens) or releases one; `k` asks for up to k drafts (0: just record the tokens).
+Requests are named (client_id, request_id); the fingerprint is the manifest digest both
+sides agreed on in the handshake. A malformed message is refused whole (an ofl error reply);
+a bad entry gets status INVALID (QUOTA: an open past its client's quota) and a message,
+while the other entries are served.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The DSpark verification rule (ARCHITECTURE.md § DSpark verification) for one chain, on the host: what the
-reference loop applies to a round's drafts and the target's distributions. Torch-free.
+"""The DSpark verification rule (ARCHITECTURE.md § DSpark verification) for one chain, on
+the host: what the reference loop (decode_loop) applies to a round's drafts and the
+target's distributions. Torch-free.
 
 Accept draft i if u < min(1, p_t(x)/max(p_d(x), 1e-8)); at the first rejection draw from
 norm(max(p_t - p_d, 0)) (p_t when that mass <= 1e-8); if all are accepted draw a bonus

@@ -1,23 +1,21 @@
 """EXL3 weights for the worker's drafters: their linears quantised with exllamav3's own
 trellis quantiser and run through its quantised linear (`modules/quant/exl3.py`,
-LinearEXL3) on a CUDA GPU; everything else stays this project's code.
+LinearEXL3) on a CUDA GPU; everything else stays this project's code (ARCHITECTURE.md
+§ DeepSeek-V4.1's drafter).
 
 The only module that imports exllamav3, and only inside functions: nothing loads it unless
-EXL3 weights are asked for (`remote-drafter worker --weights exl3`, `remote-drafter exl3
-convert`). Its first import on a machine builds its CUDA extension (~5 minutes on 16 cores
-with TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16), which `load_exllamav3` says while it waits.
+EXL3 weights are asked for (`remote-drafter worker --weights exl3`, `exl3 convert`). Its
+first import on a machine builds its CUDA extension, which `load_exllamav3` says while it waits.
 
 A pack is a drafter folder whose quantised linears are stored as exllamav3 stores them,
 `<module>.trellis` / `.suh` / `.svh` (+ the codebook marker `.mul1` or `.mcg`) in place of
-`<module>.weight`, the rest as before, and `exl3.json` naming them (`remote-drafter exl3
-convert`). A DeepSeek-V4 / V4.1 model converted by exllamav3's own `convert_model` (its
-config.json's quantization_config says quant_method "exl3") is a pack too: its `mtp.*`
-tensors carry the same names (drafters/dsv41.py reads them). Quantisation is what
-exllamav3's convert_model does for side models (its MTP drafter; `quantize_side_model`):
-uncalibrated (no Hessian: its fallback quantiser), default mul1 codebook, each tensor with
-its own seed. Both dimensions are zero-padded to 128, as exllamav3's Linear pads (pad_to; some of its
-own linears pad to 1): a linear's padded sizes are read off its trellis, padded input
-columns see zeros, padded outputs are cut.
+`<module>.weight`, and `exl3.json` naming them; or a DeepSeek-V4 / V4.1 model exllamav3's
+`convert_model` made (quant_method "exl3" in its config.json), whose `mtp.*` tensors carry
+the same names (models/dsv41/exl3_pack.py reads them). Quantisation is what convert_model
+does for side models (`quantize_side_model`): uncalibrated (no Hessian: its fallback
+quantiser), default mul1 codebook, a seed per tensor. Both dimensions are zero-padded to 128
+as exllamav3's Linear pads (pad_to): a linear's padded sizes are read off its trellis, padded
+inputs see zeros, padded outputs are cut.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The fidelity gate of an EXL3 drafter: a drafter that fails it is not served. The quantised drafter (the candidate) and its dense original (the reference)
-draft from the same recorded rounds of the target; the candidate passes when its mean
-accepted length under greedy verification is at least GOAL of the reference's. The result is
+"""The fidelity gate of an EXL3 drafter: a drafter that fails it is not served. The
+quantised drafter (the candidate) and its dense original (the reference) draft from the
+same recorded rounds of the target; the candidate passes when its mean accepted length
+under greedy verification is at least GOAL of the reference's. The result is
 recorded in the pack folder (GATE_FILE) and the worker serves a pack only while that record
 passed for exactly the drafter it loaded (worker.exl3_admission).
 

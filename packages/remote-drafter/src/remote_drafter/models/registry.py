@@ -1,10 +1,11 @@
-"""Which back end a drafter spec names, and loading it: `dsv41` (DeepSeek-V4.1's own DSpark drafter, the `mtp.*` tensors of its
-checkpoint, as vLLM 0.33 computes it: `dsv41:<folder>`), `dspark` (a Llama-style DSpark
-chain drafter of this repository's own format, a checkpoint folder: the small variant the
-SmolLM2 miniature and the native drafter train and serve), `lm` (a small causal LM drafting
-token by token, e.g. the target's own copy), `ngram` (prompt lookup, no weights). A later
-back end (an EXL3 drafter through exllamav3) plugs in as 'module:Class'. `dsv41`, `dspark`
-and `lm` need torch (the [worker] extra); `ngram` and this module do not."""
+"""Which back end a drafter spec names, and loading it: `dsv41` (DeepSeek-V4.1's own DSpark
+drafter, the `mtp.*` tensors of its checkpoint, as vLLM 0.33 computes it: `dsv41:<folder>`),
+`dspark` (a Llama-style DSpark chain drafter of this repository's own format, a checkpoint
+folder: the small variant the SmolLM2 miniature and the native drafter train and serve),
+`lm` (a small causal LM drafting token by token, e.g. the target's own copy), `ngram`
+(prompt lookup, no weights), or 'module:Class' (any other back end). An EXL3 pack is a
+`dsv41` or `dspark` folder too (models.exl3). `dsv41`, `dspark` and `lm` need torch (the
+[worker] extra); `ngram` and this module do not."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def load_drafter(spec: str, target: str | None = None, device: str = "cpu", dtyp
         return Dsv41Drafter.load(spec.removeprefix(DSV41_PREFIX), target, device, dtype, **options)
     if os.path.isdir(spec):
         DSparkDrafter = worker_side("remote_drafter.models.dspark").DSparkDrafter
-        # cast tensor by tensor on the way: a float32 copy cast on the card would stay
-        # reserved by the allocator (16.3 GB vs 7.5 GB of bf16 weights, measured on an H200)
+        # cast tensor by tensor on the way: cast on the card, the float32 copy (twice the
+        # bf16 weights) would stay reserved by the allocator beside them
         return DSparkDrafter.load(spec, target, device=device, **({"dtype": dtype} if dtype else {}))
     drafter = _other_drafter(spec, target, device, options)
     if dtype is not None and hasattr(drafter, "model"):

@@ -52,8 +52,7 @@ class DeviceWindows(dict):
 def empty(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uninitialised on `device`. Float32 on the CPU in numpy's memory: numpy maps arrays
     this large on huge pages, where torch's allocator maps each one afresh in 4 KB pages,
-    faulted in on every round (the host part of a batch-16 CPU round took about 1.5x as
-    long)."""
+    faulted in again on every round, which slows a CPU round's host part."""
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         return torch.from_numpy(np.empty(shape, np.float32))
     return torch.empty(shape, dtype=dtype, device=device)

@@ -11,7 +11,7 @@ count (deferred collection, REMOTE_DRAFTER_VLLM_COLLECT=input) or the round's dr
 `fill` writes a deferred round's drafts into the next step's inputs. Under tensor
 parallelism only TP rank 0 holds a client; `fill` broadcasts its drafts to the other ranks.
 Any failure means no drafts this step (deferred: placeholders); vLLM verifies what it gets,
-so its output never changes. The whole story: ARCHITECTURE.md § The drafter in vLLM.
+so its output never changes. The whole story: ARCHITECTURE.md § Drafting data path.
 """
 
 from __future__ import annotations
