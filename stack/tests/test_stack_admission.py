@@ -1,4 +1,4 @@
-"""The allow-lists and the shared key through the launcher (issue 22): STACK_ENGINE_HOSTS
+"""The allow-lists and the shared key through the launcher: STACK_ENGINE_HOSTS
 becomes the offload host's OFL_ALLOW; preflight checks the key and the allow-list on the
 offload host and that each engine link is admitted; the launcher proves the key to a real
 keyed Engram server for status and preflight; and the key is never printed (args, status,

@@ -1,5 +1,5 @@
-"""The Handoff's counters endpoint against clients that never finish a request (issue 22,
-3): it is ofl.http's bounded server, so a flood of idle connections costs at most
+"""The Handoff's counters endpoint against clients that never finish a request: it is
+ofl.http's bounded server, so a flood of idle connections costs at most
 OFL_HTTP_MAX_CONNECTIONS threads, the rest are answered 503 at once, the held ones are
 dropped at the request deadline, and the rounds never notice."""
 

@@ -73,9 +73,9 @@ def lines(path, text: str) -> list[str]:
 
 
 def test_idle_peers_that_said_hello_cannot_lock_out_the_engine(server_log):
-    """Issue 22, 1: 64 sockets that send HELLO and go quiet held every slot ("server full"
-    for everyone after). Now one address holds at most OFL_MAX_CONNECTIONS_PER_PEER (8):
-    the other 56 are refused with the reason, and the engine's client is served."""
+    """64 sockets that send HELLO and go quiet held every slot ("server full" for everyone
+    after). Now one address holds at most OFL_MAX_CONNECTIONS_PER_PEER (8): the other 56
+    are refused with the reason, and the engine's client is served."""
     log, path = server_log
     srv = ServeProcess("tcp", stderr=log)
     try:
@@ -111,7 +111,7 @@ def test_peers_outside_the_allow_list_are_dropped_before_they_take_a_slot(server
         assert header.kind == wire.Kind.ERROR
         assert "127.0.0.3 is not among the peers this server admits (OFL_ALLOW)" in \
             wire.error_text(body)
-        for _ in range(64):  # HELLO and go quiet, as in the issue: each one closed at accept
+        for _ in range(64):  # HELLO and go quiet, as a flood would: each closed at accept
             s = peer(srv.address, "127.0.0.3")
             s.sendall(hello())
             assert closes(s)
@@ -162,9 +162,9 @@ def test_a_key_admits_only_peers_that_prove_it(server_log):
 
 
 def test_bad_input_is_one_counted_line_never_a_traceback(server_log):
-    """Issue 22, 4 and 6: deep JSON, an oversized HELLO, peers that vanish mid-request or
-    reset right after the handshake - each answered or dropped, logged as one line with its
-    counter, and the server keeps serving."""
+    """Deep JSON, an oversized HELLO, peers that vanish mid-request or reset right after
+    the handshake - each answered or dropped, logged as one line with its counter, and the
+    server keeps serving."""
     log, path = server_log
     srv = ServeProcess("tcp", stderr=log)
     try:
@@ -172,7 +172,7 @@ def test_bad_input_is_one_counted_line_never_a_traceback(server_log):
         s = peer(srv.address)
         s.sendall(wire.pack_header(wire.Kind.HELLO, 1, len(deep)) + deep)
         assert "nested 30000 deep" in wire.error_text(next_frame(s)[1])
-        huge = b"[" * 100_000 + b"]" * 100_000  # the issue's 100,000 levels: over the limit
+        huge = b"[" * 100_000 + b"]" * 100_000  # 100,000 levels: over the limit
         s = peer(srv.address)
         s.sendall(wire.pack_header(wire.Kind.HELLO, 1, len(huge)) + huge)
         assert "HELLO of 200000 bytes exceeds the handshake limit" in wire.error_text(next_frame(s)[1])
@@ -228,10 +228,9 @@ def test_a_slow_sender_has_a_deadline_per_frame_not_per_byte(server_log):
 
 
 def test_declared_lengths_reserve_no_memory(server_log):
-    """Issue 22, 5: headers declaring bodies that never come raised ofl's RSS by their
-    declared size (+141 MiB for ~5 MiB each). Now a payload buffer grows with the bytes
-    that arrived: 32 connections declaring 4 MiB each (128 MiB) and sending 100 KiB cost a
-    few MiB."""
+    """Headers declaring bodies that never come raised ofl's RSS by their declared size.
+    Now a payload buffer grows with the bytes that arrived: 32 connections declaring 4 MiB
+    each (128 MiB) and sending 100 KiB cost a few MiB."""
     log, _ = server_log
     srv = ServeProcess("tcp", env={"OFL_FRAME_TIMEOUT_MS": "60000"}, stderr=log)
     try:
@@ -253,8 +252,8 @@ def test_declared_lengths_reserve_no_memory(server_log):
 
 
 def test_a_read_is_capped_and_streamed_with_a_send_deadline(server_log):
-    """Issue 22, 5: an 816-byte READ of 65 ranges x 1 MiB was gathered into one 68 MB buffer,
-    and a client that never read its reply held the thread forever. Now it is refused over
+    """An 816-byte READ of 65 ranges x 1 MiB was gathered into one 68 MB buffer, and a
+    client that never read its reply held the thread forever. Now it is refused over
     OFL_MAX_READ_BYTES, a reply is copied in 256 KiB pieces, and a reader that stalls is
     dropped at the frame deadline."""
     log, path = server_log
@@ -267,7 +266,7 @@ def test_a_read_is_capped_and_streamed_with_a_send_deadline(server_log):
         before = rss_bytes(srv.proc.pid)
         big = wire.ReadRequest(0, np.zeros(65, np.uint64), MiB)  # ranges may overlap
         payload = b"".join(bytes(p) for p in big.encode())
-        assert len(payload) == 12 + 65 * 8  # the issue's few hundred bytes
+        assert len(payload) == 12 + 65 * 8  # a few hundred bytes ask for 65 MiB
         s.sendall(wire.pack_header(wire.Kind.READ, 4, len(payload)) + payload)
         header, body = next_frame(s)
         assert header.kind == wire.Kind.ERROR
@@ -352,9 +351,9 @@ class Recorded:
 
 @pytest.mark.parametrize("reset_after_hello_ok", [False, True])
 def test_every_session_a_handshake_created_is_closed(reset_after_hello_ok):
-    """Issue 22, 6: a peer that resets during the handshake (before HELLO_OK could be sent,
-    or right after it: the log line no longer asks the socket for its peer) costs no
-    traceback and leaks no session."""
+    """A peer that resets during the handshake (before HELLO_OK could be sent, or right
+    after it: the log line no longer asks the socket for its peer) costs no traceback and
+    leaks no session."""
     proceed = threading.Event()
     srv = Server("tcp", handler=lambda b: b)
     srv.backend = SessionRecorder(None if reset_after_hello_ok else proceed)

@@ -47,8 +47,8 @@ def test_metrics_health_and_refusals(endpoint):
 
 
 def test_idle_clients_are_capped_and_dropped(endpoint):
-    """Issue 22, 3: 200 idle connections were 200 threads held forever. Now 4 (the cap) are
-    served at once and dropped at the deadline (408); the rest get 503 at once."""
+    """200 idle connections were 200 threads held forever. Now 4 (the cap) are served at
+    once and dropped at the deadline (408); the rest get 503 at once."""
     srv, address = endpoint
     before = threading.active_count()
     idle = [connect(address) for _ in range(200)]

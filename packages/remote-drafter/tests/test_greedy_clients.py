@@ -1,4 +1,4 @@
-"""A greedy or hostile client against a real worker process (issue 22, its last part).
+"""A greedy or hostile client against a real worker process.
 
 (a) One 15 KB message of 256 opens took every request slot, so the engine's next open got
 `capacity` until the idle expiry: now a client id holds at most its quota (half the slots by
@@ -61,7 +61,7 @@ def test_one_message_of_opens_cannot_take_the_engines_slots(worker):
         described = hostile.peer_metadata["remote_drafter"]
         slots = described["max_requests"]
         request = P.encode_request(opens(range(slots)), fingerprint(hostile), client_id=HOSTILE)
-        assert len(request) < 16 << 10  # the issue's 15 KB message
+        assert len(request) < 16 << 10  # one small message asks for every slot
         grabbed = status_of(P.parse_reply(hostile.request(request, deadline_s=30)))
 
         engine = DrafterClient(RemoteTransport(worker.address, "tcp"), "8:3", deadline_s=30)

@@ -1,5 +1,5 @@
 """A real `remote-engram serve` process with an allow-list, a key and its HTTP endpoint,
-against hostile or broken clients (issue 22): engine ranks that prove the key get exact
+against hostile or broken clients: engine ranks that prove the key get exact
 rows while the HTTP endpoint is flooded; a rank without the key is refused with the
 reason and falls back to its local shard; idle, slow and oversized HTTP clients are capped
 and dropped with a bounded thread count and memory; nothing prints a traceback."""
@@ -80,7 +80,7 @@ def test_ranks_with_the_key_are_served_without_it_fall_back(guarded, shard_dirs,
 
 
 def test_the_http_endpoint_is_bounded(guarded):
-    """Issue 22, 3 against the real server: 200 idle connections (205 threads before), a
+    """Against the real server: 200 idle connections (a thread each before), a
     1-byte-per-100-ms sender and an incomplete 6 MB request (held in memory before)."""
     srv, metrics, _ = guarded
     assert read_counters(metrics, "engram_server_")["resident_bytes"] > 0

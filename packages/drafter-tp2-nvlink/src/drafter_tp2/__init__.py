@@ -1,1 +1,1 @@
-"""The two-card tensor-parallel DSpark drafter worker (issue 10)."""
+"""The two-card tensor-parallel DSpark drafter worker."""

@@ -1,6 +1,6 @@
 """The fidelity gate: a fast GPU path is held to its readable reference.
 
-Quantities (a loss, logits, every gradient; later, issue 12, each kernel stage's output)
+Quantities (a loss, logits, every gradient; each native kernel stage's output)
 are compared as relative errors, ||fast - ref|| / ||ref|| in float64, each against the
 tolerance stated for its name (the longest matching prefix in the table). Anything
 non-finite, missing, of another shape, or without a stated tolerance fails: the gate never
