@@ -224,88 +224,110 @@ class DraftService:
                fits: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """Validate and apply one entry; (reply now, None) or (None, what to draft). `fits`:
         its reply fits in what is left of the link's."""
-        rid, key, now = e.request_id, (client, e.request_id), time.monotonic()
+        key = (client, e.request_id)
         if e.op == P.OP_RELEASE:
             self._release(key)
             self.metrics.inc("releases")
-            return P.Reply(rid, P.STATUS_RELEASED), None
-        why = self._invalid(e)
-        if why:
-            self.metrics.inc("invalid_entries")
-            return P.Reply(rid, P.STATUS_INVALID, message=why), None
-        if e.k and not fits:
-            self.metrics.inc("reply_size_refusals")
-            probs = f" with probabilities over {self.drafter.vocab_size} tokens" if e.want_probs else ""
-            return P.Reply(rid, P.STATUS_INVALID, message=(
-                f"reply too large: {e.k} drafts{probs} do not fit in what this round leaves of "
-                f"the {self.max_reply_bytes}-byte reply the link carries: ask for fewer")), None
-        session = self.sessions.get(key)
-        if e.op == P.OP_OPEN:
-            history = self.drafter.new_history()
-            why = history.check(e.tokens, e.rows, opening=True)
-            if why is None and not len(e.tokens) <= e.length <= P.MAX_LENGTH:
-                why = f"length {e.length} is not between the {len(e.tokens)} tokens sent and {P.MAX_LENGTH}"
-            if why:
-                self.metrics.inc("invalid_entries")
-                return P.Reply(rid, P.STATUS_INVALID, message=why), None
-            if session is None and len(self.sessions) >= self.config.max_requests:
-                self.metrics.inc("capacity_refusals")
-                return P.Reply(rid, P.STATUS_CAPACITY, message=(
-                    f"worker full: {len(self.sessions)} of {self.config.max_requests} requests "
-                    f"open ({self.bytes_per_request} bytes each)")), None
-            usage = self.clients.get(client)
-            if session is None and usage is not None and usage.requests >= self.quota:
-                self.metrics.inc("quota_refusals")
-                usage.quota_refusals += 1
-                return P.Reply(rid, P.STATUS_QUOTA, message=(
-                    f"client quota: this client holds {usage.requests} requests "
-                    f"({usage.requests * self.bytes_per_request} bytes of history), the most one "
-                    "client may hold here (--max-requests-per-client, "
-                    "--max-history-bytes-per-client): release some first")), None
-            if session is None:
-                self.clients.setdefault(client, ClientUsage()).requests += 1
-            history.reset(e.tokens, e.rows, e.length)
-            session = self.sessions[key] = Session(history, e.temperature, e.seed, now)
-            if self.recorder is not None:
-                self.recorder.forget(key)  # a re-open starts the request's recording afresh
-            if self.cache is not None:
-                self.cache.forget(key)
-            self.metrics.inc("opens")
-            base_length, new_tokens = None, None
-        else:
-            if session is None:
-                self.metrics.inc("unknown_requests")
-                return P.Reply(rid, P.STATUS_UNKNOWN, message="request not open here "
-                               "(worker restarted, idle timeout or released): re-open it"), None
-            if e.length != session.history.length + len(e.tokens):
-                self.metrics.inc("out_of_step")
-                self._release(key)
-                return P.Reply(rid, P.STATUS_UNKNOWN, message=(
-                    f"out of step: the worker holds {session.history.length} tokens, the client "
-                    f"{e.length - len(e.tokens)}: re-open it")), None
-            why = session.history.check(e.tokens, e.rows, opening=False)
-            if why:
-                self.metrics.inc("invalid_entries")
-                return P.Reply(rid, P.STATUS_INVALID, message=why), None
-            base_length, new_tokens = session.history.length, e.tokens
-            session.history.extend(e.tokens, e.rows)
-            session.last_used = now
+            return P.Reply(e.request_id, P.STATUS_RELEASED), None
+        if (refused := self._refusal(e, fits)) is not None:
+            return refused, None
+        session = self._open(client, e) if e.op == P.OP_OPEN else self._continue(key, e)
+        if isinstance(session, P.Reply):
+            return session, None
         if self.recorder is not None:
             self.recorder.seen(key, session.history, session.temperature)
         self.metrics.inc("committed_tokens", len(e.tokens))
         if e.k == 0:
             if self.cache is not None:
                 self.cache.forget(key)
-            return P.Reply(rid), None
+            return P.Reply(e.request_id), None
+        return self._draft_request(key, session, e, cached)
+
+    def _refusal(self, e: P.Entry, fits: bool) -> P.Reply | None:
+        """The reply refusing `e` before it changes any state; None when it may go on."""
+        if why := self._invalid(e):
+            return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
+        if e.k and not fits:
+            probs = f" with probabilities over {self.drafter.vocab_size} tokens" if e.want_probs else ""
+            return self._refuse(e, "reply_size_refusals", P.STATUS_INVALID, (
+                f"reply too large: {e.k} drafts{probs} do not fit in what this round leaves of "
+                f"the {self.max_reply_bytes}-byte reply the link carries: ask for fewer"))
+        return None
+
+    def _refuse(self, e: P.Entry, counter: str, status: int, message: str) -> P.Reply:
+        self.metrics.inc(counter)
+        return P.Reply(e.request_id, status, message=message)
+
+    def _open(self, client: int, e: P.Entry) -> Session | P.Reply:
+        """(Re-)open e's request from the history it carries; its session, or the refusal."""
+        key = (client, e.request_id)
+        history = self.drafter.new_history()
+        why = history.check(e.tokens, e.rows, opening=True)
+        if why is None and not len(e.tokens) <= e.length <= P.MAX_LENGTH:
+            why = f"length {e.length} is not between the {len(e.tokens)} tokens sent and {P.MAX_LENGTH}"
+        if why:
+            return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
+        if key not in self.sessions and (refused := self._admit(client, e)) is not None:
+            return refused  # a re-open keeps the slot it holds
+        history.reset(e.tokens, e.rows, e.length)
+        session = self.sessions[key] = Session(history, e.temperature, e.seed, time.monotonic())
+        if self.recorder is not None:
+            self.recorder.forget(key)  # a re-open starts the request's recording afresh
+        if self.cache is not None:
+            self.cache.forget(key)
+        self.metrics.inc("opens")
+        return session
+
+    def _admit(self, client: int, e: P.Entry) -> P.Reply | None:
+        """A new request takes a slot and one of its client's quota; or the refusal."""
+        if len(self.sessions) >= self.config.max_requests:
+            return self._refuse(e, "capacity_refusals", P.STATUS_CAPACITY, (
+                f"worker full: {len(self.sessions)} of {self.config.max_requests} requests "
+                f"open ({self.bytes_per_request} bytes each)"))
+        usage = self.clients.get(client)
+        if usage is not None and usage.requests >= self.quota:
+            usage.quota_refusals += 1
+            return self._refuse(e, "quota_refusals", P.STATUS_QUOTA, (
+                f"client quota: this client holds {usage.requests} requests "
+                f"({usage.requests * self.bytes_per_request} bytes of history), the most one "
+                "client may hold here (--max-requests-per-client, "
+                "--max-history-bytes-per-client): release some first"))
+        self.clients.setdefault(client, ClientUsage()).requests += 1
+        return None
+
+    def _continue(self, key: tuple[int, int], e: P.Entry) -> Session | P.Reply:
+        """Append e's tokens and rows to its request's history; its session, or the refusal
+        (a request the worker does not hold, or holds at another length, is re-opened)."""
+        session = self.sessions.get(key)
+        if session is None:
+            return self._refuse(e, "unknown_requests", P.STATUS_UNKNOWN, (
+                "request not open here (worker restarted, idle timeout or released): re-open it"))
+        if e.length != session.history.length + len(e.tokens):
+            self._release(key)
+            return self._refuse(e, "out_of_step", P.STATUS_UNKNOWN, (
+                f"out of step: the worker holds {session.history.length} tokens, the client "
+                f"{e.length - len(e.tokens)}: re-open it"))
+        if why := session.history.check(e.tokens, e.rows, opening=False):
+            return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
+        session.history.extend(e.tokens, e.rows)
+        session.last_used = time.monotonic()
+        return session
+
+    def _draft_request(self, key: tuple[int, int], session: Session, e: P.Entry,
+                       cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
+        """What to draft for `e`; or, on a speculation cache hit, its reply now."""
         depth = min(e.k + 1, self.drafter.max_depth) if cached else e.k
         # A snapshot (History never rewrites rows it has handed out: appends go past them):
         # the batch drafts outside the state lock.
         request = DraftRequest(copy.copy(session.history), depth, session.temperature, session.seed)
-        if not cached and self.cache is not None:
-            self.cache.forget(key)
-        if cached and new_tokens is not None:
+        if not cached:
+            if self.cache is not None:
+                self.cache.forget(key)
+            return None, request
+        if e.op == P.OP_CONTINUE:  # an open has no earlier round whose outcomes were pre-drafted
             t0 = time.perf_counter()
-            hit = self.cache.lookup(key, base_length, new_tokens, request, e.want_probs)
+            before = e.length - len(e.tokens)  # the worker's count before this round
+            hit = self.cache.lookup(key, before, e.tokens, request, e.want_probs)
             if hit is not None:
                 self.metrics.inc("spec_cache_hits")
                 self.cache.plan(key, session, hit, e.k, request, e.want_probs)
