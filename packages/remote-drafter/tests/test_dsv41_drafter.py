@@ -1,8 +1,9 @@
-"""Unit tier: DeepSeek-V4.1's drafter as a Drafter (drafters/dsv41.py) on the tiny random
-V4.1 checkpoint (dsv41/tiny.py), CPU, float32: batching, the device-resident context,
-greedy and sampled drafts, the confidence cut-off, and a worker serving it exactly at T = 0
-for a tiny Llama target as wide as the drafter (its hidden rows are the taps); DeepSeek-V4's
-(variant v4, the same code) where the variants differ: loading, the greedy chain, the worker."""
+"""Unit tier: DeepSeek-V4.1's drafter as a Drafter (models/dsv41/drafter.py) on the tiny
+random V4.1 checkpoint (models/dsv41/tiny.py), CPU, float32: batching, the device-resident
+context, greedy and sampled drafts, the confidence cut-off, and a worker serving it exactly
+at T = 0 for a tiny Llama target as wide as the drafter (its hidden rows are the taps);
+DeepSeek-V4's (variant v4, the same code) where the variants differ: loading, the greedy
+chain, the worker."""
 
 import numpy as np
 import pytest

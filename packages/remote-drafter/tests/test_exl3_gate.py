@@ -1,5 +1,6 @@
-"""The EXL3 fidelity gate on the CPU (gate.py, `exl3 gate`, the worker's refusal): tiny
-random DeepSeek-V4.1 drafters stand in for the reference and the candidate.
+"""The EXL3 fidelity gate on the CPU (models/fidelity_gate.py, `exl3 gate`, the worker's
+refusal in worker/exl3_admission.py): tiny random DeepSeek-V4.1 drafters stand in for the
+reference and the candidate.
 
 exllamav3's kernels need CUDA, so the candidate here is a "dense pack": a pack folder
 (exl3.json) that quantises no linear, served with exl3.refusal and load_exllamav3 stubbed

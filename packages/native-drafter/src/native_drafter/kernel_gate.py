@@ -24,9 +24,9 @@ from .native import NativeRound, with_width
 from .reference import RoundInputs, as_dtype, stage_names, staged_round, top2_gap
 
 # Relative error per stage, float32 kernels vs the float64 reference. Float32 arithmetic
-# lands near 1e-7..1e-6 per stage (measured: TRITON_INTERPRET on tiny shapes ~1e-7; the
-# H200 at the real shapes in findings/native-drafter.md); a wrong index, mask, norm or
-# RoPE lands at 1e-2 and above. Far under 1e-3, as float32 must be (METHOD.md).
+# lands near 1e-7..1e-6 per stage (what each stage gave, under the interpreter and on the
+# GPU: findings/native-drafter.md); a wrong index, mask, norm or RoPE lands at 1e-2 and
+# above. Far under 1e-3, as float32 must be (METHOD.md).
 TOLERANCES = {
     "ctx": 2e-5,             # one projection (K = 3 x 576)
     "L": 5e-5,               # every sublayer of every layer (errors grow through layers)

@@ -65,8 +65,8 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, PREC
 
 
 # The projections' products: 3xTF32 (each float32 operand split into two TF32 parts, three
-# tensor-core products, float32 accumulation: ~1e-6 relative, float32-grade). The first H200
-# run used "ieee" (CUDA-core FMA): correct but 1.5-3.6 ms a round, slower than torch.
+# tensor-core products, float32 accumulation: float32-grade). "ieee" (CUDA-core FMA) is as
+# correct but slower than torch's own products (findings/native-drafter.md).
 LINEAR_PRECISION = "tf32x3"
 
 

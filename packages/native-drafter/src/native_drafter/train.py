@@ -33,7 +33,8 @@ TARGET_LAYERS = (2, 15, 29)  # `remote-drafter init`'s default: low, middle, las
 
 @dataclass
 class TrainConfig:
-    minutes: float = 7.0        # wall-clock budget of the optimisation loop (one epoch on an H200)
+    minutes: float = 7.0        # wall-clock budget of the optimisation loop (about one epoch:
+                                # findings/drafter-training.md)
     rows: int = 16              # token rows per teacher pass
     length: int = 512           # tokens per row (documents are cut into such rows)
     anchors: int = 2048         # anchors per optimiser step
