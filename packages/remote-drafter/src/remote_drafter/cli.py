@@ -219,9 +219,8 @@ def cmd_worker(args) -> int:
     except (DeviceBusy, ValueError) as exc:
         return refuse_to_start(str(exc))
     try:
-        dtype = getattr(torch, args.dtype)
         drafter = load_drafter(args.drafter, args.target, args.device,
-                               dtype=None if dtype == torch.float32 else dtype)
+                               dtype=load_dtype(torch, args.dtype))
         if with_kernels:
             drafter = with_kernels(drafter, args.device)
         if args.weights == "exl3":
@@ -256,6 +255,12 @@ def serve(args, drafter, stop, locked: bool, ungated: bool) -> None:
         wait_for_shutdown(stop)
     finally:
         worker.stop()
+
+
+def load_dtype(torch, name: str):
+    """--dtype as load_drafter's `dtype`: float32 is None (load_drafter's default, no cast)."""
+    dtype = getattr(torch, name)
+    return None if dtype == torch.float32 else dtype
 
 
 def refuse_to_start(why: str) -> int:
@@ -450,13 +455,18 @@ def exl3_convert_parser(sub) -> None:
     p.set_defaults(fn=cmd_exl3_convert)
 
 
+def is_dspark_folder(folder: str) -> bool:
+    """A DSpark drafter folder (its drafter.json); otherwise DeepSeek's checkpoint."""
+    return os.path.exists(os.path.join(folder, "drafter.json"))
+
+
 def cmd_exl3_convert(args) -> int:
     worker_side("torch", "exl3 convert")
     exl3 = worker_side("remote_drafter.models.exl3", "exl3 convert")
     exl3.require(args.device)
     exl3.load_exllamav3()
     folder, log = spec_folder(args.folder), (lambda m: print(m, flush=True))
-    if os.path.exists(os.path.join(folder, "drafter.json")):
+    if is_dspark_folder(folder):
         if args.head_bits:
             raise ValueError("--head-bits: a DSpark drafter stores no head (it is the target's)")
         from remote_drafter.models.dspark import DSparkDrafter
@@ -516,7 +526,7 @@ def gate_spec(folder: str) -> tuple[str, dict]:
     """A drafter folder as load_drafter's spec: DSpark's (drafter.json) or DeepSeek's; the
     latter without a confidence cut-off, so the gate compares whole chains."""
     folder = spec_folder(folder)
-    if os.path.exists(os.path.join(folder, "drafter.json")):
+    if is_dspark_folder(folder):
         return folder, {}
     return f"dsv41:{folder}", {"confidence_cutoff": 0.0}
 
@@ -535,8 +545,7 @@ def cmd_exl3_gate(args) -> int:
     if args.target and measured_on and (served := target_digest(args.target)) != measured_on:
         raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
                          f"{args.target} is {served[:12]}")
-    dtype = getattr(torch, args.dtype)
-    dtype = None if dtype == torch.float32 else dtype
+    dtype = load_dtype(torch, args.dtype)
     loaded = {}
     for name, folder, device in (("reference", args.reference, args.reference_device or args.device),
                                  ("candidate", pack, args.device)):
