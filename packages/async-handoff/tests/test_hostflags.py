@@ -14,6 +14,7 @@ import pytest
 
 from async_handoff._hostflags import ffi, lib
 from async_handoff.hostflags import HostFlags
+from ofl.testing import wait_until
 
 HERE = Path(__file__).parent
 CSRC = HERE.parent / "src" / "async_handoff" / "csrc"
@@ -26,27 +27,29 @@ def flags():
     f.close(unlink=True)
 
 
-def _waiter(path, ready, result):
+def _waiter(path, result):
     f = HostFlags.open(path)
     word = ffi.cast("uint32_t *", ffi.cast("uint8_t *", f.base) + lib.HF_STATUS_OFFSET)
-    ready.set()
-    t = time.monotonic()
-    rc = lib.hf_wait_change(word, 0, lib.HF_NAP, 0, int((time.monotonic() + 10) * 1e9))
-    result.put((rc, lib.hf_load32(word), time.monotonic() - t))
+    rc = lib.hf_wait_change(word, 0, lib.HF_NAP, 0, int((time.monotonic() + 60) * 1e9))
+    result.put((rc, lib.hf_load32(word)))
 
 
 def test_futex_wake_across_processes(flags):
-    ready, result = mp.Event(), mp.Queue()
-    child = mp.get_context("fork").Process(target=_waiter, args=(flags.path, ready, result))
+    result = mp.Queue()
+    child = mp.get_context("fork").Process(target=_waiter, args=(flags.path, result))
     child.start()
-    ready.wait(5)
-    time.sleep(0.2)  # the child is asleep in the futex by now
     word = ffi.cast("uint32_t *", ffi.cast("uint8_t *", flags.base) + lib.HF_STATUS_OFFSET)
+    # The child is asleep in the futex once a wake on the shared word finds it (a wake that
+    # cannot reach another process, a private futex, never does). Woken with the word
+    # unchanged, it sleeps again.
+    wait_until(lambda: lib.hf_futex_wake(word, 1), lambda n: n == 1,
+               "a wake reaching the child asleep in the futex", 30)
     lib.hf_store32(word, 42)
     lib.hf_futex_wake(word, 1)
-    rc, seen, waited = result.get(timeout=5)
-    child.join(5)
-    assert rc == lib.HF_OK and seen == 42 and 0.1 < waited < 5
+    rc, seen = result.get(timeout=30)
+    child.join(30)
+    # it returned only once the word changed: it waited for the store
+    assert rc == lib.HF_OK and seen == 42 and child.exitcode == 0
 
 
 def test_atomics_and_timeouts():

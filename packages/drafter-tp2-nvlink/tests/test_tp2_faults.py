@@ -48,30 +48,35 @@ def test_rank_1_killed_or_hung_mid_serve_stops_rank_0(models, target, lock_dir, 
     pair = RankPair(worker_args(models), free_master("127.0.0.1:0"))
     try:
         address = pair.ready()
-        times = []
+        broke_at, stopped_at, ended = [], [], threading.Event()
 
         def watch():
             pair.procs[0].wait()
-            times.append(time.monotonic())
+            stopped_at.append(time.monotonic())
+            ended.set()
 
         def breaker():
-            times.append(time.monotonic())
+            broke_at.append(time.monotonic())
             os.kill(pair.procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             threading.Thread(target=watch, daemon=True).start()
         rounds, counters = decode_and_break(models, target, address, breaker)
         assert rounds[:2] == [2, 2] and 0 in rounds[3:], rounds  # drafts, then none: fail closed
-        code0 = pair.procs[0].wait(timeout=15)
-        time.sleep(0.2)
-        took = times[1] - times[0]
-        err0 = pair.stderr(0)
+        assert ended.wait(30), "rank 0 kept serving after rank 1's fault"
+        took = stopped_at[0] - broke_at[0]
+        code0, err0 = pair.procs[0].returncode, pair.stderr(0)
     finally:
         pair.kill()
+    print(f"{fault}: rank 0 stopped {took:.2f} s after the fault")
     assert code0 == 3, err0
     assert "drafter-tp2 rank 0: stopped serving:" in err0 and "failed" in err0, err0
     assert "clients get no drafts" in err0
-    # a death is seen at once (connection closed: about 1 s here, up to 3.4 s on a loaded
-    # 2-core machine); a hang when the 3 s deadline passes
-    assert took < (3 + 2 if fault == "kill" else 3 + 5), took
+    why = err0.split("stopped serving:", 1)[1].splitlines()[0]
+    # What stopped it says how it was found, not the clock: a death at once, by the closed
+    # link; a hang by the pair's 3 s deadline (tp2_env's DRAFTER_TP2_TIMEOUT_S)
+    if fault == "kill":
+        assert "Timed out" not in why, why
+    else:
+        assert "Timed out waiting 3000ms" in why, why
     assert counters["rounds_failed"] + counters["entries_failed"] > 0, counters
 
 
