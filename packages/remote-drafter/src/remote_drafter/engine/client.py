@@ -331,6 +331,18 @@ class DrafterClient:
     def depth(self, k: int | None) -> int:
         return self.depth_table.depth(len(self.requests)) if k is None else k
 
+    def _step_entries(self, k: int) -> tuple[WorkerInfo, list[P.Entry]] | None:
+        """The worker's limits and this step's entries; None: no round this step (no worker,
+        counted as a failed round, or nothing to send)."""
+        try:
+            info = self.transport.info(self.deadline_s)
+        except Exception as exc:  # noqa: BLE001 - no worker: target-only this step
+            self._fail(None, f"no worker: {exc}")
+            return None
+        self._adopt(info)
+        entries = self._entries(k, info)
+        return (info, entries) if entries else None
+
     # -- synchronous rounds ------------------------------------------------------------------
     def propose(self, k: int | None = None) -> dict[int, Drafts]:
         """One round for every tracked request, within the deadline: {rid: Drafts}. Never
@@ -341,14 +353,9 @@ class DrafterClient:
             return self._fail(None, f"{type(exc).__name__}: {exc}")
 
     def _propose(self, k: int, started: float) -> dict[int, Drafts]:
-        try:
-            info = self.transport.info(self.deadline_s)
-        except Exception as exc:  # noqa: BLE001 - no worker: target-only this step
-            return self._fail(None, f"no worker: {exc}")
-        self._adopt(info)
-        entries = self._entries(k, info)
-        if not entries:
+        if (step := self._step_entries(k)) is None:
             return {}
+        info, entries = step
         out, unknown = self._round(entries, info, started)
         if unknown and time.perf_counter() - started < self.deadline_s / 2:
             # The worker lost these (restart, idle timeout, out of step): re-open them at
@@ -395,15 +402,9 @@ class DrafterClient:
             self.metrics.inc("async_abandoned")
             self._fail(entries, "superseded before it was collected")
             self.transport.abandon(ticket)
-        try:
-            info = self.transport.info(self.deadline_s)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(None, f"no worker: {exc}")
+        if (step := self._step_entries(k)) is None:
             return False
-        self._adopt(info)
-        entries = self._entries(k, info)
-        if not entries:
-            return False
+        info, entries = step
         payload = self._encode(entries, info)
         try:
             ticket = self.transport.submit(payload)
