@@ -206,15 +206,20 @@ def test_a_hidden_state_drafter_gets_the_targets_rows(baseline, tmp_path):
     assert not np.load(records[0])["rows"].any()  # the worker's warm-up, before it serves
     records = records[1:]
     assert len(records) > 5
-    worst = 0.0
-    for path in records:
+    worst, computed = 0.0, []  # (tokens, the target's hidden rows of them)
+    for path in sorted(records, key=lambda p: -len(np.load(p)["tokens"])):
         r = np.load(path)
         tokens, rows, length = r["tokens"], r["rows"], int(r["length"])
         assert len(tokens) == length and 0 < len(rows) <= min(length - 1, 64)
-        _, hidden = run_target(target, [int(t) for t in tokens], LAYERS)
-        want = hidden.numpy()[length - 1 - len(rows):length - 1]
+        # the target is causal: a longer sequence's rows hold every prefix's (one pass a request)
+        hidden = next((h for t, h in computed if len(t) >= length and (t[:length] == tokens).all()), None)
+        if hidden is None:
+            hidden = run_target(target, [int(t) for t in tokens], LAYERS)[1].numpy()
+            computed.append((tokens, hidden))
+        want = hidden[length - 1 - len(rows):length - 1]
         worst = max(worst, float(np.linalg.norm(rows - want) / np.linalg.norm(want)))
-    print(f"hidden rows vs the target's own: worst relative error {worst:.2e} over {len(records)} rounds")
+    print(f"hidden rows vs the target's own: worst relative error {worst:.2e} over {len(records)} "
+          f"rounds ({len(computed)} target passes)")
     assert worst < 1e-3
 
 
