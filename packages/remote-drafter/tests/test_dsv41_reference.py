@@ -1,6 +1,6 @@
 """DeepSeek-V4.1's drafter and DeepSeek-V4's (each test runs for both variants),
 remote_drafter.models.dsv41.model against the independent float64 transcription of vLLM 0.33.0 in
-dsv41_reference.py, on random toy-width weights: stage by stage in float32 (relative error
+dsv41_vllm_transcript.py, on random toy-width weights: stage by stage in float32 (relative error
 <= 1e-5 each) and the whole block's greedy drafts; the whole block in float64 (< 1e-12: the
 same computation); and the reference's own invariants (window, RoPE, Sinkhorn, routing, the
 Markov chain)."""
@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-import dsv41_reference as ref  # noqa: E402
+import dsv41_vllm_transcript as ref  # noqa: E402
 
 from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
@@ -309,4 +309,4 @@ def test_the_hook_check_fails_when_a_transcribed_function_changes(tmp_path, caps
                                                  "return 2 * self.markov_w1(token_ids)"))
     assert checker.main([release]) == 1
     out = capsys.readouterr().out
-    assert "DSparkMarkovHead.embed changed" in out and "dsv41_reference.py" in out
+    assert "DSparkMarkovHead.embed changed" in out and "dsv41_vllm_transcript.py" in out
