@@ -10,7 +10,7 @@ from native_kernel_support import DEVICE, tiny_checkpoint, tiny_model
 
 from native_drafter import passes
 from native_drafter.backend import load_native
-from native_drafter.gate import GateReport
+from native_drafter.comparison import GateReport
 from native_drafter.kernel_gate import TOLERANCES, Case, random_inputs, run_case, stage_table
 from native_drafter.native import NativeRound
 

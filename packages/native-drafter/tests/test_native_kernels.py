@@ -9,7 +9,7 @@ from native_kernel_support import DEVICE, tiny_model
 from native_drafter import kernels as K
 from native_drafter.kernel_gate import Case, random_inputs, run_case
 from native_drafter.native import NativeRound
-from native_drafter.reference import stage_names
+from native_drafter.staged_round import stage_names
 
 
 def rel(a, b):

@@ -7,7 +7,7 @@ import torch
 from native_kernel_support import tiny_model
 
 from native_drafter.kernel_gate import random_inputs
-from native_drafter.reference import RoundInputs, as_dtype, stage_names, staged_round
+from native_drafter.staged_round import RoundInputs, as_dtype, stage_names, staged_round
 from remote_drafter.engine.identity import Manifest
 from remote_drafter.models.base import DraftRequest
 from remote_drafter.models.dspark import DSparkDrafter
@@ -136,6 +136,6 @@ def test_reference_drafts_equal_the_torch_drafters():
         h.reset(rng.integers(0, 500, n).astype(np.int32), rng.standard_normal((n - 1, drafter.feature)).astype(np.float32))
         requests.append(DraftRequest(h, 5))
     drafts = drafter.draft(requests, want_probs=False)
-    from native_drafter.reference import inputs_from_requests
+    from native_drafter.staged_round import inputs_from_requests
     ref = staged_round(as_dtype(model, torch.float64), f64(inputs_from_requests(drafter, requests)))
     assert np.array_equal(np.stack([d.tokens for d in drafts]), ref["draft.tokens"].numpy())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from native_support import LAYERS, tiny_batch
 
-from native_drafter import gate
+from native_drafter import comparison as gate
 from native_drafter.fast import TOLERANCES, FastPath, fused_loss, training_gate
 from native_drafter.objective import Objective, draft_logits, reference_loss
 from native_drafter.train import TrainConfig, train

@@ -1,2 +1,2 @@
 """Training and native kernels for the DSpark drafter, each fast path held to a readable
-reference by one fidelity gate (gate.py)."""
+reference by one fidelity gate (comparison.py)."""

@@ -18,7 +18,7 @@ from remote_drafter.models.pick import Picker, split
 
 from . import passes
 from .native import NativeRound
-from .reference import inputs_from_requests
+from .staged_round import inputs_from_requests
 
 WORKSPACES = 8  # batch sizes whose buffers are kept (least recently used dropped)
 

@@ -66,8 +66,8 @@ def load_target(args, device: str):
 
 
 def cmd_train(args) -> int:
+    from .comparison import GateFailed
     from .corpus import load_tokens
-    from .gate import GateFailed
     from .train import TrainConfig, train
     with open(args.identity) as f:
         identity = json.load(f)
@@ -208,7 +208,7 @@ def cmd_gate(args) -> int:
     from remote_drafter.models.dspark import DSparkDrafter
 
     from . import passes
-    from .gate import merge, write
+    from .comparison import merge, write
     from .kernel_gate import random_case, real_case, run_case, stage_table
     from .native import with_width
     from .states import requests_from

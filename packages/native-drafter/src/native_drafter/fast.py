@@ -16,7 +16,7 @@ import torch
 
 from remote_drafter.models.dspark import DSparkModel
 
-from .gate import GateReport, compare, merge
+from .comparison import GateReport, compare, merge
 from .objective import Batch, Objective, draft_logits, reference_loss
 
 # Relative-error tolerances per quantity (bf16 operands: ~1e-3..1e-2 per product, and the

@@ -1,6 +1,6 @@
 """The native kernels' gate: every stage of the native round against the staged float64
-reference (reference.py), on fresh random drafters and inputs and on real drafter states
-of the trained checkpoint, with gate.py's comparison (relative error per stage against a
+reference (staged_round.py), on fresh random drafters and inputs and on real drafter states
+of the trained checkpoint, with comparison.py's comparison (relative error per stage against a
 stated tolerance; non-finite, missing or unstated fails). Before each run every output
 buffer is poisoned (NaN, token -1), so an unwritten element fails as non-finite. The
 greedy draft tokens must all equal the reference's; a difference is reported with the
@@ -19,9 +19,9 @@ import torch
 
 from remote_drafter.models.dspark import DSparkConfig, DSparkModel, init_weights
 
-from .gate import Check, GateReport, compare, merge
+from .comparison import Check, GateReport, compare, merge
 from .native import NativeRound, with_width
-from .reference import RoundInputs, as_dtype, stage_names, staged_round, top2_gap
+from .staged_round import RoundInputs, as_dtype, stage_names, staged_round, top2_gap
 
 # Relative error per stage, float32 kernels vs the float64 reference. Float32 arithmetic
 # lands near 1e-7..1e-6 per stage (what each stage gave, under the interpreter and on the
@@ -127,7 +127,7 @@ def real_case(model: DSparkModel, requests, name: str = "trained") -> Case:
     drafter, laid out as the worker lays them out."""
     from remote_drafter.models.dspark import DSparkDrafter
 
-    from .reference import inputs_from_requests
+    from .staged_round import inputs_from_requests
     layout = DSparkDrafter(model.config, model, None, "cpu")
     return Case(f"{name}-b{len(requests)}-w{model.config.block_size}", model,
                 inputs_from_requests(layout, requests))

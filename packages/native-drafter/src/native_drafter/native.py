@@ -22,7 +22,7 @@ from remote_drafter.models.dspark import DSparkModel
 from remote_drafter.models.llama_layers import rotate
 
 from . import kernels as K
-from .reference import RoundInputs
+from .staged_round import RoundInputs
 
 
 def with_width(model: DSparkModel, width: int) -> DSparkModel:

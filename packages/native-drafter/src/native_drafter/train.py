@@ -23,7 +23,7 @@ from tqdm import tqdm
 from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter, DSparkModel, init_weights
 from remote_drafter.models.llama import LlamaLM
 
-from . import gate as gate_mod
+from . import comparison as gate_mod
 from .fast import TOLERANCES, FastPath, training_gate
 from .objective import Objective, anchors, make_batch, reference_loss
 from .teacher import teacher_forward
