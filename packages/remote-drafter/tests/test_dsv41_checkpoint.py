@@ -327,7 +327,7 @@ def test_a_v4_config_is_read_as_vllm_reads_deepseek_v4(tiny_v4):
         config = json.load(f)
     assert config["num_nextn_predict_layers"] == 1 and "text_config" not in config
     c = Dsv41DrafterConfig.from_json(config)
-    assert c.n_mtp_layers == 2  # n_mtp_layers alone counts V4's stages
+    assert c.n_mtp_layers == 2  # n_mtp_layers counts V4's stages (num_nextn_predict_layers: not)
     # V4.1's drafter-only expert counts are V4.1's alone; a V4 drafter layer is never compressed
     c = Dsv41DrafterConfig.from_json({**config, "dspark_n_routed_experts": 2,
                                       "compress_ratios": [4] * 10})

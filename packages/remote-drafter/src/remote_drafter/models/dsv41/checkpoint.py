@@ -1,14 +1,14 @@
-"""DeepSeek-V4.1's (or DeepSeek-V4's: config.py) drafter read out of its checkpoint folder: config.json plus
-model.safetensors.index.json and its shards, or one model.safetensors.
+"""DeepSeek-V4.1's (or DeepSeek-V4's: config.py) drafter read out of its checkpoint folder:
+config.json plus model.safetensors.index.json and its shards, or one model.safetensors.
 
 Only the drafter's tensors are read (`mtp.*`, `embed.weight`, `head.weight`; vLLM's
 DSparkDeepseekV4Model.load_weights skips everything else), each on its own through
 safetensors' safe_open: the target's layers are never read, and shards holding none of the
 drafter's tensors are never opened. What is there is checked against
 `config.expected_tensors` before anything is read: a missing, extra or mis-shaped tensor, or
-one stored in another dtype than DeepSeek's, is refused by name. FP8 and FP4 tensors are
-dequantised at load (`quant`), their `.scale` tensors consumed; a checkpoint without a
-quantization_config stores them bf16.
+one stored in another dtype than DeepSeek's, is refused by name (but a bf16 confidence head,
+which vLLM upcasts: UPCAST_FROM). FP8 and FP4 tensors are dequantised at load (`quant`),
+their `.scale` tensors consumed; a checkpoint without a quantization_config stores them bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ BYTES_PER_ELEMENT = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4
                      "F4": 1}  # F4: per stored byte (two values)
 # vLLM keeps these in float32 whatever the model's dtype (attention sinks, mHC, router bias)
 KEPT_FLOAT32 = ("f32",)
+# Other dtypes a tensor may be stored in, read upcast to its kind: vLLM's DSparkConfidenceHead
+# holds a float32 parameter and its default weight loader copies whatever is stored into it.
+UPCAST_FROM = {".confidence_head.proj.weight": ("BF16",)}
 REFUSALS_SHOWN = 8
 
 
@@ -46,6 +49,12 @@ def is_drafter_tensor(name: str) -> bool:
 
 def is_markov_tensor(name: str) -> bool:
     return ".markov_head." in name
+
+
+def stored_as(name: str, kind: str) -> tuple[str, ...]:
+    """The safetensors dtypes tensor `name` of `kind` may be stored as."""
+    upcast = next((dtypes for suffix, dtypes in UPCAST_FROM.items() if name.endswith(suffix)), ())
+    return STORED_AS[kind] + upcast
 
 
 def scale_of(weight_name: str) -> str:
@@ -128,9 +137,9 @@ def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor]) -> lis
     found += [f"{n}: extra (not a tensor of this drafter)" for n in sorted(set(stored) - set(expected))]
     for name in sorted(set(stored) & set(expected)):
         (shape, kind), have = expected[name], stored[name]
-        if have.dtype not in STORED_AS[kind]:
+        if have.dtype not in stored_as(name, kind):
             found.append(f"{name}: stored as {have.dtype}, expected {kind} "
-                         f"({' / '.join(STORED_AS[kind])})")
+                         f"({' / '.join(stored_as(name, kind))})")
         elif have.shape != tuple(shape):
             found.append(f"{name}: shape {list(have.shape)}, expected {list(shape)}")
     return found
@@ -155,7 +164,8 @@ def digests(config: Dsv41DrafterConfig, stored: dict[str, torch.Tensor]) -> tupl
 
 def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DrafterCheckpoint:
     """The drafter's weights, dequantised to `dtype` on `device` (float32 tensors stay
-    float32), with digests over exactly the stored bytes read."""
+    float32, and those stored narrower are upcast to float32), with digests over exactly the
+    stored bytes read."""
     config = Dsv41DrafterConfig.from_json(read_config(folder))
     stored = stored_drafter_tensors(folder)
     config = with_optional_heads(config, stored)

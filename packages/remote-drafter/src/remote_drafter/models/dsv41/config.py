@@ -8,21 +8,17 @@ attention.py`, `models/deepseek_v41/quant_config.py`, `v1/worker/gpu/spec_decode
 (the noise token) and `config/speculative.py` (block size). Defaults are vLLM's `getattr`
 defaults; a key vLLM reads without a default is required here and refused by name.
 
-DeepSeek-V4 (model_type "deepseek_v4", the variant "v4") is served by the same code, as vLLM
-0.33.0 computes it in `models/deepseek_v4/nvidia/dspark.py` and exllamav3 1.6.5 in
-`architecture/deepseek_v4_mtp.py`: a learned `hc_head` collapses the copies, the mHC is not
-delayed, the query has a per-head RMS norm, the Markov factors are `markov_head.markov_w1` /
-`markov_w2`, the drafter has the target's expert counts (no `dspark_*` override), drafter
-layers are never compressed, `n_mtp_layers` alone counts them, and the taps are the outputs of
-the listed layers (vLLM's eagle3_utils adds 1 for every model type but deepseek_v41). vLLM
-reads a V4 config through transformers' DeepseekV4Config, whose defaults are V4-Flash's
-sizes; a key it has a default for that is missing here is still refused by name.
+DeepSeek-V4 (model_type "deepseek_v4") is served by the same code, as vLLM 0.33.0 computes it
+in `models/deepseek_v4/nvidia/dspark.py` and exllamav3 1.6.5 in
+`architecture/deepseek_v4_mtp.py`. `Dsv41DrafterConfig` holds the values and reads the keys
+both variants read alike; `V41DrafterConfig` and `V4DrafterConfig` hold what differs: the
+forward's switches, the Markov factors' names, and a `_read_*` hook per key read differently.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 HC_POST_ALPHA = 2.0  # DeepseekV4DecoderLayer.hc_post_alpha: a constant, not a config key
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -31,8 +27,7 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 KINDS = ("bf16", "f32", "fp8", "fp4", "e8m0")
 FP4_SCALE_BLOCK = 32  # one e8m0 scale per 32 input values of an fp4 expert weight
 _NOISE_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
-VARIANTS = {"deepseek_v41": "v41", "deepseek_v4": "v4"}  # config.json model_type -> variant
-NAMES = {"v41": "DeepSeek-V4.1", "v4": "DeepSeek-V4"}
+DEFAULT_STAGES = 3  # vLLM's DSparkDeepseekV4Model: `n_mtp_layers or 3`
 
 
 class TensorSpec(NamedTuple):
@@ -40,12 +35,34 @@ class TensorSpec(NamedTuple):
     kind: str               # one of KINDS
 
 
+class _Keys(dict):
+    """The flattened config.json, refusing a missing key by the drafter's name."""
+
+    def __init__(self, flat: dict, name: str):
+        super().__init__(flat)
+        self.name = name
+
+    def need(self, key: str):
+        """A key vLLM reads without a default (null counts as missing)."""
+        if self.get(key) is None:
+            raise ValueError(f"{self.name} drafter config lacks {key!r}")
+        return self[key]
+
+    def given(self, key: str):
+        """A key vLLM reads without a default whose value may be null (no clamp, no shared
+        expert)."""
+        return need_key(self, key, self.name)
+
+
 @dataclass(frozen=True)
 class Dsv41DrafterConfig:
+    """The drafter's sizes and storage: the same fields for both variants (the drafter's digest
+    covers their `asdict`). `from_json` builds the class config.json's model_type names."""
+
     hidden_size: int
     vocab_size: int
     num_hidden_layers: int       # the target's; vLLM names drafter layer j layers.{this + j}
-    n_mtp_layers: int            # drafter layers (n_mtp_layers / num_nextn_predict_layers / 3)
+    n_mtp_layers: int            # drafter layers (stages): _read_stages
     rms_norm_eps: float
     # mHC: hc_mult copies of the residual stream, Sinkhorn-normalised mixing
     hc_mult: int
@@ -80,28 +97,22 @@ class Dsv41DrafterConfig:
     expert_dtype: str            # "fp4" (MXFP4 experts) or "fp8" (block-fp8 experts)
     weight_block_size: tuple[int, int]  # fp8 linear scale block (rows, cols)
     vision: bool                 # vision checkpoints add ffn.gate.bias_vl (unused for text)
-    variant: str = "v41"         # "v41" (DeepSeek-V4.1) or "v4" (DeepSeek-V4): VARIANTS
+    variant: str = "v41"         # "v41" (DeepSeek-V4.1) or "v4" (DeepSeek-V4): its class's
     quantized: bool = True       # False: no quantization_config, every linear stored bf16
 
-    @property
-    def name(self) -> str:
-        return NAMES[self.variant]
+    # What a variant class sets (class attributes, not fields):
+    name: ClassVar[str]           # "DeepSeek-V4.1" / "DeepSeek-V4", in every refusal
+    model_type: ClassVar[str]     # config.json's model_type
+    delayed_mhc: ClassVar[bool]   # a sublayer's input collapsed with the PREVIOUS one's pre weight
+    hc_head: ClassVar[bool]       # a learned hc_head (hc_head_fn/base/scale) collapses the output
+    q_head_norm: ClassVar[bool]   # a weightless RMS norm of each query head before RoPE
+    markov_factors: ClassVar[tuple[str, str]]  # markov_head.<W1>, markov_head.<W2>
 
-    @property
-    def delayed_mhc(self) -> bool:
-        """V4.1: a sublayer's input is collapsed with the PREVIOUS sublayer's pre weight, and
-        the last FFN's collapses the output; V4: each with its own, then hc_head's."""
-        return self.variant == "v41"
-
-    @property
-    def hc_head(self) -> bool:
-        """V4: a learned hc_head (hc_head_fn/base/scale) collapses the output copies."""
-        return self.variant == "v4"
-
-    @property
-    def q_head_norm(self) -> bool:
-        """V4: a weightless RMS norm of each query head (V4.1: "qr is normed before wq_b")."""
-        return self.variant == "v4"
+    def __post_init__(self):
+        # the switches are the class's, so the variant field must name the class
+        if getattr(type(self), "model_type", None) is None or self.variant != type(self).variant:
+            raise TypeError(f"{type(self).__name__} with variant {self.variant!r}: a drafter "
+                            "config is a V41DrafterConfig or a V4DrafterConfig (from_json picks)")
 
     @property
     def feature_width(self) -> int:
@@ -125,91 +136,204 @@ class Dsv41DrafterConfig:
 
     @classmethod
     def from_json(cls, config: dict) -> Dsv41DrafterConfig:
-        """The whole config.json (text fields under `text_config` or flat)."""
+        """The whole config.json (text fields under `text_config` or flat), read by the variant
+        class its model_type names."""
         flat = flatten(config)
-        variant = VARIANTS.get(flat.get("model_type"))
-        if variant is None:
+        variant = VARIANT_CLASSES.get(flat.get("model_type"))
+        if variant is None or not issubclass(variant, cls):
+            known = sorted(t for t, c in VARIANT_CLASSES.items() if issubclass(c, cls))
             raise ValueError(f"model_type {flat.get('model_type')!r}: a DeepSeek drafter's config "
-                             f"is one of {sorted(VARIANTS)}")
-        name = NAMES[variant]
+                             f"is one of {known}")
+        keys = _Keys(flat, variant.name)
+        _refuse_other_layouts(keys)
+        return variant(**variant._read_shape(keys), **variant._read_moe(keys),
+                       **variant._read_dspark(keys), **variant._read_storage(config, keys))
 
-        def need(key):
-            if flat.get(key) is None:
-                raise ValueError(f"{name} drafter config lacks {key!r}")
-            return flat[key]
+    # -- what both variants read alike ----------------------------------------------------
+    @classmethod
+    def _read_shape(cls, keys: _Keys) -> dict:
+        """Sizes, mHC and attention."""
+        head_dim = int(keys.need("head_dim"))
+        return dict(
+            hidden_size=int(keys.need("hidden_size")), vocab_size=int(keys.need("vocab_size")),
+            num_hidden_layers=int(keys.need("num_hidden_layers")),
+            n_mtp_layers=cls._read_stages(keys), rms_norm_eps=float(keys.need("rms_norm_eps")),
+            hc_mult=int(keys.need("hc_mult")), hc_eps=float(keys.need("hc_eps")),
+            hc_sinkhorn_iters=int(keys.need("hc_sinkhorn_iters")),
+            num_attention_heads=int(keys.need("num_attention_heads")),
+            head_dim=head_dim, qk_rope_head_dim=cls._read_rope_dims(keys, head_dim),
+            q_lora_rank=int(keys.need("q_lora_rank")), o_groups=int(keys.need("o_groups")),
+            o_lora_rank=int(keys.need("o_lora_rank")),
+            sliding_window=int(keys.need("sliding_window")),
+            rope_theta=float(keys.need("rope_theta")))
 
-        n_layers = int(need("num_hidden_layers"))
-        if variant == "v41":
-            n_mtp = int(flat.get("n_mtp_layers") or flat.get("num_nextn_predict_layers") or 3)
-            _refuse_compressed_drafter_layers(flat.get("compress_ratios"), n_layers, n_mtp)
-        else:  # V4 ships num_nextn_predict_layers 1 beside three stages; its layers are never
-            n_mtp = int(flat.get("n_mtp_layers") or 3)  # compressed (attention.py: ratio 1)
-        if flat.get("sample_from_anchor", True) is not True:
-            raise ValueError(f"only sample_from_anchor=true (the seed predicts the first "
-                             f"draft) is a {name} DSpark layout")
-        vocab = int(need("vocab_size"))
-        if (flat.get("draft_vocab_size") or vocab) != vocab:
-            raise ValueError(f"a reduced draft vocabulary (draft_vocab_size) is not "
-                             f"{name}'s drafter: it shares the target's head")
-        if need("hidden_act") != "silu":
-            raise ValueError(f"hidden_act {flat['hidden_act']!r}: vLLM's DeepseekV4MLP "
-                             "supports silu only")
-        scoring = flat.get("scoring_func", "sqrtsoftplus")
+    @classmethod
+    def _read_moe(cls, keys: _Keys) -> dict:
+        scoring = keys.get("scoring_func", "sqrtsoftplus")
         if scoring not in SCORING_FUNCS:
             raise ValueError(f"scoring_func {scoring!r}: one of {SCORING_FUNCS}")
-        # V4's quant config reads expert_dtype off the config's top level alone
-        expert_dtype = (flat if variant == "v41" else config).get("expert_dtype", "fp4")
-        if expert_dtype not in ("fp4", "fp8"):
-            raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
-        quant = flat.get("quantization_config")
-        block = tuple((quant or {}).get("weight_block_size") or (128, 128))
-        if flat.get("dspark_draft_topk") is not None:
-            raise ValueError(f"dspark_draft_topk: vLLM 0.33 supports it for Qwen3 DSpark drafters "
-                             f"only (config/speculative.py), not {name}'s")
-        # vLLM reads the block size from block_size, then dspark_block_size
-        block_size = flat.get("block_size") or need("dspark_block_size")
-        swiglu_limit = need_key(flat, "swiglu_limit", name)
-        n_shared = need_key(flat, "n_shared_experts", name)
-        # V4: transformers' default (1.5) and exllamav3's (1.0) differ, so it must be given
-        scaling = flat.get("routed_scaling_factor", 1.0) if variant == "v41" else need(
-            "routed_scaling_factor")
-        head_dim = int(need("head_dim"))
-        # transformers' DeepseekV4Config: qk_rope_head_dim = head_dim * partial_rotary_factor
-        rope_factor = flat.get("partial_rotary_factor") if variant == "v4" else None
-        rope_dims = int(head_dim * rope_factor) if rope_factor else int(need("qk_rope_head_dim"))
-        # V4.1's drafter has its own expert counts; V4's DeepseekV4MoE takes the target's
-        own = (lambda key: flat.get(key)) if variant == "v41" else (lambda key: None)
-        if variant == "v41":
-            vision = bool((config.get("vision_config") or {}).get("num_hidden_layers", 0))
-        else:
-            vision = bool(flat.get("vision_n_layers", 0))
-        return cls(
-            hidden_size=int(need("hidden_size")), vocab_size=vocab,
-            num_hidden_layers=n_layers, n_mtp_layers=n_mtp,
-            rms_norm_eps=float(need("rms_norm_eps")),
-            hc_mult=int(need("hc_mult")), hc_eps=float(need("hc_eps")),
-            hc_sinkhorn_iters=int(need("hc_sinkhorn_iters")),
-            num_attention_heads=int(need("num_attention_heads")),
-            head_dim=head_dim, qk_rope_head_dim=rope_dims,
-            q_lora_rank=int(need("q_lora_rank")), o_groups=int(need("o_groups")),
-            o_lora_rank=int(need("o_lora_rank")), sliding_window=int(need("sliding_window")),
-            rope_theta=float(need("rope_theta")),
-            n_routed_experts=int(own("dspark_n_routed_experts") or need("n_routed_experts")),
-            num_experts_per_tok=int(own("dspark_num_experts_per_tok")
-                                    or need("num_experts_per_tok")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
+        n_routed, per_token = cls._read_expert_counts(keys)
+        swiglu_limit, n_shared = keys.given("swiglu_limit"), keys.given("n_shared_experts")
+        return dict(
+            n_routed_experts=n_routed, num_experts_per_tok=per_token,
+            moe_intermediate_size=int(keys.need("moe_intermediate_size")),
             n_shared_experts=int(n_shared or 0),
             swiglu_limit=None if swiglu_limit is None else float(swiglu_limit),
-            routed_scaling_factor=float(scaling),
-            scoring_func=scoring, norm_topk_prob=bool(need("norm_topk_prob")),
-            gate_bias=flat.get("topk_method") == "noaux_tc",
-            target_layer_ids=tuple(int(i) for i in need("dspark_target_layer_ids")),
-            block_size=int(block_size), markov_rank=int(need("dspark_markov_rank")),
-            noise_token_id=_noise_token_id(flat, name),
-            enable_confidence_head=bool(flat.get("enable_confidence_head", True)),
-            expert_dtype=expert_dtype, weight_block_size=(int(block[0]), int(block[1])),
-            vision=vision, variant=variant, quantized=quant is not None,
-        )
+            routed_scaling_factor=float(cls._read_routed_scaling_factor(keys)),
+            scoring_func=scoring, norm_topk_prob=bool(keys.need("norm_topk_prob")),
+            gate_bias=keys.get("topk_method") == "noaux_tc")
+
+    @classmethod
+    def _read_dspark(cls, keys: _Keys) -> dict:
+        # vLLM reads the block size from block_size, then dspark_block_size
+        block_size = keys.get("block_size") or keys.need("dspark_block_size")
+        return dict(
+            target_layer_ids=tuple(int(i) for i in keys.need("dspark_target_layer_ids")),
+            block_size=int(block_size), markov_rank=int(keys.need("dspark_markov_rank")),
+            noise_token_id=_noise_token_id(keys, keys.name),
+            enable_confidence_head=bool(keys.get("enable_confidence_head", True)))
+
+    @classmethod
+    def _read_storage(cls, config: dict, keys: _Keys) -> dict:
+        expert_dtype = cls._read_expert_dtype(config, keys)
+        if expert_dtype not in ("fp4", "fp8"):
+            raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
+        quant = keys.get("quantization_config")
+        block = tuple((quant or {}).get("weight_block_size") or (128, 128))
+        return dict(expert_dtype=expert_dtype, weight_block_size=(int(block[0]), int(block[1])),
+                    vision=cls._read_vision(config, keys), quantized=quant is not None)
+
+    # -- what each variant reads its own way (V41DrafterConfig, V4DrafterConfig) ----------
+    @classmethod
+    def _read_stages(cls, keys: _Keys) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def _read_rope_dims(cls, keys: _Keys, head_dim: int) -> int:
+        return int(keys.need("qk_rope_head_dim"))
+
+    @classmethod
+    def _read_expert_counts(cls, keys: _Keys) -> tuple[int, int]:
+        return int(keys.need("n_routed_experts")), int(keys.need("num_experts_per_tok"))
+
+    @classmethod
+    def _read_routed_scaling_factor(cls, keys: _Keys):
+        raise NotImplementedError
+
+    @classmethod
+    def _read_expert_dtype(cls, config: dict, keys: _Keys) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def _read_vision(cls, config: dict, keys: _Keys) -> bool:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class V41DrafterConfig(Dsv41DrafterConfig):
+    """DeepSeek-V4.1's drafter (vLLM 0.33.0's models/deepseek_v41/)."""
+
+    variant: str = "v41"
+    name: ClassVar[str] = "DeepSeek-V4.1"
+    model_type: ClassVar[str] = "deepseek_v41"
+    delayed_mhc: ClassVar[bool] = True   # the last FFN's pre weight collapses the output
+    hc_head: ClassVar[bool] = False
+    q_head_norm: ClassVar[bool] = False  # "qr is normed before wq_b"
+    markov_factors: ClassVar[tuple[str, str]] = ("embed", "head")  # _remap_dspark_name's
+
+    @classmethod
+    def _read_stages(cls, keys: _Keys) -> int:
+        n_mtp = int(keys.get("n_mtp_layers") or keys.get("num_nextn_predict_layers")
+                    or DEFAULT_STAGES)
+        _refuse_compressed_drafter_layers(keys.get("compress_ratios"),
+                                          int(keys.need("num_hidden_layers")), n_mtp)
+        return n_mtp
+
+    @classmethod
+    def _read_expert_counts(cls, keys: _Keys) -> tuple[int, int]:
+        """The drafter's own counts (dspark_*) over the target's."""
+        return (int(keys.get("dspark_n_routed_experts") or keys.need("n_routed_experts")),
+                int(keys.get("dspark_num_experts_per_tok") or keys.need("num_experts_per_tok")))
+
+    @classmethod
+    def _read_routed_scaling_factor(cls, keys: _Keys):
+        return keys.get("routed_scaling_factor", 1.0)
+
+    @classmethod
+    def _read_expert_dtype(cls, config: dict, keys: _Keys) -> str:
+        return keys.get("expert_dtype", "fp4")  # the text's, else quantization_config's
+
+    @classmethod
+    def _read_vision(cls, config: dict, keys: _Keys) -> bool:
+        return bool((config.get("vision_config") or {}).get("num_hidden_layers", 0))
+
+
+@dataclass(frozen=True)
+class V4DrafterConfig(Dsv41DrafterConfig):
+    """DeepSeek-V4's drafter (vLLM 0.33.0's models/deepseek_v4/, exllamav3 1.6.5), read as
+    transformers' DeepseekV4Config: where that has a default for a key missing here, the key
+    is still refused by name. Its drafter layers are never compressed (attention.py: ratio 1
+    past the trunk), and its taps are the outputs of the listed layers."""
+
+    variant: str = "v4"
+    name: ClassVar[str] = "DeepSeek-V4"
+    model_type: ClassVar[str] = "deepseek_v4"
+    delayed_mhc: ClassVar[bool] = False  # each sublayer's own pre weight
+    hc_head: ClassVar[bool] = True
+    q_head_norm: ClassVar[bool] = True
+    markov_factors: ClassVar[tuple[str, str]] = ("markov_w1", "markov_w2")  # DSparkMarkovHead's
+
+    @classmethod
+    def _read_stages(cls, keys: _Keys) -> int:
+        """n_mtp_layers, as vLLM reads it (V4 ships num_nextn_predict_layers 1 beside three
+        stages: not read); without it, as exllamav3 counts them: compress_ratios has one entry
+        per layer, the drafter's past the trunk's; with neither, vLLM's default."""
+        if keys.get("n_mtp_layers"):
+            return int(keys["n_mtp_layers"])
+        past_trunk = len(keys.get("compress_ratios") or ()) - int(keys.need("num_hidden_layers"))
+        return past_trunk if past_trunk > 0 else DEFAULT_STAGES
+
+    @classmethod
+    def _read_rope_dims(cls, keys: _Keys, head_dim: int) -> int:
+        """transformers' DeepseekV4Config: qk_rope_head_dim = head_dim * partial_rotary_factor."""
+        factor = keys.get("partial_rotary_factor")
+        return int(head_dim * factor) if factor else super()._read_rope_dims(keys, head_dim)
+
+    @classmethod
+    def _read_routed_scaling_factor(cls, keys: _Keys):
+        # transformers' default (1.5) and exllamav3's (1.0) differ, so it must be given
+        return keys.need("routed_scaling_factor")
+
+    @classmethod
+    def _read_expert_dtype(cls, config: dict, keys: _Keys) -> str:
+        return config.get("expert_dtype", "fp4")  # V4's quant config reads the top level alone
+
+    @classmethod
+    def _read_vision(cls, config: dict, keys: _Keys) -> bool:
+        return bool(keys.get("vision_n_layers", 0))
+
+
+VARIANT_CLASSES = {c.model_type: c for c in (V41DrafterConfig, V4DrafterConfig)}
+VARIANTS = {t: c.variant for t, c in VARIANT_CLASSES.items()}  # model_type -> variant
+NAMES = {c.variant: c.name for c in VARIANT_CLASSES.values()}
+
+
+def _refuse_other_layouts(keys: _Keys) -> None:
+    """Keys that would make another drafter than DeepSeek's, refused by name."""
+    name = keys.name
+    if keys.get("sample_from_anchor", True) is not True:
+        raise ValueError(f"only sample_from_anchor=true (the seed predicts the first "
+                         f"draft) is a {name} DSpark layout")
+    vocab = int(keys.need("vocab_size"))
+    if (keys.get("draft_vocab_size") or vocab) != vocab:
+        raise ValueError(f"a reduced draft vocabulary (draft_vocab_size) is not "
+                         f"{name}'s drafter: it shares the target's head")
+    if keys.need("hidden_act") != "silu":
+        raise ValueError(f"hidden_act {keys['hidden_act']!r}: vLLM's DeepseekV4MLP "
+                         "supports silu only")
+    if keys.get("dspark_draft_topk") is not None:
+        raise ValueError(f"dspark_draft_topk: vLLM 0.33 supports it for Qwen3 DSpark drafters "
+                         f"only (config/speculative.py), not {name}'s")
 
 
 def flatten(config: dict) -> dict:
@@ -243,7 +367,7 @@ def _noise_token_id(flat: dict, name: str) -> int:
 
 
 def _refuse_compressed_drafter_layers(ratios, n_layers: int, n_mtp: int) -> None:
-    # attention.py: compress_ratios has one entry per layer, drafter layers included;
+    # V4.1's attention.py: compress_ratios has one entry per layer, drafter layers included;
     # those past the list are pure sliding window, the only kind this drafter computes
     for j in range(n_mtp):
         if ratios is not None and n_layers + j < len(ratios) and int(ratios[n_layers + j]):
@@ -267,9 +391,7 @@ def markov_names(config: Dsv41DrafterConfig) -> tuple[str, str]:
     calls them markov_head.embed / head (vLLM's _remap_dspark_name maps them), V4's carries
     DSparkMarkovHead's own names, markov_w1 / markov_w2."""
     stem = f"{last_stage(config)}.markov_head."
-    if config.variant == "v4":
-        return stem + "markov_w1.weight", stem + "markov_w2.weight"
-    return stem + "embed.weight", stem + "head.weight"
+    return tuple(f"{stem}{factor}.weight" for factor in config.markov_factors)
 
 
 def hc_head_names(config: Dsv41DrafterConfig) -> tuple[str, str, str]:

@@ -1,77 +1,22 @@
-"""DeepSeek-V4.1's (and DeepSeek-V4's) DSpark drafter, forward only, in plain torch (readable in one sitting).
+"""DeepSeek-V4.1's (and DeepSeek-V4's) DSpark drafter, forward only, in plain torch: what vLLM
+0.33.0 computes (`models/deepseek_v41/nvidia/dspark.py`, `nvidia/model.py`, `attention.py`,
+`model_executor/kernels/mhc/torch.py`; V4: `models/deepseek_v4/`, and exllamav3 1.6.5), one
+method per stage, each compared with the float64 reference (tests/dsv41_reference.py).
 
-What vLLM 0.33.0 computes (read in its wheel: `models/deepseek_v41/nvidia/dspark.py`,
-`nvidia/model.py` (DeepseekV4DecoderLayer), `models/deepseek_v41/attention.py`,
-`nvidia/ops/o_proj.py`, `model_executor/kernels/mhc/torch.py`, `models/deepseek_v4/nvidia/
-model.py` (DeepseekV4MoE, DeepseekV4MLP), `fused_moe/router/cpu_router.py`,
-`v1/attention/backends/mla/sparse_swa.py` (the DSpark non-causal window),
-`v1/worker/gpu/spec_decode/dspark/speculator.py`, `model_executor/models/qwen3_dspark.py`):
+* Context: each layer turns the projected taps into one key/value row per committed position.
+* Block: [seed, noise x (W-1)], one non-causal pass over it and the context: W drafts.
+* mHC: K residual copies, mixed by Sinkhorn-normalised K x K matrices around each sublayer.
+* Delayed mHC (V4.1): a sublayer's input is the copies collapsed with the PREVIOUS sublayer's
+  pre weight (V4: its own); the last FFN's collapses the output (V4: a learned hc_head).
+* Attention: sliding window over [context rows ; block], a sink logit per head; V4 also
+  RMS-norms each query head.
+* FFN: routed MoE (top-k of score + gate.bias) plus a shared expert, SwiGLU clamped.
+* Markov head: logits_i = z_i + W2 W1[x_{i-1}], left to right; confidence head:
+  sigmoid(proj [h_i ; W1[x_{i-1}]]).
+Not reproduced: vLLM's FP8 KV cache and low-precision GEMMs. Shapes below: N tokens,
+B requests, W block, C context rows, L layers, H hidden, D head_dim, K hc_mult, V vocab.
 
-* Context: taps of k target layers per committed position -> main_x = main_norm(main_proj(
-  taps)); each drafter layer j turns main_x into ONE shared key/value row per position:
-  rope(kv_norm(wkv_j(main_x)), position). Rows are per-position functions, so a request's
-  rows are computed once, when they arrive, and kept (the drafter keeps the last window).
-* Block: [seed, noise x (W-1)] at positions p0..p0+W-1 (seed = the newest committed token,
-  p0 its position); each block position predicts the next token: one pass, W drafts.
-* Layer j (DeepseekV4DecoderLayer, mHC with K = hc_mult residual copies): the stream starts
-  as K copies of the block's embeddings. Each sublayer's mixer computes from the current
-  residual a post weight (K), a Sinkhorn-normalised KxK residual mix and a pre weight (K);
-  the sublayer's input is the residual collapsed with the PREVIOUS sublayer's pre weight
-  ("delayed": copy 0 for layer 0's attention, the attention's pre for the FFN, the previous
-  layer's FFN pre for the next attention), then RMS-normed (attn_norm / ffn_norm). After
-  the sublayer: residual = comb^T residual + post x output.
-* Attention: q = wq_b(q_norm(wq_a x)) per head (V4.1 has no per-head q norm: vLLM passes
-  apply_q_norm=False, "qr is normed before wq_b"), GPT-J RoPE on each head's last
-  qk_rope_head_dim dims; the block's own rows rope(kv_norm(wkv x)); keys = values = [the
-  last min(sliding_window, p0) context rows ; the whole block], non-causal, one softmax per
-  head with a learned sink logit (attn_sink, unscaled) in the denominator, scale
-  head_dim^-0.5; the output's rope dims rotated back by the query's position; wo_a per
-  group of heads (o_groups, each to o_lora_rank), concatenated, wo_b.
-* FFN: MoE. Router scores f(gate x) (sqrtsoftplus: sqrt(softplus)); experts chosen by
-  top-k of score + gate.bias (noaux_tc), weighted by the unbiased score, renormalised
-  (norm_topk_prob), times routed_scaling_factor; experts and shared expert are SwiGLU with
-  gate clamped to <= swiglu_limit and up to +-swiglu_limit.
-* Out: after the last layer's FFN post, the copies are collapsed with the last layer's FFN
-  pre weight -> h (pre-norm); logits z = head(norm(h)) with the target's head.
-* Markov head: logits_i = z_i + markov_head.head @ markov_head.embed[x_{i-1}], x_0 = seed,
-  left to right (dense: vLLM 0.33 refuses dspark_draft_topk for this drafter).
-* Confidence head: c_i = sigmoid(confidence_head.proj [h_i ; markov_head.embed[x_{i-1}]]).
-
-DeepSeek-V4 (config.variant "v4"; vLLM 0.33.0's `models/deepseek_v4/nvidia/dspark.py`,
-`nvidia/model.py`, `models/deepseek_v4/attention.py`, `kernels/mhc/torch.py` mhc_pre_torch and
-`tilelang_kernels.py` hc_head_fuse_tilelang; exllamav3 1.6.5's `architecture/deepseek_v4_mtp.py`
-and `modules/arch_specific/dspark.py`) differs in three stages, each a branch below:
-* hc_pre: the sublayer's input is collapsed with the pre weight its own mixer computes (no
-  delay, no stream-0 start).
-* attention: each query head is RMS-normed without a weight (eps rms_norm_eps) before RoPE.
-* out: the copies are collapsed by the learned hc_head: pre = sigmoid(hc_head_fn . x *
-  rsqrt(mean(x^2) + eps) * hc_head_scale + hc_head_base) + hc_eps over the whole stream x.
-Its Markov factors are named markov_w1 / markov_w2 (config.markov_names).
-
-Not reproduced: vLLM stores context and block rows in an FP8 KV cache (fp8_ds_mla) and
-runs fp8/fp4 GEMMs; here weights are dequantised and rows are kept in the model's dtype.
-
-Stages, each a method the float64 reference compares (N tokens, B requests, W block, C
-context rows, L layers, H hidden, D head_dim, K hc_mult, V vocab; float64 weights run
-everything in float64):
-  project_taps(taps [N, k*H]) -> main_x [N, H]
-  context_rows(j, main_x [N, H], positions [N]) -> [N, D]      (post kv_norm and RoPE)
-  encode_rows(taps [N, k*H], positions [N]) -> [N, L*D]        (all layers' rows, concatenated)
-  embed_block(seed [B]) -> (x [B, W, H], block ids [B, W])
-  hc_pre(j, "attn"|"ffn", residual [..., K, H], carried_pre [..., K] | None)
-      -> (layer_input [..., H] (normed), post [..., K], comb [..., K, K], pre [..., K])
-  attention(j, x [B, W, H], positions [B, W], ctx [B, C, D], ctx_valid [B, C]) -> [B, W, H]
-  route(j, x [N, H]) -> (weights [N, k] float, experts [N, k])
-  moe(j, x [..., H]) -> [..., H]
-  hc_post(out [..., H], residual [..., K, H], post, comb) -> residual [..., K, H]
-  layer(j, residual, carried_pre, positions, ctx, ctx_valid) -> (residual, ffn pre)
-  collapse(residual [..., K, H], pre [..., K]) -> [..., H]
-  head_pre(residual [..., K, H]) -> [..., K]                    (V4's hc_head)
-  block_hidden(ctx [B, C, L, D], ctx_valid [B, C], seed [B], p0 [B]) -> h [B, W, H] (pre-norm)
-  logits(h [..., H]) -> z [..., V] float
-  markov_embed(previous [B]) -> [B, r];  markov_bias(m [B, r]) -> [B, V] float
-  markov_logits(z [B, V], m [B, r]) -> [B, V] float            (z + markov_bias(m))
-  confidence(h [B, H], m [B, r]) -> [B] float in (0, 1)
+The full story: ARCHITECTURE.md § DeepSeek-V4.1's drafter.
 """
 
 from __future__ import annotations
@@ -198,24 +143,28 @@ class Dsv41Model:
 
     # -- context -------------------------------------------------------------------------
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [N, k*H] -> main_x [N, H]: main_norm(main_proj(taps))."""
         c = self.config
         x = self.linear(f"{self.first}.main_proj.weight", taps.to(self.dtype))
         return rms_norm(x, self.w[f"{self.first}.main_norm.weight"], c.rms_norm_eps, self.wide)
 
     def context_rows(self, j: int, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Layer j's key/value rows of the context (main_x) or of its block input (x)."""
+        """Layer j's key/value rows [N, D] (post kv_norm and RoPE) of the context (main_x)
+        or of its block input (x)."""
         c = self.config
         kv = rms_norm(self._linear(j, "attn.wkv.weight")(main_x), self._w(j, "attn.kv_norm.weight"),
                       c.rms_norm_eps, self.wide)
         return rope(kv, positions, c.rope_theta, c.qk_rope_head_dim, self.wide)
 
     def encode_rows(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """taps [N, k*H] -> every layer's rows, concatenated [N, L*D]."""
         main_x = self.project_taps(taps)
         return torch.cat([self.context_rows(j, main_x, positions)
                           for j in range(self.config.n_mtp_layers)], -1)
 
     # -- the parallel pass ---------------------------------------------------------------
     def embed_block(self, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """seed [B] -> (embeddings [B, W, H], block ids [B, W]: the seed, then noise)."""
         c = self.config
         ids = torch.full((len(seed), c.block_size), c.noise_token_id, device=seed.device)
         ids[:, 0] = seed
@@ -227,6 +176,9 @@ class Dsv41Model:
         return (x @ fn.T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
 
     def hc_pre(self, j: int, mixer: str, residual: torch.Tensor, carried_pre: torch.Tensor | None):
+        """Mixer "attn" or "ffn" of layer j on residual [..., K, H] -> (the sublayer's normed
+        input [..., H], post [..., K], comb [..., K, K], pre [..., K]); carried_pre is the
+        previous sublayer's pre (None: layer 0's attention, which takes copy 0)."""
         c, k = self.config, self.config.hc_mult
         fn, scale, base = (self._w(j, f"hc_{mixer}_{p}") for p in ("fn", "scale", "base"))
         mixes = self._mixes(fn, residual)
@@ -245,10 +197,12 @@ class Dsv41Model:
 
     def hc_post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:
+        """residual = comb^T residual + post x out."""
         mixed = torch.einsum("...ij,...ih->...jh", comb, residual.to(self.wide))
         return (mixed + post[..., None] * out[..., None, :].to(self.wide)).to(residual.dtype)
 
     def collapse(self, residual: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """residual [..., K, H] weighted by pre [..., K] -> [..., H]."""
         return (pre[..., None] * residual.to(self.wide)).sum(-2).to(residual.dtype)
 
     def head_pre(self, residual: torch.Tensor) -> torch.Tensor:
@@ -258,6 +212,8 @@ class Dsv41Model:
 
     def attention(self, j: int, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
                   ctx_valid: torch.Tensor) -> torch.Tensor:
+        """x [B, W, H] at positions [B, W] over ctx [B, C, D] (ctx_valid [B, C]) and the
+        block's own rows -> [B, W, H]."""
         c = self.config
         b, w, _ = x.shape
         heads, d, groups = c.num_attention_heads, c.head_dim, c.o_groups
@@ -284,6 +240,7 @@ class Dsv41Model:
         return self._linear(j, "attn.wo_b.weight")(z.flatten(-2))
 
     def route(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k])."""
         c = self.config
         scores = _SCORES[c.scoring_func]((x @ self._w(j, "ffn.gate.weight").T).to(self.wide))
         choose = scores + self._w(j, "ffn.gate.bias") if c.gate_bias else scores
@@ -345,6 +302,7 @@ class Dsv41Model:
         return out
 
     def layer(self, j: int, residual, carried_pre, positions, ctx, ctx_valid):
+        """One decoder layer -> (residual, its FFN's pre weight: the next layer's carried_pre)."""
         x, post, comb, attn_pre = self.hc_pre(j, "attn", residual, carried_pre)
         residual = self.hc_post(self.attention(j, x, positions, ctx, ctx_valid), residual, post, comb)
         x, post, comb, ffn_pre = self.hc_pre(j, "ffn", residual, attn_pre)
@@ -352,6 +310,7 @@ class Dsv41Model:
 
     def block_hidden(self, ctx: torch.Tensor, ctx_valid: torch.Tensor, seed: torch.Tensor,
                      p0: torch.Tensor) -> torch.Tensor:
+        """ctx [B, C, L, D], ctx_valid [B, C], seed [B] at p0 [B] -> pre-norm h [B, W, H]."""
         c = self.config
         x, _ = self.embed_block(seed)
         positions = p0[:, None] + torch.arange(c.block_size, device=p0.device)
@@ -363,6 +322,7 @@ class Dsv41Model:
 
     # -- heads ---------------------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> z [..., V] in `wide`: the target's head over norm(h)."""
         normed = rms_norm(h, self.w[f"{self.last}.norm.weight"], self.config.rms_norm_eps, self.wide)
         return self.linear("head.weight", normed).to(self.wide)
 
@@ -376,5 +336,6 @@ class Dsv41Model:
         return z + self.markov_bias(m)
 
     def confidence(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """h [B, H], m [B, r] -> [B] in (0, 1)."""
         proj = self.w[f"{self.last}.confidence_head.proj.weight"]
         return torch.sigmoid(torch.cat([h, m], -1).to(self.wide) @ proj.T)[..., 0]
