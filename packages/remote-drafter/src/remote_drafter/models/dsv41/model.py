@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's (and DeepSeek-V4's) DSpark drafter, forward only, in plain torch: what vLLM
 0.33.0 computes (`models/deepseek_v41/nvidia/dspark.py`, `nvidia/model.py`, `attention.py`,
 `model_executor/kernels/mhc/torch.py`; V4: `models/deepseek_v4/`, and exllamav3 1.6.5), one
-method per stage, each compared with the float64 reference (tests/dsv41_reference.py).
+method per stage, each compared with the float64 reference (tests/dsv41_vllm_transcript.py).
 
 * Context: each layer turns the projected taps into one key/value row per committed position.
 * Block: [seed, noise x (W-1)], one non-causal pass over it and the context: W drafts.
