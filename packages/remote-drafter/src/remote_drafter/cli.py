@@ -608,5 +608,17 @@ def main(argv=None) -> int:
         return 2
 
 
+def run() -> None:
+    """The process's entry (`remote-drafter`, `python -m remote_drafter.cli`): main(), then an
+    exit that skips the interpreter's teardown. Everything the command owns is closed by
+    then; what teardown would add is a daemon thread inside torch's C++ being unwound, which
+    aborts the process ("terminate called without an active exception") after a clean stop."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
