@@ -18,7 +18,7 @@ import os
 import sys
 
 from ofl.env import describe
-from remote_drafter.cli import add_capacity_args, capacity_argv
+from remote_drafter.worker.capacity import add_capacity_args, capacity_argv
 
 from . import env
 
@@ -46,7 +46,7 @@ def checked(args) -> tuple[list[str], str]:
 
 
 def rank_config(args):
-    from remote_drafter.cli import capacity_config
+    from remote_drafter.worker.capacity import capacity_config
     from remote_drafter.worker.service import ServiceConfig
 
     from .rank import RankConfig
