@@ -8,9 +8,9 @@ packages/*/src and stack/src, and from every package's benchmarks/ and tests/
   pyproject declares (base or an extra);
 * only `*.vllm` modules import vLLM; only `remote_drafter.models.exl3` imports exllamav3,
   lazily;
-* remote_drafter's rooms: `engine/` imports no torch (not even lazily) and nothing of
-  `models/`, `worker/` or `vllm/`; `models/` imports nothing of `worker/` or `vllm/`;
-  `worker/` nothing of `vllm/`;
+* remote_drafter's rooms, bottom to top `env`, `engine/`, `models/`, `worker/`, `vllm/`, the
+  front doors (cli, bench, testing, decode_loop): each imports only rooms below it, lazily
+  too; `engine/` imports no torch, not even lazily or through what it imports;
 * the torch-free distributions import no torch, directly or through any module's top-level
   imports (a lazy import inside a function is how a torch-free module reaches an optional
   torch-side feature); their `vllm` modules run inside vLLM and are exempt.
@@ -30,8 +30,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE = {"ofl", "async_handoff", "longctx_bench", "acceptance_ceiling", "remote_engram",
               "dsv41_stack"}
-# remote_drafter's rooms, bottom first: a room imports only rooms below it
-ROOMS = ("engine", "models", "worker", "vllm")
+# remote_drafter's rooms, bottom first: a room imports only the rooms below it. `env` (every
+# variable) is below them all; the front doors at the top (cli, bench, testing, decode_loop)
+# are above them all.
+ROOMS = ("env", "engine", "models", "worker", "vllm", "front")
 TORCH_FREE_ROOMS = {"remote_drafter.engine"}
 
 
@@ -134,7 +136,9 @@ def cross_imports(kinds=("src", "benchmarks", "tests")):
 
 def room_of(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "remote_drafter" and parts[1] in ROOMS else None
+    if len(parts) < 2 or parts[0] != "remote_drafter":
+        return None
+    return parts[1] if parts[1] in ROOMS else "front"
 
 
 def test_ofl_is_the_bottom():
@@ -208,10 +212,23 @@ def test_remote_drafter_rooms_import_only_rooms_below_them():
 
 
 def test_the_engine_room_imports_no_torch_at_all():
-    bad = [f"{where(name)}: {t}" for name, m in modules().items()
-           if any(name == r or name.startswith(r + ".") for r in TORCH_FREE_ROOMS)
-           for t, _ in m.imports if t.split(".")[0] == "torch"]
-    assert not bad, bad
+    """Not even lazily, and not through any module it imports (ours, of any distribution)."""
+    bad = []
+    for module in sorted(n for n in modules() if any(n == r or n.startswith(r + ".")
+                                                     for r in TORCH_FREE_ROOMS)):
+        seen, stack, chain = {module}, [module], {module: [module]}
+        while stack:
+            current = stack.pop()
+            for target, _ in modules()[current].imports:
+                if target.split(".")[0] == "torch":
+                    bad.append(" -> ".join(chain[current] + [target]))
+                    continue
+                nxt = known(target) if dist_of(target) else None
+                if nxt and nxt not in seen:
+                    seen.add(nxt)
+                    chain[nxt] = chain[current] + [nxt]
+                    stack.append(nxt)
+    assert not bad, "\n".join(sorted(set(bad)))
 
 
 def torch_free(name: str) -> bool:
@@ -252,6 +269,7 @@ def test_the_rules_see_the_code():
     assert {m.kind for m in modules().values()} == {"src", "benchmarks", "tests"}
     assert any(m.kind == "tests" and dist_of(t) for m in modules().values() for t, _ in m.imports)
     assert {room_of(n) for n in modules()} >= set(ROOMS)
+    assert room_of("remote_drafter.cli") == "front" and room_of("remote_drafter.env") == "env"
     assert any(room_of(t) == "engine" for n, m in modules().items() if room_of(n) == "models"
                for t, _ in m.imports)
     assert any(t.split(".")[0] == "torch" for n, m in modules().items()

@@ -203,7 +203,7 @@ def test_an_engine_across_two_hosts(ready, tmp_path, capsys):
 def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
     """STACK_DRAFTER_WEIGHTS=exl3: the pack's fidelity gate record must say it passed (the
     worker would refuse to start; preflight says so first)."""
-    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models import fidelity_gate
     cfg, _ = ready
     pack = tmp_path / "pack"
     pack.mkdir()
@@ -214,9 +214,9 @@ def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
               "goal": 0.97, "passed": False}
     rounds = tmp_path / "rounds.safetensors"
     rounds.write_bytes(b"rounds")
-    gate.record(str(pack), result, "d" * 64, "r" * 64, str(rounds), None)
+    fidelity_gate.record(str(pack), result, "d" * 64, "r" * 64, str(rounds), None)
     assert "failed the fidelity gate" in failed(cfg, "offload-host")["exl3 gate"]
-    gate.record(str(pack), {**result, "candidate_accepted": 0.74, "acceptance_ratio": 0.74 / 0.75,
+    fidelity_gate.record(str(pack), {**result, "candidate_accepted": 0.74, "acceptance_ratio": 0.74 / 0.75,
                             "passed": True}, "d" * 64, "r" * 64, str(rounds), None)
     assert "exl3 gate" not in failed(cfg, "offload-host")
     assert any(c.name == "exl3 gate" and c.ok for c in preflight.run(cfg, "offload-host"))

@@ -47,7 +47,7 @@ def drafter_with(folder: str, weights: dict[str, torch.Tensor] | None = None, bf
 def evaluate(taps_dir: str, got: str, out: str) -> None:
     from acceptance_ceiling.chain import exact
     from native_drafter.evaluate import TargetDists, dspark_chain
-    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models import fidelity_gate
     from remote_drafter.models.dspark import DSparkDrafter
     from remote_drafter.models.llama import LlamaLM
     taps = load_file(os.path.join(taps_dir, "taps.safetensors"))
@@ -98,8 +98,8 @@ def evaluate(taps_dir: str, got: str, out: str) -> None:
     res["smollm2_exact_acceptance"] = {"rounds": rounds, "temperature": 0.0, "per_drafter": acc}
     # the fidelity gate as `remote-drafter exl3 gate` computes it (remote_drafter.models.fidelity_gate), here on
     # exllamav3's reconstructed weights: greedy verification against the target's own tokens
-    gate_rounds, _ = gate.read_rounds(os.path.join(taps_dir, "taps.safetensors"))
-    res["smollm2_gate"] = {n: gate.measure(drafters["bfloat16_weights"], d, gate_rounds)
+    gate_rounds, _ = fidelity_gate.read_rounds(os.path.join(taps_dir, "taps.safetensors"))
+    res["smollm2_gate"] = {n: fidelity_gate.measure(drafters["bfloat16_weights"], d, gate_rounds)
                            for n, d in drafters.items() if n != "bfloat16_weights"}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

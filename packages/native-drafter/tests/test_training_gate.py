@@ -11,7 +11,7 @@ import pytest
 import torch
 from native_support import LAYERS, tiny_batch
 
-from native_drafter import comparison as gate
+from native_drafter import comparison
 from native_drafter.fast import TOLERANCES, FastPath, fused_loss, training_gate
 from native_drafter.objective import Objective, draft_logits, reference_loss
 from native_drafter.train import TrainConfig, train
@@ -75,22 +75,22 @@ def test_a_gradient_off_by_ten_percent_fails_that_gradient(tiny_target, tiny_dra
 
 def test_non_finite_missing_unstated_and_misshaped_fail():
     ref = {"loss": torch.tensor(1.0), "logits": torch.ones(3), "grad/w": torch.ones(2)}
-    bad = gate.compare(ref, {"loss": torch.tensor(float("nan")), "logits": torch.ones(4)}, TOLERANCES)
+    bad = comparison.compare(ref, {"loss": torch.tensor(float("nan")), "logits": torch.ones(4)}, TOLERANCES)
     why = {c.name: c.why for c in bad.checks}
     assert not bad.passed
     assert "non-finite" in why["loss"] and "shape" in why["logits"] and "missing" in why["grad/w"]
-    unstated = gate.compare({"other": torch.ones(1)}, {"other": torch.ones(1)}, TOLERANCES)
+    unstated = comparison.compare({"other": torch.ones(1)}, {"other": torch.ones(1)}, TOLERANCES)
     assert not unstated.passed and "no tolerance" in unstated.checks[0].why
-    assert not gate.GateReport([]).passed  # nothing checked is not a pass
-    with pytest.raises(gate.GateFailed, match="loss"):
+    assert not comparison.GateReport([]).passed  # nothing checked is not a pass
+    with pytest.raises(comparison.GateFailed, match="loss"):
         bad.raise_for_failure()
 
 
 def test_relative_error_and_tolerance_lookup():
     a = torch.tensor([1.0, 2.0, 2.0])
-    assert gate.relative_error(a * 1.01, a)[0] == pytest.approx(0.01, rel=1e-6)
-    assert gate.tolerance_for("grad/markov.w1.weight", {"grad/": 1.0, "grad/markov": 2.0}) == 2.0
-    assert gate.tolerance_for("loss", {"grad/": 1.0}) is None
+    assert comparison.relative_error(a * 1.01, a)[0] == pytest.approx(0.01, rel=1e-6)
+    assert comparison.tolerance_for("grad/markov.w1.weight", {"grad/": 1.0, "grad/markov": 2.0}) == 2.0
+    assert comparison.tolerance_for("loss", {"grad/": 1.0}) is None
 
 
 def test_a_failed_gate_writes_no_checkpoint(tiny_target, tmp_path):
@@ -101,7 +101,7 @@ def test_a_failed_gate_writes_no_checkpoint(tiny_target, tmp_path):
     cfg = TrainConfig(rows=4, length=64, anchors=64, gate_anchors=32, gate_batches=1, compile=False,
                       max_steps=2, target_layers=LAYERS)
     broken = FastPath(objective=Objective(ce_weight=0.2), compile=False)
-    with pytest.raises(gate.GateFailed):
+    with pytest.raises(comparison.GateFailed):
         train(tiny_target, tokens, offsets, tokens, offsets, cfg, str(tmp_path),
               {"target_digest": "t", "tokenizer_digest": "k"}, {}, device="cpu", fast=broken)
     assert os.listdir(tmp_path) == ["gate-before.json"]

@@ -70,7 +70,7 @@ def prepare(out: str, rounds: int) -> None:
 
     from remote_drafter.decode_loop import plain_decode
     from remote_drafter.engine.identity import target_digest
-    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models import fidelity_gate
     from remote_drafter.models.dspark import DSparkConfig
     from remote_drafter.models.llama import LlamaLM
     meta = json.load(open(CHECKPOINT / "drafter.json"))
@@ -87,13 +87,13 @@ def prepare(out: str, rounds: int) -> None:
         with torch.no_grad():
             _, hidden = target(torch.tensor(prefix), tuple(config.target_layers))
         n = min(t, config.window)
-        taken.append(gate.Round(hidden[t - n:t].half().numpy(), np.array(prefix),
+        taken.append(fidelity_gate.Round(hidden[t - n:t].half().numpy(), np.array(prefix),
                                 np.array(plain_decode(target, prefix, DEPTH))))
         used.add(prefix[-1])
     rows = sorted(used)
     embed = load_file(str(TARGET / "model.safetensors"))["model.embed_tokens.weight"]
     os.makedirs(out, exist_ok=True)
-    gate.write_rounds(os.path.join(out, "taps.safetensors"), taken, target_digest(str(TARGET)),
+    fidelity_gate.write_rounds(os.path.join(out, "taps.safetensors"), taken, target_digest(str(TARGET)),
                       {"embed_ids": np.array(rows), "embed_rows": embed[rows].numpy()},
                       hidden_layers=config.target_layers)
     say(f"prepared {rounds} rounds in {out}")
@@ -239,23 +239,23 @@ def gate_cli(dense, folder: str, pack: str, work: str) -> dict:
     random taps: the ratio is then the pack's chain agreement with bf16, not an acceptance."""
     import subprocess
 
-    from remote_drafter.models import fidelity_gate as gate
+    from remote_drafter.models import fidelity_gate
     from remote_drafter.models.base import DraftRequest
     rng, rounds = np.random.default_rng(11), []
     for _ in range(32):
         t = int(rng.integers(20, 300))
         prefix = rng.integers(0, dense.vocab_size, t + 1)
         taps = rng.standard_normal((min(t, dense.window), dense.feature)).astype(np.float16)
-        r = gate.Round(taps, prefix, np.zeros(dense.max_depth, np.int64))
-        chain = dense.draft([DraftRequest(gate.history_of(dense, r), dense.max_depth)], want_probs=False)
-        rounds.append(gate.Round(taps, prefix, chain[0].tokens.astype(np.int64)))
+        r = fidelity_gate.Round(taps, prefix, np.zeros(dense.max_depth, np.int64))
+        chain = dense.draft([DraftRequest(fidelity_gate.history_of(dense, r), dense.max_depth)], want_probs=False)
+        rounds.append(fidelity_gate.Round(taps, prefix, chain[0].tokens.astype(np.int64)))
     path = os.path.join(work, "tiny-gate-rounds.safetensors")
-    gate.write_rounds(path, rounds)
+    fidelity_gate.write_rounds(path, rounds)
     cmd = [sys.executable, "-m", "remote_drafter.cli", "exl3", "gate", pack, "--reference", folder,
            "--rounds", path, "--device", "cuda:0", "--dtype", "bfloat16"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return {"command": " ".join(cmd[1:]), "exit": done.returncode,
-            "output_tail": (done.stdout + done.stderr)[-1500:], "record": gate.read_record(pack)}
+            "output_tail": (done.stdout + done.stderr)[-1500:], "record": fidelity_gate.read_record(pack)}
 
 
 def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0",

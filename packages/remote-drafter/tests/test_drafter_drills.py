@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
-import remote_drafter.models.registry as drafters  # noqa: E402
 from ofl import Connection  # noqa: E402
 from ofl.errors import RemoteError  # noqa: E402
 from ofl.testing import stop_process, wait_until  # noqa: E402
@@ -20,7 +19,8 @@ from remote_drafter.decode_loop import plain_decode, speculative_decode
 from remote_drafter.engine import protocol as P
 from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.identity import Manifest, expectation
-from remote_drafter.engine.transport import RemoteTransport, worker_stats
+from remote_drafter.engine.transport import RemoteTransport, worker_stats  # noqa: E402
+from remote_drafter.models import registry  # noqa: E402
 from remote_drafter.models.llama import random_llama
 from remote_drafter.testing import HIDDEN_LAYERS, WorkerProcess
 from remote_drafter.vllm.client_factory import CapacityModeError, make_client
@@ -203,7 +203,7 @@ def test_capacity_mode_never_creates_a_local_drafter(models, target, reference, 
 
     def forbidden(*a, **k):
         raise AssertionError("a local drafter was created in capacity mode")
-    monkeypatch.setattr(drafters, "load_drafter", forbidden)
+    monkeypatch.setattr(registry, "load_drafter", forbidden)
     with socket.socket() as s:  # a port with nobody listening: the host is gone
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

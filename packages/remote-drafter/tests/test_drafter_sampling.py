@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 
 from scipy.stats import chisquare  # noqa: E402
 
-import remote_drafter.decode_loop as reference  # noqa: E402
+import remote_drafter.decode_loop as decode_loop  # noqa: E402
 from remote_drafter.decode_loop import speculative_decode  # noqa: E402
 from remote_drafter.engine.client import DrafterClient  # noqa: E402
 from remote_drafter.engine.transport import LocalTransport  # noqa: E402
@@ -82,7 +82,7 @@ def test_speculative_samples_follow_the_target(pair, exact, use_probs):
 
 
 def test_the_test_rejects_a_wrong_verifier(pair, exact, monkeypatch):
-    monkeypatch.setattr(reference, "verify_chain",
-                        lambda drafts, p_d, p_t, rng: (len(drafts), reference.sample(p_t[len(drafts)], rng)))
+    monkeypatch.setattr(decode_loop, "verify_chain",
+                        lambda drafts, p_d, p_t, rng: (len(drafts), decode_loop.sample(p_t[len(drafts)], rng)))
     samples, _ = sample_continuations(pair, True)
     assert p_value(samples, exact) < 1e-3

@@ -21,8 +21,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 import remote_drafter.cli  # noqa: E402
-from remote_drafter.models import exl3  # noqa: E402
-from remote_drafter.models import fidelity_gate as gate  # noqa: E402
+from remote_drafter.models import exl3, fidelity_gate  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
@@ -63,18 +62,18 @@ def rounds_a(tinies):
     return rounds_for(tinies[1])
 
 
-def greedy(drafter, r: gate.Round, depth: int) -> np.ndarray:
-    return drafter.draft([DraftRequest(gate.history_of(drafter, r), depth)], want_probs=False)[0].tokens
+def greedy(drafter, r: fidelity_gate.Round, depth: int) -> np.ndarray:
+    return drafter.draft([DraftRequest(fidelity_gate.history_of(drafter, r), depth)], want_probs=False)[0].tokens
 
 
-def rounds_for(drafter, seed: int = 0) -> list[gate.Round]:
+def rounds_for(drafter, seed: int = 0) -> list[fidelity_gate.Round]:
     """Random taps and prefixes (MIN_ROUNDS of them, each of POSITIONS in turn); the
     continuation is `drafter`'s own greedy chain."""
     rng = np.random.default_rng(seed)
     out = []
-    for t in POSITIONS * (gate.MIN_ROUNDS // len(POSITIONS)):
+    for t in POSITIONS * (fidelity_gate.MIN_ROUNDS // len(POSITIONS)):
         n = min(t, drafter.window)
-        r = gate.Round(rng.standard_normal((n, drafter.feature)).astype(np.float16),
+        r = fidelity_gate.Round(rng.standard_normal((n, drafter.feature)).astype(np.float16),
                        rng.integers(0, drafter.vocab_size, t + 1), np.zeros(drafter.max_depth, np.int64))
         r.continuation = greedy(drafter, r, drafter.max_depth).astype(np.int64)
         out.append(r)
@@ -83,20 +82,20 @@ def rounds_for(drafter, seed: int = 0) -> list[gate.Round]:
 
 def test_a_drafter_against_itself_passes_with_everything_equal(tinies, rounds_a):
     _, a, _ = tinies
-    result = gate.measure(a, a, list(rounds_a))
+    result = fidelity_gate.measure(a, a, list(rounds_a))
     assert result["reference_accepted"] == result["candidate_accepted"] == a.max_depth
     assert result["acceptance_ratio"] == 1.0 and result["passed"]
     assert result["agreement"] == [1.0] * a.max_depth
-    assert result["tv"] == 0.0 and result["rounds"] == gate.MIN_ROUNDS
-    fewer = gate.measure(a, a, rounds_a[:len(POSITIONS)])
+    assert result["tv"] == 0.0 and result["rounds"] == fidelity_gate.MIN_ROUNDS
+    fewer = fidelity_gate.measure(a, a, rounds_a[:len(POSITIONS)])
     assert fewer["acceptance_ratio"] == 1.0 and not fewer["passed"]  # too few rounds to tell
 
 
 def test_another_drafter_disagrees_and_the_numbers_are_what_its_drafts_give(tinies, rounds_a):
     _, a, b = tinies
     rounds = list(rounds_a)
-    result = gate.measure(a, b, rounds, goal=0.5)
-    mine = [gate.accepted(greedy(b, r, a.max_depth), r.continuation) for r in rounds]
+    result = fidelity_gate.measure(a, b, rounds, goal=0.5)
+    mine = [fidelity_gate.accepted(greedy(b, r, a.max_depth), r.continuation) for r in rounds]
     assert result["candidate_accepted"] == pytest.approx(np.mean(mine))
     assert result["reference_accepted"] == a.max_depth
     assert result["acceptance_ratio"] == pytest.approx(np.mean(mine) / a.max_depth)
@@ -113,19 +112,19 @@ def test_accepted_length_is_the_prefix_equal_to_the_continuation(tinies, rounds_
     rounds = rounds_a[:len(POSITIONS)]  # the rule, not a pass: a few rounds do
     changed = rounds[1].continuation.copy()
     changed[2] = (changed[2] + 1) % a.vocab_size
-    rounds[1] = gate.Round(rounds[1].taps, rounds[1].prefix, changed)
-    result = gate.measure(a, a, rounds, depth=4)
+    rounds[1] = fidelity_gate.Round(rounds[1].taps, rounds[1].prefix, changed)
+    result = fidelity_gate.measure(a, a, rounds, depth=4)
     assert result["depth"] == 4
     assert result["reference_accepted"] == pytest.approx((4 * (len(rounds) - 1) + 2) / len(rounds))
     assert result["acceptance_ratio"] == 1.0
-    assert gate.accepted(np.array([1, 2, 3]), np.array([1, 2, 3, 4])) == 3
-    assert gate.accepted(np.array([5, 2]), np.array([1, 2])) == 0
+    assert fidelity_gate.accepted(np.array([1, 2, 3]), np.array([1, 2, 3, 4])) == 3
+    assert fidelity_gate.accepted(np.array([5, 2]), np.array([1, 2])) == 0
 
 
 def test_a_reference_accepting_nothing_does_not_pass(tinies, rounds_a):
     _, a, _ = tinies
-    rounds = [gate.Round(r.taps, r.prefix, (r.continuation + 1) % a.vocab_size) for r in rounds_a[:len(POSITIONS)]]
-    result = gate.measure(a, a, rounds)
+    rounds = [fidelity_gate.Round(r.taps, r.prefix, (r.continuation + 1) % a.vocab_size) for r in rounds_a[:len(POSITIONS)]]
+    result = fidelity_gate.measure(a, a, rounds)
     assert result["reference_accepted"] == 0 and result["acceptance_ratio"] is None
     assert not result["passed"]
 
@@ -141,9 +140,9 @@ def test_rows_before_the_stored_ones_are_never_read(tinies, rounds_a):
                np.concatenate([np.zeros((t - len(r.taps), a.feature), np.float32), r.taps.astype(np.float32)]))
     whole = a.draft([DraftRequest(full, a.max_depth)], want_probs=False)[0].tokens
     assert np.array_equal(whole, greedy(a, r, a.max_depth))
-    short = gate.Round(r.taps[-100:], r.prefix, r.continuation)
+    short = fidelity_gate.Round(r.taps[-100:], r.prefix, r.continuation)
     with pytest.raises(ValueError, match="window reads 128"):
-        gate.measure(a, a, [short])
+        fidelity_gate.measure(a, a, [short])
 
 
 def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinies, rounds_a):
@@ -151,43 +150,43 @@ def test_the_rounds_file_round_trips_and_tolerates_other_tensors(tmp_path, tinie
     rounds = list(rounds_a)
     path = str(tmp_path / "rounds.safetensors")
     extra = {"embed_ids": np.arange(4, dtype=np.int64), "embed_rows": np.ones((4, 8), np.float16)}
-    gate.write_rounds(path, rounds, target_digest="t" * 64, extra=extra)
-    back, meta = gate.read_rounds(path)
-    assert meta[gate.TARGET_KEY] == "t" * 64 and len(back) == len(rounds)
+    fidelity_gate.write_rounds(path, rounds, target_digest="t" * 64, extra=extra)
+    back, meta = fidelity_gate.read_rounds(path)
+    assert meta[fidelity_gate.TARGET_KEY] == "t" * 64 and len(back) == len(rounds)
     for r, s in zip(rounds, back):
         assert s.taps.dtype == np.float16 and np.array_equal(r.taps, s.taps)
         assert s.prefix.dtype == np.int64 and np.array_equal(r.prefix, s.prefix)
         assert np.array_equal(r.continuation, s.continuation)
-    gate.write_rounds(path, [gate.Round(None, np.arange(3), np.arange(2))])
-    (only,), meta = gate.read_rounds(path)
-    assert only.taps is None and gate.TARGET_KEY not in meta
+    fidelity_gate.write_rounds(path, [fidelity_gate.Round(None, np.arange(3), np.arange(2))])
+    (only,), meta = fidelity_gate.read_rounds(path)
+    assert only.taps is None and fidelity_gate.TARGET_KEY not in meta
 
 
 def test_the_record_decides_what_may_be_served(tmp_path):
     pack, rounds = str(tmp_path), str(tmp_path / "r.safetensors")
-    gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))], target_digest="t" * 64)
+    fidelity_gate.write_rounds(rounds, [fidelity_gate.Round(None, np.arange(3), np.arange(2))], target_digest="t" * 64)
     assert "no fidelity gate record" in exl3_admission.refusal(pack, "d" * 64)
     result = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.8,
               "acceptance_ratio": 0.9, "agreement": [1.0] * 5, "tv": 0.01, "tv_max": 0.02,
               "goal": 0.97, "passed": False}
-    gate.record(pack, result, "d" * 64, "r" * 64, rounds, "t" * 64)
+    fidelity_gate.record(pack, result, "d" * 64, "r" * 64, rounds, "t" * 64)
     why = exl3_admission.refusal(pack, "d" * 64)
     assert "failed the fidelity gate" in why and "1.800" in why and "90.0%" in why and "\n" not in why
-    gate.record(pack, {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
+    fidelity_gate.record(pack, {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
                 "d" * 64, "r" * 64, rounds, "t" * 64)
     assert exl3_admission.refusal(pack, "d" * 64) is None and exl3_admission.refusal(pack, None) is None
     assert "is for drafter dddddddddddd" in exl3_admission.refusal(pack, "e" * 64)
     assert "target" in exl3_admission.refusal(pack, "d" * 64, target_digest="u" * 64)
-    rec = gate.read_record(pack)
-    assert rec["rounds_sha256"] == gate.sha256_file(rounds) and rec["target"] == "t" * 64
+    rec = fidelity_gate.read_record(pack)
+    assert rec["rounds_sha256"] == fidelity_gate.sha256_file(rounds) and rec["target"] == "t" * 64
     assert rec["reference_drafter"] == "r" * 64 and rec["date"] and rec["version"]
     # a pass at a lower goal of its own does not clear the pack: the worker's bar is GOAL
-    gate.record(pack, {**result, "goal": 0.8, "passed": True}, "d" * 64, "r" * 64, rounds)
+    fidelity_gate.record(pack, {**result, "goal": 0.8, "passed": True}, "d" * 64, "r" * 64, rounds)
     assert "goal 97%" in exl3_admission.refusal(pack, "d" * 64)
     passed = {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True}
-    gate.record(pack, {**passed, "rounds": gate.MIN_ROUNDS - 1}, "d" * 64, "r" * 64, rounds)
-    assert f"fewer than the {gate.MIN_ROUNDS}" in exl3_admission.refusal(pack, "d" * 64)
-    gate.record(pack, passed, "d" * 64, "d" * 64, rounds)  # gated against itself
+    fidelity_gate.record(pack, {**passed, "rounds": fidelity_gate.MIN_ROUNDS - 1}, "d" * 64, "r" * 64, rounds)
+    assert f"fewer than the {fidelity_gate.MIN_ROUNDS}" in exl3_admission.refusal(pack, "d" * 64)
+    fidelity_gate.record(pack, passed, "d" * 64, "d" * 64, rounds)  # gated against itself
     assert "against its own weights" in exl3_admission.refusal(pack, "d" * 64)
 
 
@@ -196,7 +195,7 @@ def test_the_gate_command_explains_itself(capsys):
         remote_drafter.cli.main(["exl3", "gate", "--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "accepted length" in out and "total-variation" in out and "exl3-gate.json" in out
+    assert "accepted length" in out and "total-variation" in out and "exl3-fidelity_gate.json" in out
 
 
 @pytest.fixture
@@ -208,22 +207,22 @@ def no_gpu_needed(monkeypatch):
 def test_the_gate_command_measures_and_records_a_pack(tinies, rounds_a, tmp_path, capsys, no_gpu_needed):
     root, a, _ = tinies
     rounds = str(tmp_path / "rounds.safetensors")
-    gate.write_rounds(rounds, list(rounds_a))
+    fidelity_gate.write_rounds(rounds, list(rounds_a))
     argv = ["exl3", "gate", str(root / "pack"), "--reference", str(root / "a"), "--rounds", rounds,
             "--device", "cpu", "--reference-device", "cpu", "--dtype", "float32"]
     code = remote_drafter.cli.main(argv)
     out = capsys.readouterr().out
-    rec = gate.read_record(str(root / "pack"))
+    rec = fidelity_gate.read_record(str(root / "pack"))
     assert code == (0 if rec["passed"] else 1), out
-    assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-gate.json" in out
+    assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-fidelity_gate.json" in out
     pack = Dsv41Drafter.load(str(root / "pack"), device="cpu")
-    assert rec["drafter"] == gate.weights_of(pack.manifest())
-    assert rec["reference_drafter"] == gate.weights_of(a.manifest())
+    assert rec["drafter"] == fidelity_gate.weights_of(pack.manifest())
+    assert rec["reference_drafter"] == fidelity_gate.weights_of(a.manifest())
     # the Markov head is part of the weights the record names (the drafter digest leaves it out)
-    other_markov = gate.weights_of(replace(pack.manifest(), markov="m" * 64))
-    assert exl3_admission.refusal(str(root / "pack"), gate.weights_of(pack.manifest())) is None
+    other_markov = fidelity_gate.weights_of(replace(pack.manifest(), markov="m" * 64))
+    assert exl3_admission.refusal(str(root / "pack"), fidelity_gate.weights_of(pack.manifest())) is None
     assert "is for drafter" in exl3_admission.refusal(str(root / "pack"), other_markov)
-    assert rec["rounds"] == gate.MIN_ROUNDS and rec["target"] is None
+    assert rec["rounds"] == fidelity_gate.MIN_ROUNDS and rec["target"] is None
     # the pack holds the reference's weights rounded to bf16: on these rounds it keeps up
     assert rec["acceptance_ratio"] >= 0.97 and code == 0
     assert remote_drafter.cli.main([*argv, "--depth", "9"]) == 2
@@ -232,7 +231,7 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, rounds_a, tmp_path
     assert remote_drafter.cli.main(itself) == 2
     assert "is an EXL3 pack" in capsys.readouterr().err
     other = str(tmp_path / "other-taps.safetensors")
-    gate.write_rounds(other, list(rounds_a), hidden_layers=[9, 9, 9])
+    fidelity_gate.write_rounds(other, list(rounds_a), hidden_layers=[9, 9, 9])
     assert remote_drafter.cli.main([*argv[:6], other, *argv[7:]]) == 2
     assert "taps of target layers [9, 9, 9]" in capsys.readouterr().err
 
@@ -255,14 +254,14 @@ def test_the_worker_refuses_a_pack_without_a_passed_gate_for_its_weights(tinies,
     err = capsys.readouterr().err.strip()
     assert "no fidelity gate record" in err and "exl3 gate" in err and "\n" not in err
     rounds = str(tmp_path / "r.safetensors")
-    gate.write_rounds(rounds, [gate.Round(None, np.arange(3), np.arange(2))])
+    fidelity_gate.write_rounds(rounds, [fidelity_gate.Round(None, np.arange(3), np.arange(2))])
     result = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 1.0,
               "acceptance_ratio": 0.5, "agreement": [0.5] * 5, "tv": 0.1, "tv_max": 0.2,
               "goal": 0.97, "passed": False}
-    gate.record(str(pack), result, "d" * 64, "r" * 64, rounds)
+    fidelity_gate.record(str(pack), result, "d" * 64, "r" * 64, rounds)
     assert remote_drafter.cli.main(worker(spec)) == 2
     assert "failed the fidelity gate" in capsys.readouterr().err
-    gate.record(str(pack), {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
+    fidelity_gate.record(str(pack), {**result, "candidate_accepted": 2.0, "acceptance_ratio": 1.0, "passed": True},
                 "d" * 64, "r" * 64, rounds)
     assert remote_drafter.cli.main(worker(spec)) == 2
     err = capsys.readouterr().err.strip()
@@ -284,7 +283,7 @@ def test_a_pack_that_passed_its_gate_is_served(tinies, rounds_a, tmp_path, capsy
     pack = tmp_path / "pack"
     dense_pack(str(root / "a"), str(pack))
     rounds = str(tmp_path / "rounds.safetensors")
-    gate.write_rounds(rounds, list(rounds_a))
+    fidelity_gate.write_rounds(rounds, list(rounds_a))
     assert remote_drafter.cli.main(["exl3", "gate", str(pack), "--reference", str(root / "a"),
                                     "--rounds", rounds, "--device", "cpu", "--dtype", "float32"]) == 0
     served = {}
@@ -335,8 +334,8 @@ def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
     out = speculative_decode(target, client, prompts, 30, hidden_layers=HIDDEN_LAYERS)
     assert service.stats()["gate_rounds_recorded"] == 5  # in status while it records
     service.close()
-    rounds, meta = gate.read_rounds(path)
-    assert len(rounds) == 5 and meta[gate.TARGET_KEY] == drafter.manifest().target
+    rounds, meta = fidelity_gate.read_rounds(path)
+    assert len(rounds) == 5 and meta[fidelity_gate.TARGET_KEY] == drafter.manifest().target
     sequences = [prompts[rid] + out.tokens[rid] for rid in prompts]
     for rid in prompts:  # speculative decoding at T = 0 is the target's own greedy decoding
         assert out.tokens[rid] == plain_decode(target, prompts[rid], 30)
@@ -349,7 +348,7 @@ def test_rounds_recorded_while_serving_are_the_targets_own(tmp_path):
         assert n == min(t, drafter.window)
         np.testing.assert_allclose(r.taps.astype(np.float32), hidden[t - n:t].numpy(), rtol=2e-3, atol=2e-3)
     for r in rounds:  # the gate can lay each one out for this drafter (rows cover its window)
-        assert gate.history_of(drafter, r).length == len(r.prefix)
+        assert fidelity_gate.history_of(drafter, r).length == len(r.prefix)
 
 
 def test_a_round_beyond_the_kept_tokens():

@@ -21,12 +21,13 @@ import logging
 import os
 import re
 import sys
+import traceback
 from importlib.metadata import entry_points
 
 from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 from remote_drafter import env
-from remote_drafter.models import fidelity_gate as gate
+from remote_drafter.models import fidelity_gate
 from remote_drafter.models.registry import WorkerExtraMissing, spec_folder, worker_side
 from remote_drafter.worker import exl3_admission
 from remote_drafter.worker.capacity import add_capacity_args, capacity_config
@@ -173,6 +174,8 @@ def cmd_worker(args) -> int:
     from remote_drafter.models.registry import load_drafter
     from remote_drafter.worker.device_lock import DeviceBusy, worker_lock
     from remote_drafter.worker.round_recorder import recording_refusal
+    if args.ungated and args.weights != "exl3":
+        raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
     if args.record_gate_rounds and (why := recording_refusal(args.record_gate_rounds, args.gate_rounds)):
         raise ValueError(why)
     try:  # refused before the card is locked; then exllamav3 builds
@@ -194,7 +197,8 @@ def cmd_worker(args) -> int:
                 exl3_admission.after_loading(args.drafter, drafter, bool(args.target), args.ungated)
             except exl3_admission.Refused as exc:
                 return refuse_to_start(str(exc))
-            ungated = drafter.serving_notes["exl3_gate"] != "passed"
+            note = drafter.serving_notes["exl3_gate"]
+            ungated = None if note == "passed" else note
         serve(args, drafter, stop, locked=bool(lock), ungated=ungated)
     finally:
         if lock:
@@ -204,7 +208,7 @@ def cmd_worker(args) -> int:
     return 0
 
 
-def serve(args, drafter, stop, locked: bool, ungated: bool) -> None:
+def serve(args, drafter, stop, locked: bool, ungated: str | None) -> None:
     """Serve `drafter` until `stop` (SIGTERM or Ctrl-C), after one ready line on stdout."""
     from ofl.server import parse_address
     from remote_drafter.worker.server import Worker
@@ -477,8 +481,8 @@ def exl3_gate_parser(sub) -> None:
                         "the rounds file's target digest)")
     p.add_argument("--depth", type=int, default=None,
                    help="drafts per round (default: the drafters' max depth, capped by the continuations)")
-    p.add_argument("--goal", type=float, default=gate.GOAL,
-                   help=f"the ratio that passes (the worker still requires {gate.GOAL} to serve)")
+    p.add_argument("--goal", type=float, default=fidelity_gate.GOAL,
+                   help=f"the ratio that passes (the worker still requires {fidelity_gate.GOAL} to serve)")
     p.add_argument("--device", default="cuda:0", help="where the pack runs (a CUDA GPU)")
     p.add_argument("--reference-device", default=None,
                    help="where the dense reference runs (default: --device; e.g. cpu where it does "
@@ -506,8 +510,8 @@ def cmd_exl3_gate(args) -> int:
     if exl3.is_pack(spec_folder(args.reference)):
         raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "
                          "drafter the pack was converted from")
-    rounds, meta = gate.read_rounds(args.rounds)
-    measured_on = meta.get(gate.TARGET_KEY)
+    rounds, meta = fidelity_gate.read_rounds(args.rounds)
+    measured_on = meta.get(fidelity_gate.TARGET_KEY)
     if args.target and measured_on and (served := target_digest(args.target)) != measured_on:
         raise ValueError(f"{args.rounds} holds rounds of target {measured_on[:12]}, --target "
                          f"{args.target} is {served[:12]}")
@@ -517,11 +521,11 @@ def cmd_exl3_gate(args) -> int:
                                  ("candidate", pack, args.device)):
         spec, options = gate_spec(folder)
         loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
-    if why := gate.taps_refusal(meta, loaded["candidate"]):
+    if why := fidelity_gate.taps_refusal(meta, loaded["candidate"]):
         raise ValueError(f"{args.rounds}: {why}")
-    result = gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
-    path = gate.record(pack, result, gate.weights_of(loaded["candidate"].manifest()),
-                       gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
+    result = fidelity_gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
+    path = fidelity_gate.record(pack, result, fidelity_gate.weights_of(loaded["candidate"].manifest()),
+                       fidelity_gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
     print_gate_result(result, args.goal, path)
     return 0 if result["passed"] else 1
 
@@ -533,7 +537,7 @@ def print_gate_result(result: dict, goal: float, path: str) -> None:
     print(f"{'candidate':<10}{result['candidate_accepted']:>16.3f}   "
           + " ".join(f"{a:.3f}" for a in result["agreement"]))
     tv = "n/a" if result["tv"] is None else f"{result['tv']:.4f} (max {result['tv_max']:.4f})"
-    few = f" (fewer than the {gate.MIN_ROUNDS} rounds a pass needs)" if result["rounds"] < gate.MIN_ROUNDS else ""
+    few = f" (fewer than the {fidelity_gate.MIN_ROUNDS} rounds a pass needs)" if result["rounds"] < fidelity_gate.MIN_ROUNDS else ""
     print(f"remote-drafter exl3 gate: {result['rounds']} rounds{few}, ratio "
           f"{'n/a (the reference accepted nothing)' if ratio is None else f'{ratio:.1%}'} "
           f"(goal {goal:.0%}), first-draft TV at T = 1 {tv} -> "
@@ -579,7 +583,15 @@ def run() -> None:
     exit that skips the interpreter's teardown. Everything the command owns is closed by
     then; what teardown would add is a daemon thread inside torch's C++ being unwound, which
     aborts the process ("terminate called without an active exception") after a clean stop."""
-    code = main()
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse: --help, a usage error
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - said as Python would, then the same exit
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -40,11 +40,9 @@ def load_exl3(spec: str, device: str):
 
 def before_loading(spec: str, weights: str, device: str, ungated_ok: bool) -> str | None:
     """Before the card is locked: why the pack has not passed (None: it has, or the weights
-    are dense). Refused unless `ungated_ok`; a pack served as dense weights is always refused
-    (it would skip its gate)."""
+    are dense). Refused unless `ungated_ok` (meaningful with exl3 weights only, which the CLI
+    checks); a pack served as dense weights is always refused (it would skip its gate)."""
     folder = spec_folder(spec)
-    if ungated_ok and weights != "exl3":
-        raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
     if weights != "exl3":
         if worker_side("remote_drafter.models.exl3", "the worker").is_pack(folder):
             raise Refused(f"{folder} holds EXL3 weights: serve it with --weights exl3 (which "
