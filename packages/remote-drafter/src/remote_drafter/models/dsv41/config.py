@@ -314,8 +314,6 @@ class V4DrafterConfig(Dsv41DrafterConfig):
 
 
 VARIANT_CLASSES = {c.model_type: c for c in (V41DrafterConfig, V4DrafterConfig)}
-VARIANTS = {t: c.variant for t, c in VARIANT_CLASSES.items()}  # model_type -> variant
-NAMES = {c.variant: c.name for c in VARIANT_CLASSES.values()}
 
 
 def _refuse_other_layouts(keys: _Keys) -> None:

@@ -26,7 +26,7 @@ def load(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
     config = checkpoint.with_optional_heads(config, stored)
     state = checkpoint.read_tensors(stored)
     linears, weights, problems, used = {}, {}, [], set()
-    for name, (shape, _) in weight_table(config).items():
+    for name, (shape, storage) in weight_table(config).items():
         module = name.removesuffix(".weight")
         grouped = name.endswith(".attn.wo_a.weight")
         slices = [f"{module}.slice.{g}" for g in range(config.o_groups)] if grouped else []
@@ -45,7 +45,9 @@ def load(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
                 problems.append(f"{name}: shape {list(t.shape)}, expected {list(shape)}"
                                 " (or that, zero-padded)")
                 continue
-            weights[name] = cut.to(device, torch.float32 if cut.dtype == torch.float32 else dtype)
+            # float32 parameters stay float32 however they were stored, as checkpoint.load reads them
+            wide = storage == "f32" or cut.dtype == torch.float32
+            weights[name] = cut.to(device, torch.float32 if wide else dtype)
         else:
             problems.append(f"{name}: missing")
     checkpoint.refuse(folder, problems, config.name)
