@@ -24,7 +24,7 @@ from ofl import (
     wire,
 )
 from ofl.probe import PROBE_REGION, pattern
-from ofl.testing import stop_process
+from ofl.testing import stop_process, wait_until
 
 ROW = 264
 
@@ -218,17 +218,20 @@ def test_kill_9_mid_read_fails_before_deadline():
         dest = bytearray(64 << 20)
         errors, done = [], threading.Event()
 
+        reads = []
+
         def reader():
             try:
                 while not done.is_set():
                     conn.read(PROBE_REGION, 0, 64 << 20, dest)
+                    reads.append(1)
             except OflError as exc:
                 errors.append(exc)
 
         t = threading.Thread(target=reader)
         t.start()
-        time.sleep(0.3)
-        killed = time.monotonic()
+        wait_until(lambda: len(reads), what="the reader's first whole read", timeout_s=30)
+        killed = time.monotonic()  # the reader is in its next read
         srv.proc.send_signal(signal.SIGKILL)
         t.join(timeout=10)
         done.set()
