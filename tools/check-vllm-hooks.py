@@ -28,8 +28,8 @@ from remote_engram.vllm.overlay import HOOKS as ENGRAM
 ENGRAM_FILE = "vllm/models/deepseek_v41/common/engram.py"
 HOOKS = {**DRAFTER, ENGRAM_FILE: {"ParallelEngramEmbedding": ENGRAM["table"],
                                   "Engram": ENGRAM["engram"]}}
-REFERENCE = Path(__file__).resolve().parents[1] / "packages/remote-drafter/tests/dsv41_vllm_transcript.py"
-REFERENCE_RELEASE = "0.33.0"
+TRANSCRIPT = Path(__file__).resolve().parents[1] / "packages/remote-drafter/tests/dsv41_vllm_transcript.py"
+TRANSCRIPT_RELEASE = "0.33.0"
 CALLS = {  # call sites the hooks depend on: (file, function, text it must contain)
     ("vllm/v1/worker/gpu_model_runner.py", "load_model",
      "self._setup_eagle3_aux_hidden_state_outputs()"),
@@ -105,7 +105,7 @@ def definitions(tree: ast.Module) -> dict:
 def transcribed() -> dict:
     """{file: {qualified name: digest}}, read from the reference's docstring."""
     table = {}
-    doc = ast.get_docstring(ast.parse(REFERENCE.read_text()))
+    doc = ast.get_docstring(ast.parse(TRANSCRIPT.read_text()))
     for name, qualname, want in re.findall(r"^\s+(vllm/\S+\.py)::(\S+)\s+([0-9a-f]{16})$", doc, re.M):
         table.setdefault(name, {})[qualname] = want
     return table
@@ -121,8 +121,8 @@ def release_version(release: str) -> str | None:
 
 def check_transcribed(release: str) -> list[str]:
     version = release_version(release)
-    if version != REFERENCE_RELEASE:
-        print(f"  --  the drafter reference transcribes {REFERENCE_RELEASE}; this is {version}: not checked")
+    if version != TRANSCRIPT_RELEASE:
+        print(f"  --  the drafter's transcript transcribes {TRANSCRIPT_RELEASE}; this is {version}: not checked")
         return []
     problems = []
     for name, functions in transcribed().items():
@@ -134,9 +134,9 @@ def check_transcribed(release: str) -> list[str]:
               f"{len(functions)} transcribed functions unchanged")
         for f in bad:
             what = "missing" if f not in got else f"changed (now {got[f]})"
-            print(f"  BAD {name}::{f} {what}: re-read it and update {REFERENCE.name}")
+            print(f"  BAD {name}::{f} {what}: re-read it and update {TRANSCRIPT.name}")
             problems.append(f"{f} {what.split()[0]}: the DeepSeek-V4.1 drafter reference "
-                            f"({REFERENCE.name}) must be re-read")
+                            f"({TRANSCRIPT.name}) must be re-read")
     return problems
 
 

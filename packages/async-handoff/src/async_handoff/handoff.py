@@ -187,8 +187,7 @@ class Handoff:
 
     def _watch(self) -> None:
         # the proxy beats between rounds, and a round may run for up to its deadline: only a
-        # proxy silent for longer than both is stuck (a slow round is not; found when a
-        # loaded machine's 1.2 s round under a 2 s deadline got its proxy killed)
+        # proxy silent for longer than both is stuck (a slow round on a loaded machine is not)
         timeout_ns = (self.config.heartbeat_timeout_ms + self.config.round_deadline_ms) * 1e6
         while not self._stop.wait(self.config.watchdog_interval_s):
             with self._lock:

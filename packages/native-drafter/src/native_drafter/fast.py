@@ -20,8 +20,8 @@ from .comparison import GateReport, compare, merge
 from .objective import Batch, Objective, draft_logits, reference_loss
 
 # Relative-error tolerances per quantity (bf16 operands: ~1e-3..1e-2 per product, and the
-# drafter chains a projection, three layers, the head and a softmax). Measured on CPU and
-# H200 well inside these; a wrong weight, a dropped term or a gradient off by a few
+# drafter chains a projection, three layers, the head and a softmax). What the CPU and the
+# H200 measure is in findings/drafter-training.md, well inside these; a wrong weight, a dropped term or a gradient off by a few
 # percent lands far outside (tests/test_training_gate.py).
 TOLERANCES = {
     "loss": 5e-3,
