@@ -78,4 +78,3 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert not left.stdout.strip(), f"processes left running: {left.stdout}"
     assert json.loads((tmp_path / "run" / "canary-reference.json").read_text())["all"]
-

@@ -73,4 +73,3 @@ def test_recorded_validation_acceptance_reproduces_on_cpu(target):
     assert same.sum() >= len(rounds) - 1, f"rounds differ: CPU {mine[:, -1]} vs GPU {recorded[:, -1]}"
     assert abs(mine[:, -1].mean() - recorded[:, -1].mean()) <= 0.5
     assert np.array_equal(np.array(got["ngram"]), np.array([r["E_ngram"] for r in rounds]))
-

@@ -513,7 +513,6 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
         res.save()
 
 
-# -- CPU, after ----------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -331,4 +331,3 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
 def report(checks: list[Check]) -> str:
     return "\n".join(f"{'FAIL' if not c.ok else 'WARN' if c.warn else 'PASS'}  {c.name}: {c.detail}"
                      for c in checks)
-

@@ -118,8 +118,6 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
                         "on this GPU). Not --backend: that names the ofl transport")
 
 
-
-
 def add_spec_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-cache", action="store_true",
                    help="pre-draft likely next rounds while the target verifies (token-only drafters)")
@@ -137,10 +135,6 @@ def add_gate_recording_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-rounds", type=int, default=64, help="rounds --record-gate-rounds keeps")
 
 
-
-
-
-
 def _service_config(args):
     from remote_drafter.worker.service import ServiceConfig
     return ServiceConfig(**capacity_config(args),
@@ -149,8 +143,6 @@ def _service_config(args):
                          spec_cache_max_batch=args.spec_cache_max_batch,
                          inject_delay_s=args.inject_delay_ms / 1000,
                          record_gate_rounds=args.record_gate_rounds, gate_rounds=args.gate_rounds)
-
-
 
 
 def kernel_loader(name: str):

@@ -147,4 +147,3 @@ class EngramServer:
             self._http.server_close()
         for s in self.shards:
             s.region.close()
-

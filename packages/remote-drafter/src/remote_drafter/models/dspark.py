@@ -123,7 +123,6 @@ def init_weights(model: DSparkModel, seed: int = 0, std: float = 0.02) -> DSpark
     return model
 
 
-
 def load_target_embedding(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and output head (tied checkpoints: the same tensor)."""
     found = {}
@@ -273,4 +272,3 @@ class DSparkDrafter(Drafter):
             logits = z[:, i] + self.model.markov(previous)
             previous = pick(logits, [r.history.length + i for r in requests])
         return split(requests, *pick.finish())
-

@@ -44,6 +44,7 @@ HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input p
               "tp_broadcast": "Deferred drafts to every TP rank: time in the broadcast (ranks > 0: "
                               "with the wait for rank 0's collection)"}
 
+
 class RemoteProposer:
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -283,6 +284,3 @@ class RemoteProposer:
         self.metrics.inc("drafts_filled", filled)
         self.metrics.inc("placeholders_verified", sum(map(len, out.values())) - filled)
         return out
-
-
-

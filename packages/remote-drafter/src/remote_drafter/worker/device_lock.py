@@ -121,4 +121,3 @@ def worker_lock(device: str) -> DeviceLock | None:
     if mode == "0" or (mode == "auto" and torch.device(device).type != "cuda"):
         return None
     return DeviceLock(device_key(device), lock_dir()).acquire()
-

@@ -65,4 +65,3 @@ def write_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
     group = VALUES_PER_ROW // SCALES_PER_ROW
     grouped = values.reshape(*values.shape[:-1], SCALES_PER_ROW, group) * scales[..., None]
     out.copy_(grouped.reshape(out.shape).to(out.dtype))
-

@@ -181,4 +181,3 @@ class Dsv41Drafter(Drafter):
             return d
         return replace(d, **{f.name: getattr(d, f.name)[:low[0]] for f in fields(d)
                              if getattr(d, f.name) is not None})
-
