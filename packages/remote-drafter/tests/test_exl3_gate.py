@@ -195,7 +195,7 @@ def test_the_gate_command_explains_itself(capsys):
         remote_drafter.cli.main(["exl3", "gate", "--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "accepted length" in out and "total-variation" in out and "exl3-fidelity_gate.json" in out
+    assert "accepted length" in out and "total-variation" in out and "exl3-gate.json" in out
 
 
 @pytest.fixture
@@ -214,7 +214,7 @@ def test_the_gate_command_measures_and_records_a_pack(tinies, rounds_a, tmp_path
     out = capsys.readouterr().out
     rec = fidelity_gate.read_record(str(root / "pack"))
     assert code == (0 if rec["passed"] else 1), out
-    assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-fidelity_gate.json" in out
+    assert ("PASS" if rec["passed"] else "FAIL") in out and "exl3-gate.json" in out
     pack = Dsv41Drafter.load(str(root / "pack"), device="cpu")
     assert rec["drafter"] == fidelity_gate.weights_of(pack.manifest())
     assert rec["reference_drafter"] == fidelity_gate.weights_of(a.manifest())

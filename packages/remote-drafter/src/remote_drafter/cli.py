@@ -497,7 +497,8 @@ def cmd_exl3_gate(args) -> int:
     torch = worker_side("torch", "exl3 gate")
     from remote_drafter.engine.identity import target_digest
     from remote_drafter.models.registry import load_drafter
-    exl3 = exl3_admission.load_exl3(args.pack, args.device)
+    exl3 = worker_side("remote_drafter.models.exl3", "exl3 gate")
+    exl3.require_pack(spec_folder(args.pack), args.device)
     pack = spec_folder(args.pack)
     if exl3.is_pack(spec_folder(args.reference)):
         raise ValueError(f"--reference {args.reference} is an EXL3 pack: the reference is the dense "

@@ -74,6 +74,17 @@ def load_exllamav3(log=None) -> SimpleNamespace:
     return _lib
 
 
+def require_pack(folder: str, device: str) -> None:
+    """A pack about to be served or measured: refused without CUDA or exllamav3, or for a
+    folder with no EXL3 weights; then exllamav3 is imported (its extension built, said while
+    it waits)."""
+    require(device)
+    if not is_pack(folder):
+        raise ValueError(f"{folder} holds no EXL3 weights ({PACK_FILE}): make them with "
+                         "`remote-drafter exl3 convert`")
+    load_exllamav3()
+
+
 def padded(n: int) -> int:
     return -(-n // PAD) * PAD
 

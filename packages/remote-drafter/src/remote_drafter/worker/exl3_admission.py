@@ -25,19 +25,6 @@ class Refused(ValueError):
     """The worker must not start: one line saying why."""
 
 
-def load_exl3(spec: str, device: str):
-    """--weights exl3: refused without CUDA or exllamav3, or for a folder that is no EXL3
-    pack; then exllamav3 is imported (its extension built, said while it waits). Returns
-    remote_drafter.models.exl3."""
-    exl3 = worker_side("remote_drafter.models.exl3", "--weights exl3")
-    exl3.require(device)
-    if not exl3.is_pack(spec_folder(spec)):
-        raise ValueError(f"{spec_folder(spec)} holds no EXL3 weights ({exl3.PACK_FILE}): "
-                         "make them with `remote-drafter exl3 convert`")
-    exl3.load_exllamav3()
-    return exl3
-
-
 def before_loading(spec: str, weights: str, device: str, ungated_ok: bool) -> str | None:
     """Before the card is locked: why the pack has not passed (None: it has, or the weights
     are dense). Refused unless `ungated_ok` (meaningful with exl3 weights only, which the CLI
@@ -48,7 +35,7 @@ def before_loading(spec: str, weights: str, device: str, ungated_ok: bool) -> st
             raise Refused(f"{folder} holds EXL3 weights: serve it with --weights exl3 (which "
                           "checks its fidelity gate)")
         return None
-    load_exl3(spec, device)
+    worker_side("remote_drafter.models.exl3", "--weights exl3").require_pack(folder, device)
     why = refusal(folder, None)
     if why and not ungated_ok:
         raise Refused(why)
