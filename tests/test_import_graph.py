@@ -211,23 +211,30 @@ def test_remote_drafter_rooms_import_only_rooms_below_them():
     assert not bad, "\n".join(bad)
 
 
+def torch_chains(module: str, top_level_only: bool) -> list[str]:
+    """Every import chain from `module` through our modules (any distribution) that ends in
+    torch; lazy imports inside functions followed too unless `top_level_only`."""
+    bad, seen, stack, chain = [], {module}, [module], {module: [module]}
+    while stack:
+        current = stack.pop()
+        for target, at_top in modules()[current].imports:
+            if top_level_only and not at_top:
+                continue
+            if target.split(".")[0] == "torch":
+                bad.append(" -> ".join(chain[current] + [target]))
+                continue
+            nxt = known(target) if dist_of(target) else None
+            if nxt and nxt not in seen:
+                seen.add(nxt)
+                chain[nxt] = chain[current] + [nxt]
+                stack.append(nxt)
+    return bad
+
+
 def test_the_engine_room_imports_no_torch_at_all():
     """Not even lazily, and not through any module it imports (ours, of any distribution)."""
-    bad = []
-    for module in sorted(n for n in modules() if any(n == r or n.startswith(r + ".")
-                                                     for r in TORCH_FREE_ROOMS)):
-        seen, stack, chain = {module}, [module], {module: [module]}
-        while stack:
-            current = stack.pop()
-            for target, _ in modules()[current].imports:
-                if target.split(".")[0] == "torch":
-                    bad.append(" -> ".join(chain[current] + [target]))
-                    continue
-                nxt = known(target) if dist_of(target) else None
-                if nxt and nxt not in seen:
-                    seen.add(nxt)
-                    chain[nxt] = chain[current] + [nxt]
-                    stack.append(nxt)
+    bad = [c for n in sorted(modules()) if any(n == r or n.startswith(r + ".") for r in TORCH_FREE_ROOMS)
+           for c in torch_chains(n, top_level_only=False)]
     assert not bad, "\n".join(sorted(set(bad)))
 
 
@@ -242,22 +249,8 @@ def test_torch_free_distributions_import_no_torch(dist):
     torch-free module importing a module that imports torch at its top is as bad as
     importing torch itself."""
     assert dist in DISTS
-    bad = []
-    for module in sorted(n for n in modules() if modules()[n].dist == dist and torch_free(n)):
-        seen, stack, chain = {module}, [module], {module: [module]}
-        while stack:
-            current = stack.pop()
-            for target, at_top in modules()[current].imports:
-                if not at_top:
-                    continue
-                if target.split(".")[0] == "torch":
-                    bad.append(" -> ".join(chain[current] + [target]))
-                    continue
-                nxt = known(target) if dist_of(target) else None
-                if nxt and nxt not in seen:
-                    seen.add(nxt)
-                    chain[nxt] = chain[current] + [nxt]
-                    stack.append(nxt)
+    bad = [c for n in sorted(modules()) if modules()[n].dist == dist and torch_free(n)
+           for c in torch_chains(n, top_level_only=True)]
     assert not bad, "\n".join(sorted(set(bad)))
 
 
