@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -15,8 +16,29 @@ import urllib.request
 from pathlib import Path
 
 
+def ephemeral_low(default: int = 32768) -> int:
+    """Where the kernel's ephemeral port range starts (ports it gives outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a server started next. Chosen below the ephemeral range
+    (and torch.distributed's 29500s): a port the kernel hands out (bind to 0) can be taken by
+    any outgoing connection between this check and the server's own bind."""
+    rng, high = random.SystemRandom(), min(ephemeral_low(), 29000)  # 29500+: torch.distributed's
+    for _ in range(200):
+        port = rng.randrange(20000, high) if high > 20100 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
