@@ -30,12 +30,13 @@ def before_loading(spec: str, weights: str, device: str, ungated_ok: bool) -> st
     are dense). Refused unless `ungated_ok` (meaningful with exl3 weights only, which the CLI
     checks); a pack served as dense weights is always refused (it would skip its gate)."""
     folder = spec_folder(spec)
+    exl3 = worker_side("remote_drafter.models.exl3", "the worker")
     if weights != "exl3":
-        if worker_side("remote_drafter.models.exl3", "the worker").is_pack(folder):
+        if exl3.is_pack(folder):
             raise Refused(f"{folder} holds EXL3 weights: serve it with --weights exl3 (which "
                           "checks its fidelity gate)")
         return None
-    worker_side("remote_drafter.models.exl3", "--weights exl3").require_pack(folder, device)
+    exl3.require_pack(folder, device)
     why = refusal(folder, None)
     if why and not ungated_ok:
         raise Refused(why)
