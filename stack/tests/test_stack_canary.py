@@ -9,7 +9,7 @@ import pytest
 from async_handoff.exposition import serve
 from dsv41_stack.cli import report_canary
 from dsv41_stack.config import StackConfig
-from dsv41_stack.deployment import Deployment, handoff_degraded, handoff_moved
+from dsv41_stack.deployment import Deployment, drafts_made, handoff_degraded, handoff_moved
 
 LISTEN = "127.0.0.1:9496"
 CLEAN = {"rounds_ok": 10.0, "rounds_failed": 0.0, "rounds_bad": 0.0, "rounds_timed_out": 0.0,
@@ -24,7 +24,7 @@ def moved_by(**changes) -> tuple[dict, dict]:
 @pytest.mark.parametrize("changes, degraded", [
     ({"rounds_ok": 5}, []),
     ({"rounds_ok": 5, "rounds_timed_out": 2}, []),  # abandoned at a request's end: not a failure
-    ({}, ["async proxy answered no rounds"]),
+    ({}, []),  # no round answered: drafts_made's "no drafts made"
     ({"rounds_ok": 5, "rounds_failed": 1}, ["async proxy rounds failed +1"]),
     ({"rounds_ok": 5, "rounds_bad": 2}, ["async proxy rounds bad +2"]),
     ({"rounds_ok": 5, "watchdog_fires": 1, "respawns": 1},
@@ -34,6 +34,17 @@ def moved_by(**changes) -> tuple[dict, dict]:
 def test_the_proxy_counters_judged_over_the_canary(changes, degraded):
     moved, after = moved_by(**changes)
     assert handoff_degraded(moved, after, LISTEN) == degraded
+
+
+def test_drafts_through_the_async_proxy_are_proven_by_answered_rounds_not_vllms_counter():
+    """A failed round leaves placeholders that vLLM counts as drafts: under the async
+    handoff only rounds answered prove drafting; synchronous rounds count vLLM's drafts."""
+    placeholders_only = {"num_drafts": 40.0}
+    assert not drafts_made(placeholders_only, handoff_moved(CLEAN, CLEAN), asynchronous=True)
+    assert not drafts_made(placeholders_only, None, asynchronous=True)  # unreadable: unproven
+    assert drafts_made(placeholders_only, moved_by(rounds_ok=3)[0], asynchronous=True)
+    assert drafts_made(placeholders_only, None, asynchronous=False)
+    assert not drafts_made({}, None, asynchronous=False)
 
 
 def test_unserved_or_unreadable_counters_are_degraded():
