@@ -67,8 +67,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         capsys.readouterr()
         assert main(["canary", *env]) == 1  # same output (Engram from disk, no drafts) ...
         out = capsys.readouterr().out
+        # no round answered through the proxy: no drafts, whatever placeholders vLLM counted
         assert "canary: output ok" in out and "DEGRADED: no drafts made; Engram fallbacks" in out, out
-        assert "; async proxy " in out, out  # no round answered (or rounds failed): not fresh
         assert main(["status", *env]) == 1  # ... and the degradation shows
         with __import__("urllib.request").request.urlopen("http://127.0.0.1:17495/metrics") as r:
             assert "engram_client_fallbacks_total" in r.read().decode()
