@@ -32,7 +32,7 @@ class Worker:
         self.address = "%s:%d" % self.server.address
         self.backend = backend
 
-    def handle(self, payload: bytes) -> bytes:
+    def handle(self, payload: bytes, peer: str) -> bytes:
         self.rounds += 1
         if self.delay_s:
             time.sleep(self.delay_s)

@@ -1,8 +1,9 @@
 """A hostile or broken peer against a real `ofl serve` process (loopback; the other
-addresses of 127.0.0.0/8 stand for other hosts): admission before a slot is spent, the key
-proof, handshake and frame deadlines, memory the peer cannot reserve, and one counted log
-line - never a traceback - for each kind of bad input. Every wait is on an observed event
-(a frame, an EOF, a drained socket) with a bound."""
+addresses of 127.0.0.0/8 stand for other hosts): admission before a slot is spent, closed
+by default, the key proof both ways (and an impostor server), handshake, idle and frame
+deadlines, memory the peer cannot reserve, and one counted log line - never a traceback -
+for each kind of bad input. Every wait is on an observed event (a frame, an EOF, a drained
+socket, a counter) with a bound."""
 
 import json
 import os
@@ -16,8 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from ofl import AuthenticationFailed, Connection, Server, wire
+from ofl import AuthenticationFailed, Connection, Server, admission, wire
 from ofl.backends import tcp
+from ofl.errors import ConfigurationError
 from ofl.probe import PROBE_REGION, pattern
 from ofl.testing import ServeProcess, closes, rss_bytes, threads, wait_until
 
@@ -123,15 +125,18 @@ def test_peers_outside_the_allow_list_are_dropped_before_they_take_a_slot(server
     assert 1 <= len(lines(path, "peers_refused")) <= 10
 
 
-def test_a_key_admits_only_peers_that_prove_it(server_log):
-    """Old and new peers agree: a keyless client meets a keyless server as before, a keyed
-    client a keyless server too; a keyed server refuses a missing or wrong proof with a reason
-    the client raises, and reclaims silent sockets at the handshake deadline."""
+def test_a_key_is_proved_both_ways_and_an_impostor_server_is_refused(server_log):
+    """Keyless peers on both sides talk as before. A keyed client refuses a server that asks
+    no proof (it knows no key) or proves the wrong key, before it proves anything itself; a
+    keyed server refuses a missing or wrong proof with a reason the client raises, and
+    reclaims silent sockets at the handshake deadline."""
     log, path = server_log
     plain = ServeProcess("tcp")
     try:
-        with Connection(plain.address, backend="tcp", key=KEY) as keyed:
-            assert keyed.request(b"no key asked") == b"no key asked"
+        with Connection(plain.address, backend="tcp") as keyless:
+            assert keyless.request(b"no key on either side") == b"no key on either side"
+        with pytest.raises(AuthenticationFailed, match="asked for no key proof: it holds no shared key"):
+            Connection(plain.address, backend="tcp", key=KEY)
     finally:
         plain.stop()
     srv = ServeProcess("tcp", env={"OFL_AUTH_KEY": KEY, "OFL_HANDSHAKE_TIMEOUT_MS": "300"},
@@ -140,13 +145,23 @@ def test_a_key_admits_only_peers_that_prove_it(server_log):
         base = threads(srv.proc.pid)
         with Connection(srv.address, backend="tcp", key=KEY) as good:
             assert good.request(b"proved") == b"proved"
-        with pytest.raises(AuthenticationFailed, match="OFL_AUTH_KEY differs from the server's"):
-            Connection(srv.address, backend="tcp", key="f" * 64)
+        with pytest.raises(AuthenticationFailed, match="could not prove the shared key"):
+            Connection(srv.address, backend="tcp", key="f" * 64)  # to it, an impostor
         with pytest.raises(AuthenticationFailed, match="set OFL_AUTH_KEY on the client"):
             Connection(srv.address, backend="tcp", key="")  # = a client from before keys
+        nonce = admission.new_nonce()
+        forger = peer(srv.address, "127.0.0.6")  # answers the challenge without the key
+        forger.sendall(hello(auth=admission.AUTH_SCHEME, nonce=nonce.hex()))
+        header, body = next_frame(forger)
+        challenge = wire.decode_json(body, "CHALLENGE")
+        assert header.kind == wire.Kind.CHALLENGE and admission.proof_matches(
+            KEY.encode(), nonce, challenge["proof"], admission.SERVER_PROOF_LABEL)
+        replayed = wire.encode_json({"proof": challenge["proof"]})  # the server's own proof back
+        forger.sendall(wire.pack_header(wire.Kind.PROOF, 0, len(replayed)) + replayed)
+        assert "differs from the server's" in wire.error_text(next_frame(forger)[1])
         silent = [peer(srv.address, "127.0.0.4") for _ in range(8)]
         stalled = peer(srv.address, "127.0.0.5")
-        stalled.sendall(hello(auth="hmac-sha256"))  # takes the challenge, never proves
+        stalled.sendall(hello(auth=admission.AUTH_SCHEME, nonce=nonce.hex()))  # never proves
         assert next_frame(stalled)[0].kind == wire.Kind.CHALLENGE
         t = time.monotonic()
         with Connection(srv.address, backend="tcp", key=KEY) as engine:  # served meanwhile
@@ -159,6 +174,87 @@ def test_a_key_admits_only_peers_that_prove_it(server_log):
     text = path.read_text()
     assert KEY not in text
     assert lines(path, "handshake_timeouts") and lines(path, "auth_failures")
+
+
+def test_idle_links_are_closed_while_a_pinging_client_stays(server_log):
+    """After its handshake a link that carries no frame for the idle deadline is closed (a
+    peer cannot hold a slot by saying nothing); the engine's client pings a quiet link and
+    keeps it, and a client that does not ping notices the close before it sends, and
+    reconnects without losing its call."""
+    log, path = server_log
+    srv = ServeProcess("tcp", env={"OFL_IDLE_TIMEOUT_MS": "600"}, stderr=log)
+    try:
+        with Connection(srv.address, backend="tcp") as engine, \
+                Connection(srv.address, backend="tcp", keepalive=False) as quiet:
+            idle = peer(srv.address, "127.0.0.7")
+            idle.sendall(hello())
+            assert next_frame(idle)[0].kind == wire.Kind.HELLO_OK
+            assert closes(idle)  # its slot is back
+            wait_until(lambda: engine.stats["pings"], lambda n: n >= 2, "the engine's pings")
+            wait_until(lambda: alive(quiet), lambda up: not up, "the quiet link closed")
+            assert engine.request(b"kept") == b"kept" and engine.stats["reconnects"] == 0
+            assert quiet.request(b"re-opened") == b"re-opened"
+            assert quiet.stats["links_reopened"] == 1 and quiet.stats["failures"] == 0
+    finally:
+        srv.stop()
+    assert lines(path, "idle_closes")
+
+
+def alive(conn: Connection) -> bool:
+    try:
+        conn.check_alive()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_server_other_hosts_can_reach_needs_an_allow_list_a_key_or_insecure(monkeypatch):
+    for name in ("OFL_ALLOW", "OFL_AUTH_KEY", "OFL_AUTH_KEY_FILE", "OFL_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigurationError, match="neither an allow-list .OFL_ALLOW. nor a shared key"):
+        Server("tcp", "0.0.0.0", 0)
+    run = subprocess.run([sys.executable, "-m", "ofl.cli", "serve", "--listen", "0.0.0.0:0",
+                          "--size", "1MiB"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "OFL_INSECURE=1" in run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    for kwargs, exposure in (({"allow": "10.0.0.2"}, "allow-list"), ({"key": KEY}, "key"),
+                             ({"insecure": True}, "insecure")):
+        with Server("tcp", "0.0.0.0", 0, **kwargs) as srv:
+            assert srv.admission_status()["exposure"] == exposure
+    with Server("tcp", "127.0.0.1", 0) as srv:  # loopback: closed to other hosts already
+        assert srv.admission_status() == {"exposure": "loopback", "allow": [], "key": False,
+                                          "idle_timeout_s": 300.0}
+
+
+def test_the_handler_is_told_the_peer_address_the_server_saw():
+    """Quotas are kept per peer on what the server knows, never on what the peer writes."""
+    seen = []
+    with Server("tcp", handler=lambda b, who: seen.append(who) or b) as srv:
+        s = peer("%s:%d" % srv.address, "127.0.0.9")
+        s.sendall(hello())
+        assert next_frame(s)[0].kind == wire.Kind.HELLO_OK
+        s.sendall(wire.pack_header(wire.Kind.MESSAGE, 2, 2) + b"hi")
+        assert next_frame(s) == (wire.Header(wire.Kind.MESSAGE_REPLY, 2, 2), b"hi")
+    assert seen == ["127.0.0.9"]
+
+
+def test_a_key_file_others_may_read_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("OFL_AUTH_KEY", raising=False)
+    path = tmp_path / "ofl.key"
+    path.write_text(KEY + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv("OFL_AUTH_KEY_FILE", str(path))
+    with pytest.raises(ConfigurationError, match=f"may be read by others .mode 0644.: chmod 600 {path}"):
+        admission.configured_key()
+    path.chmod(0o600)
+    assert admission.configured_key() == KEY.encode()
+    monkeypatch.setenv("OFL_AUTH_KEY", KEY)
+    with pytest.raises(ConfigurationError, match="set one"):
+        admission.configured_key()
+    monkeypatch.delenv("OFL_AUTH_KEY")
+    path.unlink()
+    with pytest.raises(ConfigurationError, match="No such file"):
+        admission.configured_key()
 
 
 def test_bad_input_is_one_counted_line_never_a_traceback(server_log):
@@ -176,6 +272,10 @@ def test_bad_input_is_one_counted_line_never_a_traceback(server_log):
         s = peer(srv.address)
         s.sendall(wire.pack_header(wire.Kind.HELLO, 1, len(huge)) + huge)
         assert "HELLO of 200000 bytes exceeds the handshake limit" in wire.error_text(next_frame(s)[1])
+        digits = b'{"backend":"tcp","identity":"h","n":' + b"9" * 5000 + b"}"  # int() refuses
+        s = peer(srv.address)
+        s.sendall(wire.pack_header(wire.Kind.HELLO, 1, len(digits)) + digits)
+        assert "HELLO: payload is not JSON we take" in wire.error_text(next_frame(s)[1])
         s = peer(srv.address)  # declared 1 MiB + 1: refused for its size, not "got HELLO"
         s.sendall(wire.pack_header(wire.Kind.HELLO, 1, MiB + 1))
         assert "exceeds the handshake limit of 65536" in wire.error_text(next_frame(s)[1])
@@ -342,7 +442,7 @@ class Recorded:
     def __init__(self):
         self.started, self.closed = False, threading.Event()
 
-    def start(self, server) -> None:
+    def start(self, server, peer) -> None:
         self.started = True
 
     def close(self) -> None:
@@ -355,7 +455,7 @@ def test_every_session_a_handshake_created_is_closed(reset_after_hello_ok):
     after it: the log line no longer asks the socket for its peer) costs no traceback and
     leaks no session."""
     proceed = threading.Event()
-    srv = Server("tcp", handler=lambda b: b)
+    srv = Server("tcp", handler=lambda b, _peer: b)
     srv.backend = SessionRecorder(None if reset_after_hello_ok else proceed)
     with srv:
         s = peer("%s:%d" % srv.address)

@@ -97,3 +97,18 @@ x_seconds_count 1.0
 y_rounds_total 9.0
 """
     assert parse_counters(text, "x_") == {"rounds": 5.0, "enabled": 1.0}
+
+
+def test_the_allow_list_of_ofl_servers_guards_the_endpoint_too(monkeypatch):
+    """OFL_ALLOW admits the same peers here as at an ofl server: others get 403 at accept."""
+    monkeypatch.setenv("OFL_ALLOW", "127.0.0.1")
+    srv = MetricsServer("127.0.0.1", 0, lambda: "", name="guarded")
+    try:
+        host, port = srv.address
+        assert read_counters(f"{host}:{port}", "ofl_http_") is not None  # from 127.0.0.1
+        outsider = socket.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
+        assert http_status(outsider) == 403
+        assert srv.stats["peers_refused"] == 1 and srv.stats["requests"] == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -74,7 +74,7 @@ def test_in_process_server_and_handler_errors():
     data = Region.allocate("d", 1 << 16)
     data.array[:] = np.arange(1 << 16) % 253
 
-    def handler(b):
+    def handler(b, peer):
         if b == b"boom":
             raise RuntimeError("bad")
         return b[::-1]

@@ -178,7 +178,7 @@ def bench_ipc(n: int, blocks: int) -> dict:
 def _sleepy_worker(round_ms: float, ready) -> None:
     from ofl import Server
 
-    def handler(payload: bytes) -> bytes:
+    def handler(payload: bytes, peer: str) -> bytes:
         time.sleep(round_ms / 1000)
         return payload
 

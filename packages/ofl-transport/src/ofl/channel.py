@@ -111,13 +111,17 @@ class Channel:
                 raise
             raise ConnectionLost(f"receive failed: {exc}") from None
 
-    def wait_readable(self) -> None:
-        """Block until the peer sends a byte or closes; no deadline (an idle link is not a
-        fault: the frame's own deadline starts with its first byte)."""
+    def wait_readable(self, idle_s: float | None = None) -> bool:
+        """Block until the peer sends a byte (True) or closes (ConnectionLost), or `idle_s`
+        passes first (False; None waits for ever). The frame's own deadline starts with its
+        first byte."""
         try:
-            self.sock.settimeout(None)
+            self.sock.settimeout(idle_s)
             if not self.sock.recv(1, socket.MSG_PEEK):
                 raise ConnectionLost("peer closed the connection")
+            return True
+        except TimeoutError:
+            return False
         except OSError as exc:
             if isinstance(exc, ConnectionLost):
                 raise

@@ -2,8 +2,11 @@
 
 Every call has a deadline. When a call fails on the link (deadline, peer gone, framing
 lost) the connection is dropped so no late reply can land in a caller's buffer; the next
-call reconnects once, within its own deadline. Error replies from a healthy server raise
-RemoteError and keep the connection.
+call reconnects once, within its own deadline. A link the server closed while it was idle
+is noticed before anything is sent on it, and re-opened. Error replies from a healthy
+server raise RemoteError and keep the connection. With a shared key, the client checks the
+server's proof before proving its own (ofl.admission). A link idle for a third of the
+server's idle deadline is pinged from a background thread, so the server keeps it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -50,7 +54,8 @@ class Connection:
                  identity: str = "ofl-client", link: str | None = None,
                  deadline_s: float | None = None, connect_timeout_s: float | None = None,
                  max_inflight: int | None = None, connect: bool = True,
-                 verify_peer: Callable[[dict], None] | None = None, key: str | None = None):
+                 verify_peer: Callable[[dict], None] | None = None, key: str | None = None,
+                 keepalive: bool = True):
         self.address = parse_address(address) if isinstance(address, str) else tuple(address)
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.identity = identity
@@ -58,8 +63,8 @@ class Connection:
         self.deadline_s = deadline_s or env.OFL_DEADLINE_MS.get_float() / 1000
         self.connect_timeout_s = connect_timeout_s or env.OFL_CONNECT_TIMEOUT_MS.get_float() / 1000
         self.max_inflight = max_inflight or env.OFL_MAX_INFLIGHT.get_int()
-        # proved to a server that asks (OFL_AUTH_KEY); never sent
-        self._key = admission.load_key(key if key is not None else env.OFL_AUTH_KEY.get())
+        # proved to the server, and asked of it (OFL_AUTH_KEY or _FILE); never sent
+        self._key = admission.configured_key(key)
         # Called with the server's metadata on every (re)connect, before any call uses the
         # link; raising refuses that server (e.g. it holds other tables than expected).
         self.verify_peer = verify_peer
@@ -75,6 +80,11 @@ class Connection:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._connects = 0
+        self._keepalive = keepalive
+        self._idle_s = 0.0  # the server's idle deadline (0: none), from its HELLO_OK
+        self._last_frame = time.monotonic()  # on the channel (verbs calls bypass it)
+        self._closed = threading.Event()
+        self._pinger: threading.Thread | None = None
         if connect:
             with self._lock:
                 self._connect(time.monotonic() + self.connect_timeout_s)
@@ -85,8 +95,9 @@ class Connection:
         try:
             # HELLO is ready before the socket opens (a verbs queue pair takes a while to
             # create): the server's short handshake deadline is for the wire only.
+            nonce = admission.new_nonce()
             hello = {"identity": self.identity, "backend": self.backend_name, "link": self.link,
-                     **({"auth": admission.AUTH_SCHEME} if self._key else {}),
+                     **({"auth": admission.AUTH_SCHEME, "nonce": nonce.hex()} if self._key else {}),
                      **backend.hello_extras()}
             sock = self._open_socket(deadline)
         except BaseException:
@@ -96,11 +107,8 @@ class Connection:
         try:
             ch.send_frame(wire.Kind.HELLO, 0, [wire.encode_json(hello)], deadline)
             header, payload = self._handshake_reply(ch, deadline)
-            if header.kind == wire.Kind.CHALLENGE:  # the server asks for the key proof
-                nonce = _hex_nonce(wire.decode_json(payload, "CHALLENGE").get("nonce"))
-                ch.send_frame(wire.Kind.PROOF, 0, [wire.encode_json(
-                    {"proof": admission.proof(self._key, nonce)})], deadline)
-                header, payload = self._handshake_reply(ch, deadline)
+            if self._key is not None:
+                header, payload = self._prove_key(ch, header, payload, nonce, deadline)
             if header.kind != wire.Kind.HELLO_OK:
                 raise ProtocolError(f"expected HELLO_OK from {self.where()}, got {header.kind.name}")
             reply = wire.decode_json(payload, "HELLO_OK")
@@ -122,6 +130,7 @@ class Connection:
             self.max_gather_rows = int(reply.get("max_gather_rows", self.max_gather_rows))
             # a server from before the cap reads CHUNK_BYTES frames as it always did
             self.max_read_bytes = min(int(reply.get("max_read_bytes", CHUNK_BYTES)), CHUNK_BYTES)
+            self._idle_s = float(reply.get("idle_timeout_s", 0))
             self._channel = ch
             backend.setup(self, reply)
         except BaseException:
@@ -130,9 +139,37 @@ class Connection:
             ch.close()
             raise
         self._backend = backend
+        self._last_frame = time.monotonic()
         self._connects += 1
         if self._connects > 1:
             self.stats.add("reconnects")
+        if self._keepalive and self._idle_s > 0 and self._pinger is None:
+            self._pinger = threading.Thread(target=_keep_alive, args=(weakref.ref(self),),
+                                            daemon=True, name=f"ofl-ping-{self.where()}")
+            self._pinger.start()
+
+    def _prove_key(self, ch: Channel, header: wire.Header, payload, nonce: bytes,
+                   deadline: float) -> tuple[wire.Header, bytes]:
+        """The server proves the key over our nonce first; then we prove it over its nonce.
+        Returns the frame after our proof (HELLO_OK, or the server's refusal raised)."""
+        if header.kind != wire.Kind.CHALLENGE:
+            self.stats.add("auth_failures")
+            raise AuthenticationFailed(
+                f"{self.where()} asked for no key proof: it holds no shared key (or is not the "
+                "server this client's OFL_AUTH_KEY is for); refusing it")
+        challenge = wire.decode_json(payload, "CHALLENGE")
+        if not admission.proof_matches(self._key, nonce, challenge.get("proof"),
+                                       admission.SERVER_PROOF_LABEL):
+            self.stats.add("auth_failures")
+            raise AuthenticationFailed(
+                f"{self.where()} could not prove the shared key (its OFL_AUTH_KEY differs from "
+                "this client's, or it is not our server); refusing it")
+        theirs = admission.hex_nonce(challenge.get("nonce"))
+        if theirs is None:
+            raise ProtocolError(f"CHALLENGE from {self.where()} carries no nonce")
+        ch.send_frame(wire.Kind.PROOF, 0, [wire.encode_json(
+            {"proof": admission.proof(self._key, theirs)})], deadline)
+        return self._handshake_reply(ch, deadline)
 
     def _open_socket(self, deadline: float) -> socket.socket:
         try:
@@ -172,6 +209,13 @@ class Connection:
             self._channel.close()
             self._channel = None
 
+    def _alive(self) -> bool:
+        try:
+            self.check_alive()
+            return True
+        except (ConnectionLost, OSError):
+            return False
+
     def check_alive(self) -> None:
         """Raise ConnectionLost if the peer has closed the bootstrap socket (never blocks)."""
         poller = select.poll()
@@ -193,8 +237,26 @@ class Connection:
         return self._channel is not None
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             self._drop()
+
+    def ping(self, deadline_s: float | None = None) -> None:
+        """One PING answered by PONG on the live link (no reconnect: a dead link stays
+        dropped until the next call)."""
+        with self._lock:
+            if self._channel is None:
+                raise ConnectionLost(f"no link to {self.where()}")
+            deadline = time.monotonic() + (deadline_s or self.deadline_s)
+            try:
+                rid = next(self._ids)
+                self._channel.send_frame(wire.Kind.PING, rid, (), deadline)
+                self._expect(rid, wire.Kind.PONG, deadline)
+            except OflError:
+                self._drop()
+                raise
+            self._last_frame = time.monotonic()
+            self.stats.add("pings")
 
     def __enter__(self) -> Connection:
         return self
@@ -217,6 +279,9 @@ class Connection:
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         with self._lock:
             for attempt in (0, 1):
+                if self._channel is not None and not self._alive():
+                    self._drop()  # the server closed it (idle deadline, restart): nothing sent yet
+                    self.stats.add("links_reopened")
                 fresh = self._channel is None
                 try:
                     if fresh:
@@ -292,6 +357,7 @@ class Connection:
     # -- helpers the channel-carried backends use -----------------------------------------
     def channel_request(self, payload, deadline: float) -> bytes:
         rid = next(self._ids)
+        self._last_frame = time.monotonic()
         self._channel.send_frame(wire.Kind.MESSAGE, rid, [payload], deadline)
         header = self._expect(rid, wire.Kind.MESSAGE_REPLY, deadline)
         if header.length > self.max_message_bytes:
@@ -302,6 +368,7 @@ class Connection:
                      deadline: float) -> None:
         """READ frames, pipelined: up to max_inflight chunks in flight, replies in order."""
         chunks = list(_chunks(offsets, lengths, self.max_gather_rows, self.max_read_bytes))
+        self._last_frame = time.monotonic()
         pending: list[tuple[int, int, int]] = []  # (request id, dest start, bytes)
         pos = 0
         it = iter(chunks)
@@ -358,11 +425,23 @@ class Links:
             c.close()
 
 
-def _hex_nonce(value) -> bytes:
-    try:
-        return bytes.fromhex(value)
-    except (TypeError, ValueError):
-        raise ProtocolError(f"CHALLENGE carries no hex nonce: {value!r:.80}") from None
+def _keep_alive(ref: weakref.ref) -> None:
+    """Ping the connection's link whenever its channel has carried no frame for a third of
+    the server's idle deadline (verbs calls do not use the channel: they ping too); ends when the connection is closed or collected (it is held only while
+    this thread looks at it)."""
+    while (conn := ref()) is not None and not conn._closed.is_set():
+        interval, closed = conn._idle_s / 3, conn._closed
+        wait = interval - (time.monotonic() - conn._last_frame) if conn.connected else interval
+        del conn
+        if closed.wait(max(wait, 0.05)):
+            return
+        conn = ref()
+        if conn is not None and conn.connected and time.monotonic() - conn._last_frame >= interval:
+            try:
+                conn.ping(min(conn.deadline_s, interval))
+            except OflError:
+                pass  # dropped: the next call reconnects
+        del conn
 
 
 def _chunks(offsets: np.ndarray, lengths, max_rows: int, max_bytes: int):

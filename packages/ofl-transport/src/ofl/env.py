@@ -63,6 +63,20 @@ OFL_AUTH_KEY = EnvVar(
     "admits only clients that prove it (HMAC-SHA256 of a nonce the server picks per "
     "connection; the key never crosses the wire); a client with a key proves it when asked. "
     "Set the same key on every host; empty = no proof asked or given.", secret=True)
+OFL_AUTH_KEY_FILE = EnvVar(
+    "OFL_AUTH_KEY_FILE", "",
+    "A file holding the shared key (what OFL_AUTH_KEY would hold), readable by its owner only "
+    "(chmod 600; a file others may read is refused). Set one of the two.")
+OFL_INSECURE = EnvVar(
+    "OFL_INSECURE", "0",
+    "Servers: 1 = listen on an address other hosts can reach with neither OFL_ALLOW nor a "
+    "shared key (any peer admitted, no proof); logged as a warning and shown in status. "
+    "Without it such a server refuses to start.")
+OFL_IDLE_TIMEOUT_MS = EnvVar(
+    "OFL_IDLE_TIMEOUT_MS", "300000",
+    "Servers: a connection that carries no frame for this many milliseconds after its "
+    "handshake is closed, so idle peers cannot hold slots; clients learn it in the handshake "
+    "and ping a link idle for a third of it. 0 = no idle deadline.")
 OFL_MAX_CONNECTIONS = EnvVar(
     "OFL_MAX_CONNECTIONS", "64",
     "Servers: connections held at once, handshaking or served; more are refused.")
@@ -78,7 +92,7 @@ OFL_FRAME_TIMEOUT_MS = EnvVar(
     "OFL_FRAME_TIMEOUT_MS", "5000",
     "Servers: once the first byte of a request arrives, the whole frame must arrive within "
     "this many milliseconds (a total, not per byte), and each reply be sent within it; a "
-    "peer that sends or reads slower is dropped. An idle connection has no deadline.")
+    "peer that sends or reads slower is dropped. Between frames: OFL_IDLE_TIMEOUT_MS.")
 OFL_MAX_READ_BYTES = EnvVar(
     "OFL_MAX_READ_BYTES", str(4 << 20),
     "Servers (tcp): the largest reply to one READ frame, bytes; clients learn it in the "
@@ -87,7 +101,7 @@ OFL_MAX_READ_BYTES = EnvVar(
 OFL_HTTP_MAX_CONNECTIONS = EnvVar(
     "OFL_HTTP_MAX_CONNECTIONS", "8",
     "HTTP endpoints (/metrics, /health): requests served at once, one thread each; more "
-    "are answered 503 and closed.")
+    "are answered 503 and closed. They admit the peers of OFL_ALLOW, as ofl servers do.")
 OFL_HTTP_TIMEOUT_MS = EnvVar(
     "OFL_HTTP_TIMEOUT_MS", "2000",
     "HTTP endpoints: the whole request must arrive within this many milliseconds (408 "
@@ -95,8 +109,8 @@ OFL_HTTP_TIMEOUT_MS = EnvVar(
 
 ALL = [OFL_BACKEND, OFL_DEADLINE_MS, OFL_CONNECT_TIMEOUT_MS, OFL_MAX_INFLIGHT,
        OFL_MAX_MESSAGE_BYTES, OFL_IB_DEVICE, OFL_IB_PORT, OFL_GID_INDEX, OFL_ALLOW,
-       OFL_AUTH_KEY, OFL_MAX_CONNECTIONS, OFL_MAX_CONNECTIONS_PER_PEER,
-       OFL_HANDSHAKE_TIMEOUT_MS, OFL_FRAME_TIMEOUT_MS, OFL_MAX_READ_BYTES,
+       OFL_AUTH_KEY, OFL_AUTH_KEY_FILE, OFL_INSECURE, OFL_IDLE_TIMEOUT_MS, OFL_MAX_CONNECTIONS,
+       OFL_MAX_CONNECTIONS_PER_PEER, OFL_HANDSHAKE_TIMEOUT_MS, OFL_FRAME_TIMEOUT_MS, OFL_MAX_READ_BYTES,
        OFL_HTTP_MAX_CONNECTIONS, OFL_HTTP_TIMEOUT_MS]
 
 

@@ -2,7 +2,8 @@
 on one small server that a hostile or broken client cannot exhaust, and the one reader of
 prefixed counters from such an endpoint.
 
-MetricsServer answers one request per connection and closes it. Bounded: at most
+MetricsServer answers one request per connection and closes it. It admits the peers of
+the allow-list ofl servers use (OFL_ALLOW; empty = any), answering others 403 at accept. Bounded: at most
 `max_connections` requests are served at once, one thread each, and more are answered 503
 from the accepting thread without waiting on them; the whole request (at most
 MAX_REQUEST_BYTES, no body) must arrive within `timeout_s` (a total, not per byte), and
@@ -24,7 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from http import HTTPStatus
 
-from . import env
+from . import admission, env
 from .channel import accepted, send_and_close
 from .stats import PeerLog, Stats
 
@@ -47,8 +48,10 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int, metrics: Callable[[], str],
                  health: Callable[[], dict] | None = None, *, name: str = "metrics",
-                 max_connections: int | None = None, timeout_s: float | None = None):
+                 max_connections: int | None = None, timeout_s: float | None = None,
+                 allow: str | None = None):
         self.stats = Stats("ofl_http", {"endpoint": name})
+        self.allow = admission.parse_allow(allow if allow is not None else env.OFL_ALLOW.get())
         self.routes = {"/metrics": lambda: (PROMETHEUS_TEXT,
                                             (metrics() + self.stats.prometheus()).encode())}
         if health is not None:
@@ -80,6 +83,12 @@ class MetricsServer:
 
     def _accept_loop(self) -> None:
         for sock, peer in accepted(self._listener, self._stopping):
+            if not admission.admitted(peer[0], self.allow):
+                self.drops.drop("%s:%d" % peer[:2], "peers_refused",
+                                "not among the peers this endpoint admits (OFL_ALLOW)")
+                send_and_close(sock, _response(HTTPStatus.FORBIDDEN, "text/plain",
+                                               b"not admitted (OFL_ALLOW)\n"))
+                continue
             if not self._slots.acquire(blocking=False):
                 self.drops.drop("%s:%d" % peer[:2], "busy_refusals",
                                 f"{self.max_connections} requests in flight already "

@@ -5,18 +5,23 @@ descriptors, and the backend's own set-up such as verbs queue-pair numbers). A t
 connection serves it; bad input gets an error reply (or, when framing is lost, that
 connection is dropped) and the server keeps serving the others.
 
-Bounded against a hostile or broken peer: a peer outside the allow-list is closed at
-accept, before it takes a slot; slots are capped per server and per peer address; the
-handshake (and key proof) has a short deadline; a frame, once its first byte is in, has a
-total deadline, and so has each reply; payload buffers grow as bytes arrive; a READ's reply
-is capped per request and streamed in bounded pieces. Each drop is one counted log line,
-rate-limited (ofl.stats.PeerLog); a traceback means a bug in this code.
+Closed by default: it listens on loopback unless told otherwise, and an address other
+hosts can reach needs an allow-list or a shared key, or an explicit insecure flag
+(ofl.admission.exposure). Bounded against a hostile or broken peer: a peer outside the
+allow-list is closed at accept, before it takes a slot; slots are capped per server and per
+peer address; the handshake (and key proof, both ways) has a short deadline; a connection
+that carries no frame for the idle deadline is closed; a frame, once its first byte is in,
+has a total deadline, and so has each reply; payload buffers grow as bytes arrive; a READ's
+reply is capped per request and streamed in bounded pieces. Each drop is one counted log
+line, rate-limited (ofl.stats.PeerLog); a traceback means a bug in this code.
+
+The message handler is called with the payload and the peer's address as this server saw
+it at accept (never what the peer says of itself), so quotas can be kept per peer.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
 import time
@@ -35,7 +40,7 @@ from .stats import PeerLog, Stats
 
 log = logging.getLogger("ofl.server")
 
-Handler = Callable[[bytes], bytes]
+Handler = Callable[[bytes, str], bytes]  # (payload, peer address) -> reply
 ZERO_COPY_MAX_RANGES = 64  # above this many ranges a READ is gathered into pieces first
 READ_PIECE_BYTES = 256 << 10  # a gathered READ reply is copied and sent this much at a time
 
@@ -60,9 +65,10 @@ class Refused(OflError):
 class Server:
     """Serve `regions` (and `handler` for messages) on `backend` at host:port.
 
-    Limits and admission default to ofl.env (OFL_ALLOW, OFL_AUTH_KEY, OFL_MAX_CONNECTIONS,
-    OFL_MAX_CONNECTIONS_PER_PEER, OFL_HANDSHAKE_TIMEOUT_MS, OFL_FRAME_TIMEOUT_MS,
-    OFL_MAX_READ_BYTES), read when the server is created.
+    Limits and admission default to ofl.env (OFL_ALLOW, OFL_AUTH_KEY or _FILE, OFL_INSECURE,
+    OFL_MAX_CONNECTIONS, OFL_MAX_CONNECTIONS_PER_PEER, OFL_HANDSHAKE_TIMEOUT_MS,
+    OFL_IDLE_TIMEOUT_MS, OFL_FRAME_TIMEOUT_MS, OFL_MAX_READ_BYTES), read when the server is
+    created. ConfigurationError when the address is exposed without admission.
 
     >>> srv = Server("tcp", "127.0.0.1", 0, identity="engram-host").start()
     >>> srv.register(Region.allocate("rows", 1 << 20))
@@ -72,10 +78,11 @@ class Server:
                  identity: str = "ofl-server", handler: Handler | None = None,
                  max_connections: int | None = None, max_message_bytes: int | None = None,
                  metadata: dict | None = None, read_delay_s: float = 0.0,
-                 allow: str | None = None, key: str | None = None):
+                 allow: str | None = None, key: str | None = None, insecure: bool | None = None):
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.allow = admission.parse_allow(allow if allow is not None else env.OFL_ALLOW.get())
-        self._key = admission.load_key(key if key is not None else env.OFL_AUTH_KEY.get())
+        self._key = admission.configured_key(key)
+        self.insecure = env.OFL_INSECURE.get() == "1" if insecure is None else insecure
         self.backend = server_backend(self.backend_name)
         self.identity = identity
         self.handler = handler
@@ -89,11 +96,21 @@ class Server:
         self.max_read_bytes = env.OFL_MAX_READ_BYTES.get_int()
         self.handshake_timeout_s = env.OFL_HANDSHAKE_TIMEOUT_MS.get_float() / 1000
         self.frame_timeout_s = env.OFL_FRAME_TIMEOUT_MS.get_float() / 1000
+        self.idle_timeout_s = env.OFL_IDLE_TIMEOUT_MS.get_float() / 1000
         self.stats = Stats("ofl_server", {"backend": self.backend_name, "identity": identity})
         self.regions: list[Region] = []
         self.descriptors: list[RegionDescriptor] = []
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.exposure = admission.exposure(self.address[0], self.allow, self._key, self.insecure)
+        except BaseException:
+            self._listener.close()
+            self.backend.close()
+            raise
+        if self.exposure == "insecure":
+            log.warning("ofl server %s:%d admits any peer with no proof (--insecure / "
+                        "OFL_INSECURE=1): set OFL_ALLOW or a shared key", *self.address)
         self.drops = PeerLog(log, self.stats, "ofl server %s:%d" % self.address)
         self._conns: dict[int, Channel] = {}
         self._per_peer: Counter[str] = Counter()
@@ -104,6 +121,11 @@ class Server:
     @property
     def address(self) -> tuple[str, int]:
         return self._listener.getsockname()[:2]
+
+    def admission_status(self) -> dict:
+        """Who this server admits, for status pages (never the key)."""
+        return {"exposure": self.exposure, "allow": [str(n) for n in self.allow],
+                "key": self._key is not None, "idle_timeout_s": self.idle_timeout_s}
 
     def register(self, region: Region) -> RegionDescriptor:
         """Publish a region; connections made after this call see it."""
@@ -184,9 +206,9 @@ class Server:
     def _serve_connection(self, ch: Channel, peer) -> None:
         where, session = _where(peer), None
         try:
-            session = self._handshake(ch, where)
+            session = self._handshake(ch, where, peer)
             self.stats.add("connections")
-            self._request_loop(ch, session)
+            self._request_loop(ch, str(admission.peer_address(peer[0])))
         except Refused as exc:
             self.drops.drop(where, exc.counter, str(exc))
             if exc.tell_peer:
@@ -213,7 +235,7 @@ class Server:
                     del self._per_peer[peer[0]]
             ch.close()
 
-    def _handshake(self, ch: Channel, where: str):
+    def _handshake(self, ch: Channel, where: str, peer):
         deadline = _deadline(self.handshake_timeout_s)
         try:
             header, hello = self._recv_handshake(ch, wire.Kind.HELLO, deadline)
@@ -225,17 +247,22 @@ class Server:
         if hello.get("backend") != self.backend_name:
             raise ProtocolError(f"backend mismatch: server runs {self.backend_name!r}, "
                                 f"client asked for {hello.get('backend')!r}")
-        session, extras = self.backend.accept(hello, self)
+        try:
+            session, extras = self.backend.accept(hello, self)
+        except (TypeError, ValueError, OverflowError) as exc:  # a field of the wrong type or size
+            raise ProtocolError(f"HELLO for the {self.backend_name} backend is malformed: "
+                                f"{type(exc).__name__}: {exc}"[:300]) from None
         try:
             reply = {"identity": self.identity, "backend": self.backend_name,
                      "regions": [d.to_json() for d in self.descriptors],
                      "max_message_bytes": self.max_message_bytes,
                      "max_gather_rows": wire.MAX_GATHER_ROWS,
-                     "max_read_bytes": self.max_read_bytes, "metadata": self.metadata, **extras}
+                     "max_read_bytes": self.max_read_bytes, "idle_timeout_s": self.idle_timeout_s,
+                     "metadata": self.metadata, **extras}
             ch.send_frame(wire.Kind.HELLO_OK, header.request_id, [wire.encode_json(reply)],
                           _deadline(self.frame_timeout_s))
             if session is not None:
-                session.start(self)
+                session.start(self, str(admission.peer_address(peer[0])))
         except BaseException:
             if session is not None:  # the peer never got its session: free it (verbs: its QP)
                 session.close()
@@ -259,29 +286,37 @@ class Server:
         return header, wire.decode_json(ch.recv_payload(header, deadline), kind.name)
 
     def _check_key(self, ch: Channel, hello: dict, deadline: float) -> None:
-        """The peer proves the shared key over a fresh nonce (ofl.admission), or is refused."""
-        if hello.get("auth") != admission.AUTH_SCHEME:
+        """Prove the shared key over the client's nonce, then have the client prove it over
+        a fresh nonce of ours (ofl.admission), or refuse it."""
+        theirs = admission.hex_nonce(hello.get("nonce"))
+        if hello.get("auth") != admission.AUTH_SCHEME or theirs is None:
             raise Refused("auth_failures", "this server admits only clients that prove its "
                           "shared key: set OFL_AUTH_KEY on the client to the server's key",
                           code="auth")
-        nonce = secrets.token_bytes(32)
-        ch.send_frame(wire.Kind.CHALLENGE, 0, [wire.encode_json({"nonce": nonce.hex()})], deadline)
+        nonce = admission.new_nonce()
+        ch.send_frame(wire.Kind.CHALLENGE, 0, [wire.encode_json({
+            "nonce": nonce.hex(),
+            "proof": admission.proof(self._key, theirs, admission.SERVER_PROOF_LABEL)})], deadline)
         _, answer = self._recv_handshake(ch, wire.Kind.PROOF, deadline)
         if not admission.proof_matches(self._key, nonce, answer.get("proof")):
             raise Refused("auth_failures", "key proof rejected: the client's OFL_AUTH_KEY "
                           "differs from the server's", code="auth")
 
-    def _request_loop(self, ch: Channel, session) -> None:
+    def _request_loop(self, ch: Channel, peer: str) -> None:
         scratch = np.empty(READ_PIECE_BYTES, np.uint8)  # pages appear only when first used
         while True:
-            ch.wait_readable()
+            if not ch.wait_readable(self.idle_timeout_s or None):
+                raise Refused("idle_closes", f"closed: no frame for {self.idle_timeout_s:g} s "
+                              "(OFL_IDLE_TIMEOUT_MS)", tell_peer=False)
             deadline = _deadline(self.frame_timeout_s)
             header = ch.recv_header(deadline)
             payload = ch.recv_payload(header, deadline)
             if header.kind == wire.Kind.READ and self.backend.reads_over_channel:
                 self._serve_read(ch, header.request_id, payload, scratch)
+            elif header.kind == wire.Kind.PING:
+                self._send_reply(ch, [wire.pack_header(wire.Kind.PONG, header.request_id, 0)])
             elif header.kind == wire.Kind.MESSAGE:
-                reply = self.answer(bytes(payload))
+                reply = self.answer(bytes(payload), peer)
                 if isinstance(reply, str):
                     self._send_error(ch, header.request_id, reply)
                 else:
@@ -300,14 +335,15 @@ class Server:
                           "(OFL_FRAME_TIMEOUT_MS): the peer stopped reading",
                           tell_peer=False) from None
 
-    def answer(self, payload: bytes) -> bytes | str:
-        """Run the message handler; an error string instead of raising (any backend uses it)."""
+    def answer(self, payload: bytes, peer: str) -> bytes | str:
+        """Run the message handler for `peer`; an error string instead of raising (any
+        backend uses it)."""
         self.stats.add("messages")
         if self.handler is None:
             self.stats.add("bad_requests")
             return "this server has no message handler"
         try:
-            reply = self.handler(payload)
+            reply = self.handler(payload, peer)
         except Exception as exc:  # noqa: BLE001 - the handler's failure goes back to the caller
             self.stats.add("handler_errors")
             return f"handler failed: {type(exc).__name__}: {exc}"

@@ -62,9 +62,12 @@ class TwoHosts:
         sh("ip", "netns", "del", self.host, check=False)
         sh("ip", "netns", "del", self.engine, check=False)
 
-    def popen_host(self, args: list[str], **kw) -> subprocess.Popen:
-        """Start a process on the host side (e.g. a server)."""
-        return subprocess.Popen(["ip", "netns", "exec", self.host, *args], **kw)
+    def popen_host(self, args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        """Start a process on the host side (e.g. a server); its servers admit the engine
+        side's addresses (OFL_ALLOW), as a deployment's allow-list does."""
+        allow = {"OFL_ALLOW": ",".join(engine_ip for _, engine_ip in self.links)}
+        return subprocess.Popen(["ip", "netns", "exec", self.host, *args],
+                                env={**os.environ, **allow, **(env or {})}, **kw)
 
     def run_engine(self, args: list[str], check=False) -> subprocess.CompletedProcess:
         return sh("ip", "netns", "exec", self.engine, *args, check=check)

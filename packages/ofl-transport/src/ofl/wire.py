@@ -36,8 +36,10 @@ class Kind(IntEnum):
     READ_DATA = 5
     MESSAGE = 6
     MESSAGE_REPLY = 7
-    CHALLENGE = 8  # server -> client: a nonce to prove the shared key over (ofl.admission)
+    CHALLENGE = 8  # server -> client: its key proof, and a nonce to prove the key over (ofl.admission)
     PROOF = 9  # client -> server: the proof
+    PING = 10  # client -> server: keeps an idle link inside the server's idle deadline
+    PONG = 11
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,8 @@ def decode_json(payload, what: str, max_bytes: int = MAX_CONTROL_BYTES) -> dict:
         raise ProtocolError(f"{what}: JSON nested {depth} deep (the limit is {MAX_JSON_DEPTH})")
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"{what}: payload is not JSON ({exc})") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or a number too long to convert
+        raise ProtocolError(f"{what}: payload is not JSON we take ({exc})"[:300]) from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: expected a JSON object, got {type(obj).__name__}")
     return obj

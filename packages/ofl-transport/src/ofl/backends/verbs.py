@@ -303,12 +303,12 @@ class ServerSession:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, server) -> None:
-        self._thread = threading.Thread(target=self._loop, args=(server,), daemon=True,
+    def start(self, server, peer: str) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(server, peer), daemon=True,
                                         name="ofl-verbs-session")
         self._thread.start()
 
-    def _loop(self, server) -> None:
+    def _loop(self, server, peer: str) -> None:
         limit = server.max_message_bytes
         while not self._stop.is_set():
             try:
@@ -326,7 +326,7 @@ class ServerSession:
                 self._reply(wire.Kind.ERROR, header.request_id, wire.encode_json(
                     {"error": f"{header.kind.name} is not a request this server takes"}))
                 continue
-            reply = server.answer(payload)
+            reply = server.answer(payload, peer)
             if isinstance(reply, str):
                 self._reply(wire.Kind.ERROR, header.request_id, wire.encode_json({"error": reply}))
             else:
