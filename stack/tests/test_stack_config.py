@@ -51,3 +51,17 @@ def test_every_template_reads_once_filled(name):
         if name != "local" and line and not line.startswith("#"):
             previous = text.splitlines()[text.splitlines().index(line) - 1]
             assert previous.startswith("#"), f"{name}: {line} has no comment"
+
+
+def test_production_admits_by_allow_list_and_key_file_and_local_by_loopback():
+    """Production (D, and D with the async delta over it) names the engine hosts and the
+    key's file, never the key itself; the local template listens on loopback only."""
+    filled = [re.sub(r"<[^<>]+>", "x", template_path(n).read_text())
+              for n in ("production-D", "production-async")]
+    production = {**parse(filled[0]), **parse(filled[1])}
+    assert production["STACK_ENGINE_HOSTS"] and production["OFL_AUTH_KEY_FILE"]
+    assert "OFL_AUTH_KEY" not in production
+    local = StackConfig.load([template_path("local")])
+    assert not local["OFL_AUTH_KEY"] and not local["OFL_AUTH_KEY_FILE"]
+    listens = [local["STACK_ENGRAM_LISTEN"], local["STACK_DRAFTER_LISTEN"]]
+    assert all(address.startswith("127.0.0.1:") for address in listens)

@@ -6,10 +6,12 @@ import json
 import shlex
 from pathlib import Path
 
+from test_stack_args import filled
+
 from dsv41_stack.cli import main, template_path
 from dsv41_stack.config import StackConfig
 from dsv41_stack.roles import roles
-from dsv41_stack.systemd import RESTART_BURST, WATCHDOG_MISSES, watchdog
+from dsv41_stack.systemd import RESTART_BURST, SECRETS_FILE, WATCHDOG_MISSES, watchdog
 
 
 def units(tmp_path) -> dict:
@@ -79,3 +81,17 @@ def test_rank_1s_unit_and_its_watchdog(tmp_path):
     said = watchdog(StackConfig.load([env]), "engine", tmp_path / "w.json", restart=restarted.append,
                     rank=1)
     assert said == [] and restarted == []  # serving() on a headless rank: nothing to probe
+
+
+def test_the_key_file_reaches_every_unit_and_no_secret_is_written(tmp_path):
+    """The production template names the key's file: every unit of an ofl server or client
+    gets its path, and there is no secret of ours to keep in a 0600 file."""
+    out = tmp_path / "units"
+    assert main(["systemd", "--env", str(filled(tmp_path, "production-D")), "--out", str(out)]) == 0
+    services = {p.name: p.read_text() for p in out.glob("dsv41-*.service") if "watchdog" not in p.name}
+    assert set(services) == {"dsv41-engram-server.service", "dsv41-drafter-worker.service",
+                             "dsv41-engine.service", "dsv41-engine-rank1.service"}
+    path = "X-path-of-the-key-file-e-g-etc-dsv41-ofl-key"
+    for text in services.values():
+        assert f'Environment="OFL_AUTH_KEY_FILE={path}"' in text and "EnvironmentFile=" not in text
+    assert not (out / SECRETS_FILE).exists()

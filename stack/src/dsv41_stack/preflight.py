@@ -7,6 +7,7 @@ rendezvous not answering yet is a WARN there), then rank 0's."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import re
 import resource
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from async_handoff import env as handoff_env
 from ofl import admission
 from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
@@ -24,7 +26,7 @@ from remote_drafter.worker.exl3_admission import refusal as gate_refusal
 from remote_engram import env as engram_env
 
 from .config import StackConfig
-from .roles import admitted_peers, engine_nodes, roles, tp2_devices
+from .roles import Role, admitted_peers, engine_nodes, own_peers, roles, tp2_devices
 
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
 
@@ -101,31 +103,96 @@ def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Chec
                  + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
 
 
-def check_key(cfg: StackConfig, offload_host: bool) -> Check | None:
-    """OFL_AUTH_KEY usable (its length, never its value); on the offload host its absence is
-    a WARN."""
-    value = cfg[ofl_env.OFL_AUTH_KEY]
-    if not value:
-        return Check("shared key", True, "no OFL_AUTH_KEY: the servers ask peers for no proof; "
-                     "set one key (openssl rand -hex 32) in every host's env file",
-                     warn=True) if offload_host else None
+KEY_FILE_HOWTO = ("create it once with `openssl rand -hex 32 > {0} && chmod 600 {0}` and "
+                  "copy the same file to every host")
+
+
+def loopback(host: str) -> bool:
     try:
-        admission.load_key(value)
+        return admission.peer_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name, not an address
+        return host == "localhost"
+
+
+def exposed_listeners(cfg: StackConfig) -> list[str]:
+    """The offload host's server addresses (Engram links, drafter worker) that other hosts
+    can reach: with any, this env is a production one, which needs an allow-list and a key."""
+    drafter = [cfg["STACK_DRAFTER_LISTEN"]] if cfg["STACK_DRAFTER"] else []
+    return [a for a in [*endpoints(cfg["STACK_ENGRAM_LISTEN"]), *drafter]
+            if not loopback(a.rpartition(":")[0])]
+
+
+def check_key(cfg: StackConfig, exposed: list[str], offload_host: bool) -> Check | None:
+    """The shared key (OFL_AUTH_KEY, or the file OFL_AUTH_KEY_FILE names) usable: its length
+    shown, never its value. Missing: a FAIL when the servers are `exposed` (on every host: a
+    keyless client is refused by a keyed server), else a PASS on the offload host."""
+    path = cfg[ofl_env.OFL_AUTH_KEY_FILE]
+    if path and not os.path.exists(path):
+        return Check("shared key", False, f"OFL_AUTH_KEY_FILE {path} does not exist: "
+                     + KEY_FILE_HOWTO.format(path))
+    try:
+        with cfg.link_client():  # the key as the servers and clients of these env files read it
+            key = admission.configured_key()
     except ValueError as exc:
-        return Check("shared key", False, str(exc))
-    return Check("shared key", True, f"OFL_AUTH_KEY set ({len(value)} characters, not shown)")
+        unreadable = path and not os.access(path, os.R_OK)
+        return Check("shared key", False, str(exc) + (
+            f" (run preflight as the user the servers run as; keep {path} chmod 600)"
+            if unreadable else ""))
+    if key is None:
+        if exposed:
+            return Check("shared key", False, f"none, while {', '.join(exposed)} can be reached "
+                         "from other hosts: any peer the allow-list admits needs no proof; set "
+                         "OFL_AUTH_KEY_FILE=/etc/dsv41/ofl.key in every host's env file; "
+                         + KEY_FILE_HOWTO.format("/etc/dsv41/ofl.key"))
+        return Check("shared key", True, "none needed: the servers listen on loopback "
+                     "only") if offload_host else None
+    if path:
+        return Check("shared key", True, f"OFL_AUTH_KEY_FILE {path} ({len(key)} characters, "
+                     "owner-only, not shown)")
+    return Check("shared key", True, f"OFL_AUTH_KEY set ({len(key)} characters, not shown)")
 
 
-def check_allow_list(allow: str) -> Check:
-    """The OFL_ALLOW the offload host's servers get: valid, and not empty (a WARN)."""
+def check_allow_list(allow: str, exposed: list[str]) -> Check:
+    """The OFL_ALLOW the offload host's servers get: valid, and set when they are `exposed`."""
     try:
         networks = admission.parse_allow(allow)
     except ValueError as exc:
         return Check("allow-list", False, f"{exc} (STACK_ENGINE_HOSTS or OFL_ALLOW)")
-    if not networks:
-        return Check("allow-list", True, "empty: any peer that reaches the listeners is admitted; "
-                     "set STACK_ENGINE_HOSTS to the engine hosts' addresses", warn=True)
-    return Check("allow-list", True, f"the servers admit {allow}")
+    if networks:
+        return Check("allow-list", True, f"the servers admit {allow}")
+    if exposed:
+        return Check("allow-list", False, f"empty, while {', '.join(exposed)} can be reached "
+                     "from other hosts: any peer that reaches them is admitted; set "
+                     "STACK_ENGINE_HOSTS to the addresses the engine hosts connect from")
+    return Check("allow-list", True, "empty: the servers listen on loopback only, which only "
+                 "this host reaches")
+
+
+# An engine's HTTP endpoints: its Engram client's, drafter client's and async proxy's counters
+ENGINE_ENDPOINTS = (engram_env.ENGRAM_METRICS_LISTEN, drafter_env.REMOTE_DRAFTER_METRICS_LISTEN,
+                    handoff_env.ASYNC_HANDOFF_METRICS_LISTEN)
+
+
+def check_own_reads(engine: Role) -> Check | None:
+    """With OFL_ALLOW in the engine's environment its HTTP endpoints admit only those peers
+    (403 to others), and `status` and the canary read them from this host: the addresses
+    those reads come from must be listed."""
+    allow = engine.env.get(ofl_env.OFL_ALLOW.name, "")
+    listens = [engine.env[v.name] for v in ENGINE_ENDPOINTS if engine.env.get(v.name)]
+    if not allow or not listens:
+        return None
+    try:
+        networks = admission.parse_allow(allow)
+    except ValueError as exc:
+        return Check("admission of this host's reads", False, str(exc))
+    readers = list(dict.fromkeys(own_peers(listens)))
+    refused = [p for p in readers if not admission.admitted(p, networks)]
+    if refused:
+        return Check("admission of this host's reads", False, f"OFL_ALLOW refuses "
+                     f"{', '.join(refused)}, where status and the canary read the engine's "
+                     f"counters from (403): add {', '.join(refused)} to OFL_ALLOW")
+    return Check("admission of this host's reads", True, f"OFL_ALLOW admits {', '.join(readers)}, "
+                 "where status and the canary read the engine's counters from")
 
 
 def source_address(address: str) -> str:
@@ -267,10 +334,12 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
     if "drafter-worker" in names and tp2:
         wanted.add("dsv41-drafter-tp2-nvlink")
     checks += check_versions(wanted)
-    if key := check_key(cfg, offload_host=bool(names & {"engram-server", "drafter-worker"})):
+    servers = [r for r in mine if r.name in ("engram-server", "drafter-worker")]
+    exposed = exposed_listeners(cfg)
+    if key := check_key(cfg, exposed, offload_host=bool(servers)):
         checks.append(key)
-    if servers := [r for r in mine if r.name in ("engram-server", "drafter-worker")]:
-        checks.append(check_allow_list(servers[0].env.get(ofl_env.OFL_ALLOW.name, "")))
+    if servers:
+        checks.append(check_allow_list(servers[0].env.get(ofl_env.OFL_ALLOW.name, ""), exposed))
     if "engram-server" in names:
         shards = list(Path(cfg["STACK_ENGRAM_SHARDS"]).glob("*.bin"))
         total = sum(p.stat().st_size for p in shards)
@@ -294,6 +363,8 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
         if engine_nodes(cfg) > 1:
             checks.append(check_master(cfg["STACK_ENGINE_MASTER"], engine.rank))
         checks.append(check_memory(cfg.int("STACK_KV_BYTES"), "for the KV pool"))
+        if own_reads := check_own_reads(engine):
+            checks.append(own_reads)
         if role == "engine":  # the offload host serves by now (reference order)
             checks += offload_links(cfg, engine.rank)
     return checks

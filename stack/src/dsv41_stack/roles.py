@@ -62,13 +62,24 @@ class Role:
 WILDCARD_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-def admitted_peers(cfg: StackConfig) -> list[str]:
-    """What the offload host's servers admit with STACK_ENGINE_HOSTS set: those hosts, then
-    this host's own listen addresses, each once."""
-    peers = [h.strip() for h in cfg["STACK_ENGINE_HOSTS"].split(",") if h.strip()]
-    for address in [*cfg["STACK_ENGRAM_LISTEN"].split(","), cfg["STACK_DRAFTER_LISTEN"]]:
+def own_peers(listens: list[str]) -> list[str]:
+    """Where this host's own reads of these listeners come from: a connection to one of the
+    host's addresses leaves from that address; one to a wildcard listener, over loopback."""
+    peers = []
+    for address in listens:
         if host := address.strip().rpartition(":")[0].strip("[]"):
             peers.append(WILDCARD_LOOPBACK.get(host, host))
+    return peers
+
+
+def admitted_peers(cfg: StackConfig) -> list[str]:
+    """What the offload host's servers admit with STACK_ENGINE_HOSTS set: those hosts, then
+    this host's own listen addresses, each once. The latter because `status` asks the
+    servers for their health and counters from this host, at those addresses: so loopback
+    is admitted exactly where such a read goes over it (a loopback or wildcard listener).
+    ofl's HTTP endpoints honour OFL_ALLOW too, but the stack reads none on this host."""
+    peers = [h.strip() for h in cfg["STACK_ENGINE_HOSTS"].split(",") if h.strip()]
+    peers += own_peers([*cfg["STACK_ENGRAM_LISTEN"].split(","), cfg["STACK_DRAFTER_LISTEN"]])
     return list(dict.fromkeys(peers))
 
 

@@ -67,9 +67,10 @@ SETTINGS = [
     EnvVar("STACK_ENGINE_HOSTS", "", "Offload host: every address the engine hosts connect from "
            "(each Spark's IP on its link, and toward the drafter worker if that differs), or "
            "their networks (10.0.0.0/30), comma-separated. The Engram server and the drafter "
-           "worker then admit only these and this host's own listen addresses (status, "
-           "preflight and the watchdog run there): their OFL_ALLOW. Empty = OFL_ALLOW as the "
-           "env file sets it (default: any peer)."),
+           "worker then admit only these and this host's own listen addresses (where status "
+           "reads them from): their OFL_ALLOW. Empty = OFL_ALLOW as the env file sets it "
+           "(default: any peer; preflight FAILs an empty allow-list when the servers listen "
+           "where other hosts reach them)."),
     EnvVar("STACK_INJECT_DELAY_MS", "0", "Miniature only: delay added to every Engram read and "
            "drafter round, a slow link on one machine."),
 ]

@@ -1,6 +1,6 @@
 """`ofl`: serve a probe region, probe links, list environment variables.
 
-  ofl serve --backend tcp --listen 0.0.0.0:7471          # on the offload host
+  OFL_ALLOW=10.0.0.2 ofl serve --backend tcp --listen 10.0.0.1:7471   # on the offload host
   ofl probe --backend tcp --connect host:7471 [--connect host2:7471]
   ofl probe --loopback --backend tcp,shm                 # both ends on this machine
 """
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 
 from . import env, probe
 from .backends import NAMES
@@ -66,22 +67,24 @@ def emit_result(result: dict, out: str | None, as_json: bool, print_table) -> No
 
 def cmd_serve(args) -> int:
     stop = shutdown_event()
-    region = Region.allocate(probe.PROBE_REGION, args.size)
-    t = time.perf_counter()
-    probe.fill(region)
-    servers = []
-    for listen in args.listen:
-        host, port = parse_address(listen, 7471)
-        srv = Server(args.backend, host, port, identity=args.identity, handler=lambda b: b)
-        srv.register(region)
-        servers.append(srv.start())
-    addrs = ", ".join("%s:%d" % s.address for s in servers)
-    print(f"ofl serve: {args.backend} on {addrs}, region {probe.PROBE_REGION!r} "
-          f"{args.size / MiB:.0f} MiB (filled in {time.perf_counter() - t:.1f} s)", flush=True)
-    wait_for_shutdown(stop)
-    for s in servers:
-        s.stop()
-    region.close()
+    with ExitStack() as cleanup:  # also when a listener is refused: servers stop, then the region
+        region = Region.allocate(probe.PROBE_REGION, args.size)
+        cleanup.callback(region.close)
+        servers = []
+        for listen in args.listen:  # before the fill: a refused listener fails at once
+            host, port = parse_address(listen, 7471)
+            servers.append(Server(args.backend, host, port, identity=args.identity,
+                                  handler=lambda b, _peer: b, insecure=args.insecure))
+            cleanup.callback(servers[-1].stop)
+        t = time.perf_counter()
+        probe.fill(region)
+        for srv in servers:
+            srv.register(region)
+            srv.start()
+        addrs = ", ".join("%s:%d" % s.address for s in servers)
+        print(f"ofl serve: {args.backend} on {addrs}, region {probe.PROBE_REGION!r} "
+              f"{args.size / MiB:.0f} MiB (filled in {time.perf_counter() - t:.1f} s)", flush=True)
+        wait_for_shutdown(stop)
     return 0
 
 
@@ -165,6 +168,9 @@ def main(argv=None) -> int:
                    help="HOST:PORT to listen on, once per link (default 127.0.0.1:7471)")
     s.add_argument("--size", type=parse_size, default=256 * MiB, help="probe region size (256MiB)")
     s.add_argument("--identity", default=f"ofl-serve@{os.uname().nodename}")
+    s.add_argument("--insecure", action="store_const", const=True,
+                   help="admit any peer on an address other hosts can reach with neither an "
+                   "allow-list (OFL_ALLOW) nor a key (logged as a warning); default: OFL_INSECURE")
     s.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("probe", help="measure read bandwidth, small-read latency, message RTT")

@@ -3,7 +3,8 @@
   remote-engram geometry --layers 1 14 --json          # the real V4.1 tables
   remote-engram synth --out DIR --prime-start 1000      # small synthetic shards (+ --checkpoint)
   remote-engram pack CKPT.safetensors --out DIR [--check]
-  remote-engram serve --shards DIR --backend verbs --listen 10.0.0.1:7480 --listen 10.0.1.1:7480
+  OFL_ALLOW=10.0.0.2,10.0.1.2 OFL_AUTH_KEY_FILE=/etc/dsv41/ofl.key \
+    remote-engram serve --shards DIR --backend verbs --listen 10.0.0.1:7480 --listen 10.0.1.1:7480
   remote-engram qualify --connect 10.0.0.1:7480 --shards DIR --rank 0 [--all]
   remote-engram miniature --out DIR --tokenizer SMOLLM2_DIR [--base SMOLLM2_DIR]
   remote-engram env                                     # every variable, default, meaning
@@ -135,7 +136,7 @@ def cmd_serve(args) -> int:
     server = EngramServer(shard_paths(args.shards), backend=args.backend, listen=args.listen,
                           identity=args.identity, in_ram=not args.page_cache,
                           mlock=not args.no_mlock, hugepages=args.hugepages, progress=bars,
-                          read_delay_s=args.inject_delay_ms / 1000)
+                          read_delay_s=args.inject_delay_ms / 1000, insecure=args.insecure)
     bars.close()
     server.start(args.metrics_listen)
     h = server.health()
@@ -220,6 +221,10 @@ def main(argv=None) -> int:
     v.add_argument("--listen", action="append", required=True,
                    help="HOST:PORT, once per link (binds only there)")
     v.add_argument("--metrics-listen", help="HOST:PORT for GET /metrics and /health")
+    v.add_argument("--insecure", action="store_const", const=True,
+                   help="admit any peer on an address other hosts can reach with neither an "
+                   "allow-list (OFL_ALLOW) nor a key (logged as a warning, shown in health); "
+                   "default: OFL_INSECURE")
     v.add_argument("--identity", default=f"engram@{os.uname().nodename}")
     v.add_argument("--page-cache", action="store_true",
                    help="serve the file mappings instead of copying into RAM")

@@ -208,8 +208,8 @@ class EngramClient:
 
 def server_health(address: str, backend: str = "tcp", timeout_s: float = 10,
                   identity: str = "remote-engram-health") -> dict:
-    """An Engram server's health (tables resident, mlock, hugepages, load times, links),
-    asked over its own link with the control op the server answers."""
+    """An Engram server's health (tables resident, mlock, hugepages, load times, links and
+    how each admits peers), asked over its own link with the control op the server answers."""
     with Connection(address, backend=backend, identity=identity) as conn:
         return decode_json(conn.request(b'{"op":"health"}', deadline_s=timeout_s), "health reply")
 

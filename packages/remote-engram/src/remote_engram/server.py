@@ -3,9 +3,10 @@
 On verbs a client reads rows with one-sided RDMA READ: this process's CPU is not in the
 data path. On tcp/shm ofl answers the gathers. The manifest (layers, row ranges, a digest
 per shard) travels in every handshake, so a client refuses a server holding other tables.
-It binds only to the addresses it is given; ofl's admission and limits (OFL_ALLOW,
-OFL_AUTH_KEY, connection and frame bounds) apply to every listener, and the optional HTTP
-endpoint is ofl.http's bounded MetricsServer.
+It binds only to the addresses it is given; ofl's admission and limits (OFL_ALLOW, the
+shared key, connection, idle and frame bounds) apply to every listener, so a listener other
+hosts can reach is refused without an allow-list or a key unless `insecure`; health() says
+how each link admits. The optional HTTP endpoint is ofl.http's bounded MetricsServer.
 """
 
 from __future__ import annotations
@@ -74,27 +75,39 @@ class EngramServer:
     def __init__(self, shard_paths: list[str], *, backend: str, listen: list[str],
                  identity: str = "engram-server", in_ram: bool = True, mlock: bool = True,
                  hugepages: bool = False, progress: Progress | None = None,
-                 read_delay_s: float = 0.0):
+                 read_delay_s: float = 0.0, insecure: bool | None = None):
+        """`insecure`: admit any peer on a reachable address with no allow-list or key
+        (None: OFL_INSECURE decides, as for any ofl.Server)."""
         if not shard_paths:
             raise ValueError("no shards given")
         self.backend = backend
-        self.shards = [LoadedShard(p, backend, in_ram, mlock, hugepages, progress)
-                       for p in shard_paths]
-        names = [s.name for s in self.shards]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate shard names: {names}")
-        self.manifest = {"format": "DSV41EN1", "row_bytes": ROW_BYTES, "version": __version__,
-                         "shards": [s.manifest_entry() for s in self.shards]}
         self.stats = Stats("engram_server", {"identity": identity})
+        self.shards: list[LoadedShard] = []
         self.servers: list[Server] = []
-        for address in listen:
-            host, port = parse_address(address, 7480)
-            srv = Server(backend, host, port, identity=identity, handler=self.handle,
-                         metadata=self.manifest, read_delay_s=read_delay_s)
-            for shard in self.shards:
-                srv.register(shard.region)
-            self.servers.append(srv)
         self._http: MetricsServer | None = None
+        try:
+            # The listeners first, so a refused one (its exposure, its backend) fails before
+            # the tables load, which takes minutes at full size. Nothing is answered before
+            # start(): a peer that connects meanwhile waits, then times out as if it were down.
+            for address in listen:
+                host, port = parse_address(address, 7480)
+                self.servers.append(Server(backend, host, port, identity=identity,
+                                           handler=self.handle, read_delay_s=read_delay_s,
+                                           insecure=insecure))
+            for path in shard_paths:
+                self.shards.append(LoadedShard(path, backend, in_ram, mlock, hugepages, progress))
+            names = [s.name for s in self.shards]
+            if len(set(names)) != len(names):
+                raise ValueError(f"duplicate shard names: {names}")
+            self.manifest = {"format": "DSV41EN1", "row_bytes": ROW_BYTES, "version": __version__,
+                             "shards": [s.manifest_entry() for s in self.shards]}
+            for srv in self.servers:
+                srv.metadata = self.manifest  # handed to every client in the handshake
+                for shard in self.shards:
+                    srv.register(shard.region)
+        except BaseException:  # free what was opened or loaded before the failure
+            self.stop()
+            raise
 
     @property
     def resident_bytes(self) -> int:
@@ -106,7 +119,8 @@ class EngramServer:
                 "mlock": {s.name: s.mlock for s in self.shards},
                 "hugepages": {s.name: s.hugepages for s in self.shards},
                 "load_seconds": {s.name: round(s.load_seconds, 3) for s in self.shards},
-                "links": ["%s:%d" % s.address for s in self.servers]}
+                "links": ["%s:%d" % s.address for s in self.servers],
+                "admission": {"%s:%d" % s.address: s.admission_status() for s in self.servers}}
 
     def metrics(self) -> str:
         text = self.stats.prometheus() + "".join(s.stats.prometheus() for s in self.servers)
@@ -116,8 +130,8 @@ class EngramServer:
                 "# TYPE engram_server_mlocked_bytes gauge\n"
                 f"engram_server_mlocked_bytes {locked}\n")
 
-    def handle(self, payload: bytes) -> bytes:
-        """Control messages: {"op": "manifest" | "health" | "metrics"}."""
+    def handle(self, payload: bytes, peer: str) -> bytes:
+        """Control messages: {"op": "manifest" | "health" | "metrics"}, from any admitted peer."""
         try:
             op = decode_json(payload, "control message").get("op")
         except ProtocolError:

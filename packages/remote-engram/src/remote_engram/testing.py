@@ -16,18 +16,20 @@ SMALL = EngramGeometry(layers=(1, 14), vocab=500, prime_start=1000)
 
 
 class EngramServeProcess(ChildProcess):
-    """A real `remote-engram serve` process on 127.0.0.1; `metrics_listen` adds its HTTP
-    endpoint, `env` variables to its environment, `stderr` is where its log goes."""
+    """A real `remote-engram serve` process on `host` (127.0.0.1); `metrics_listen` adds its
+    HTTP endpoint, `flags` more serve flags (--insecure), `env` variables to its environment,
+    `stderr` is where its log goes."""
 
     def __init__(self, shard_dir: str, backend: str, port: int = 0, links: int = 1,
                  delay_ms: float = 0.0, metrics_listen: str | None = None,
-                 env: dict | None = None, stderr=subprocess.DEVNULL):
+                 env: dict | None = None, stderr=subprocess.DEVNULL, host: str = "127.0.0.1",
+                 flags: tuple[str, ...] = ()):
         self.shard_dir, self.backend = shard_dir, backend
-        listen = [arg for i in range(links) for arg in ("--listen", f"127.0.0.1:{port if not i else 0}")]
+        listen = [arg for i in range(links) for arg in ("--listen", f"{host}:{port if not i else 0}")]
         metrics = ["--metrics-listen", metrics_listen] if metrics_listen else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "remote_engram.cli", "serve", "--shards", shard_dir,
-             "--backend", backend, "--inject-delay-ms", str(delay_ms), *listen, *metrics],
+             "--backend", backend, "--inject-delay-ms", str(delay_ms), *listen, *metrics, *flags],
             stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline()
         if "remote-engram serve:" not in line:
