@@ -31,21 +31,29 @@ def aux_layer_ids(layers: tuple, model_type: str) -> tuple[int, ...]:
 
 
 def committed_rows(scheduler_output, req_ids: list[str], sampled, aux: list, layers: tuple,
-                   ) -> dict[str, np.ndarray]:
-    """{request id: hidden rows [m, len(layers) x H]} of the inputs this step committed.
+                   keep: int) -> dict[str, np.ndarray]:
+    """{request id: hidden rows [m, len(layers) x H]} of the newest <= `keep` inputs each
+    request committed this step. Only those rows leave the device: the worker keeps a
+    window of rows, so a long prefill chunk's earlier rows would be copied for nothing.
     `aux`: vLLM's auxiliary hidden states, one [tokens, H] tensor per layer of sorted(layers)
     (aux_layer_ids keeps the order, so the tensor of a tap is found by its rank)."""
     import torch
 
-    order = sorted(set(layers))
-    scheduled = [int(scheduler_output.num_scheduled_tokens.get(rid, 0)) for rid in req_ids]
-    rows = as_rows(torch.cat([aux[order.index(layer)] for layer in layers], -1)[:sum(scheduled)])
-    out, start = {}, 0
-    for i, (rid, n) in enumerate(zip(req_ids, scheduled)):
+    spans, start = {}, 0
+    for i, rid in enumerate(req_ids):
+        n = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
         spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
         accepted = max(len(sampled[i]) - 1, 0) if i < len(sampled) else 0
-        out[rid] = rows[start:start + n - spec + accepted]
+        committed = n - spec + accepted
+        spans[rid] = (start + max(committed - keep, 0), start + committed)
         start += n
+    index = np.concatenate([np.arange(a, b) for a, b in spans.values()] or [np.zeros(0, int)])
+    order = sorted(set(layers))
+    picked = torch.as_tensor(index, dtype=torch.long, device=aux[0].device)
+    rows = as_rows(torch.cat([aux[order.index(layer)][picked] for layer in layers], -1))
+    out, at = {}, 0
+    for rid, (a, b) in spans.items():
+        out[rid], at = rows[at:at + b - a], at + b - a
     return out
 
 
@@ -73,7 +81,7 @@ def propose_hook(original):
             req_ids, rows = list(self.input_batch.req_ids), None
             if drafter.hidden_layers and aux_hidden_states:
                 rows = committed_rows(scheduler_output, req_ids, sampled_token_ids,
-                                      aux_hidden_states, drafter.hidden_layers)
+                                      aux_hidden_states, drafter.hidden_layers, drafter.window)
             drafter.set_batch(req_ids, scheduler_output.finished_req_ids, rows)
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                         hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs)

@@ -38,6 +38,7 @@ COUNTERS = {
     "rounds_taken": "Async rounds collected when vLLM took the drafts",
     "drafts_filled": "Draft tokens written into the input batch by deferred collection",
     "placeholders_verified": "Placeholder drafts left for verification (round late, failed or short)",
+    "hidden_rows_copied": "Hidden rows copied to the host (each request's newest window at most)",
 }
 HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input preparation",
               "collect_wait": "Deferred round: time input preparation waited for the reply",
@@ -62,6 +63,9 @@ class RemoteProposer:
         self._deferred = None  # ({request id: client id}, submitted at) awaiting the next inputs
         self._next_id = 1
         self.hidden_layers: tuple[int, ...] = ()  # set in load_model
+        # rows a request keeps: the worker's window once it has said (load_model), else
+        # the client's bound on history
+        self.window = self.client.history_tokens if self.client else 0
         self.carry: dict[str, list[np.ndarray]] = {}  # committed rows not yet sent, per request
         self.metrics = Metrics("remote_drafter_vllm", COUNTERS, HISTOGRAMS)
         self.defer = self._defer_allowed(vllm_config)
@@ -96,7 +100,8 @@ class RemoteProposer:
             return MetricsServer(host, port + rank,
                                  lambda: (self.client.prometheus() if self.client else "") + self.metrics.prometheus(),
                                  lambda: {"rank": rank, "client": self.client.counters() if self.client else {},
-                                          "proposer": self.metrics.snapshot()},
+                                          "proposer": self.metrics.snapshot(),
+                                          "hidden_rows_held": self.rows_held()},
                                  name=f"remote-drafter-r{rank}")
         except OSError as exc:  # the counters stay unreadable; drafting is unaffected
             log.error("remote drafter counters not served on %s: %s", listen, exc)
@@ -139,12 +144,14 @@ class RemoteProposer:
         if configured not in ("", "auto"):
             return tuple(int(x) for x in configured.split(","))
         try:
-            return tuple(self.client.worker_info(START_DEADLINE_S).hidden_layers)
+            info = self.client.worker_info(START_DEADLINE_S)
         except Exception as exc:  # noqa: BLE001 - no worker at start-up
             log.error("cannot ask the worker which target layers its drafter reads (%s): rounds "
                       "carry no hidden rows; a drafter that needs them drafts nothing. Set "
                       "REMOTE_DRAFTER_HIDDEN_LAYERS to start without asking.", exc)
             return ()
+        self.window = info.window
+        return tuple(info.hidden_layers)
 
     def set_batch(self, req_ids: list[str], finished, rows: dict | None = None) -> None:
         """From the plugin, before propose: this step's rows (request ids) and, for a
@@ -154,7 +161,14 @@ class RemoteProposer:
             self._forget(rid)
         for rid, r in (rows or {}).items():
             if len(r):
-                self.carry.setdefault(rid, []).append(r)
+                held = self.carry.setdefault(rid, [])
+                held.append(r)
+                if sum(map(len, held)) > self.window:  # a window per request, whatever the prompt
+                    self.carry[rid] = [np.concatenate(held)[-self.window:]]
+                self.metrics.inc("hidden_rows_copied", len(r))
+
+    def rows_held(self) -> int:
+        return sum(len(r) for held in self.carry.values() for r in held)
 
     def _forget(self, rid: str) -> None:
         self.carry.pop(rid, None)
@@ -168,7 +182,10 @@ class RemoteProposer:
         n = len(tokens)
         carried = self.carry.pop(rid, None)
         rows = np.concatenate(carried) if carried and self.hidden_layers else None
-        if rid not in self.ids or n < self.known[rid]:  # new, or reset (preempted)
+        # new, reset (preempted), or gained more tokens than the window of rows held: open
+        # from the tokens and the window (what the worker keeps of a longer history anyway)
+        if rid not in self.ids or n < self.known[rid] or \
+                (rows is not None and len(rows) < n - self.known[rid]):
             self._forget(rid)
             self.ids[rid] = self._next_id
             self._next_id += 1

@@ -1,0 +1,104 @@
+"""The engine side holds and sends at most the drafter's window of hidden rows per request,
+whatever the prompt: only each request's newest window of committed rows leaves the device,
+the proposer keeps one window per request until its first round, and the open carries that
+window (what the worker keeps of a longer history anyway). Unit tier: torch on the CPU, a
+real worker over tcp on loopback."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from remote_drafter.engine.history import History
+from remote_drafter.models.ngram import NgramDrafter
+from remote_drafter.vllm import hooks
+from remote_drafter.vllm.hooks import committed_rows
+from remote_drafter.vllm.proposer import RemoteProposer
+from remote_drafter.worker.server import Worker
+
+WIDTH, WINDOW = 8, 16
+
+
+class RowReadingNgram(NgramDrafter):
+    """An n-gram drafter that takes hidden rows (of one tap), as a DSpark drafter does."""
+    feature, window, hidden_layers = WIDTH, WINDOW, (3,)
+
+    def __init__(self):
+        super().__init__(vocab_size=1000, max_depth=4)
+        self.window = WINDOW
+
+
+def scheduler_output(scheduled: dict, spec: dict | None = None, finished=()):
+    return SimpleNamespace(num_scheduled_tokens=scheduled,
+                           scheduled_spec_decode_tokens=spec or {}, finished_req_ids=set(finished))
+
+
+def test_only_the_newest_window_of_each_request_leaves_the_device(monkeypatch):
+    """A 1,000-token prefill chunk beside a decode row that accepted one of two drafts: the
+    chunk's last 16 rows and the decode row's 2 committed rows are copied, nothing else."""
+    copied = []
+    real = hooks.as_rows
+    monkeypatch.setattr(hooks, "as_rows", lambda t: copied.append(tuple(t.shape)) or real(t))
+    aux = [torch.arange(1003 * 4, dtype=torch.float32).reshape(1003, 4), -torch.ones(1003, 4)]
+    out = committed_rows(scheduler_output({"long": 1000, "decode": 3}, {"decode": [7, 8]}),
+                         ["long", "decode"], [[], [5, 6]], aux, (2, 9), keep=WINDOW)
+    assert copied == [(WINDOW + 2, 8)]
+    stacked = torch.cat(aux, -1).numpy()
+    np.testing.assert_array_equal(out["long"], stacked[1000 - WINDOW:1000])
+    np.testing.assert_array_equal(out["decode"], stacked[1000:1002])
+
+
+@pytest.fixture
+def proposer(monkeypatch):
+    worker = Worker(RowReadingNgram()).start()
+    monkeypatch.setenv("REMOTE_DRAFTER_ADDRESS", worker.address)
+    for name in ("VLLM_DSPARK_REMOTE_ASYNC", "REMOTE_DRAFTER_METRICS_LISTEN",
+                 "REMOTE_DRAFTER_HIDDEN_LAYERS", "REMOTE_DRAFTER_TARGET"):
+        monkeypatch.delenv(name, raising=False)
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0)
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                             model_config=SimpleNamespace(max_model_len=4096),
+                             parallel_config=parallel)
+    p = RemoteProposer(config)
+    p.load_model()
+    yield p, worker
+    p.client.close()
+    worker.stop()
+
+
+def test_a_long_prompt_costs_one_window_held_and_sent(proposer):
+    p, worker = proposer
+    assert p.hidden_layers == (3,) and p.window == WINDOW
+    prompt = np.arange(1, 2001, dtype=np.int32) % 97 + 1
+    rows = np.random.default_rng(0).standard_normal((2000, WIDTH)).astype(np.float32)
+    for chunk in range(4):  # four prefill chunks of 500 before the first sampled token
+        p.set_batch(["r"], (), {"r": rows[500 * chunk:500 * (chunk + 1)]})
+        assert p.rows_held() <= WINDOW
+    sent_before = worker.service.metrics.value("request_bytes")
+    tokens = np.append(prompt, 5).astype(np.int32)
+    p.propose([[5]], [len(tokens)], tokens[None, :])
+    sent = worker.service.metrics.value("request_bytes") - sent_before
+    assert sent < tokens.nbytes + (WINDOW + 1) * WIDTH * 4 + 1024  # a window of rows, not 2,000
+    [session] = worker.service.sessions.values()
+    np.testing.assert_array_equal(session.history.rows, rows[-WINDOW:])  # the same rows as all
+    assert p.rows_held() == 0 and p.metrics.value("hidden_rows_copied") == 2000
+
+
+def test_more_tokens_than_a_window_between_rounds_reopens_from_the_window(proposer):
+    """A request that gains more tokens than a window between two of its rounds is opened
+    again from its window (a commit would need a row per token)."""
+    p, worker = proposer
+    first = np.arange(1, 41, dtype=np.int32)
+    rows = np.random.default_rng(1).standard_normal((100, WIDTH)).astype(np.float32)
+    p.set_batch(["r"], (), {"r": rows[:39]})
+    p.propose([[40]], [40], first[None, :])
+    opens = worker.service.metrics.value("opens")
+    p.set_batch(["r"], (), {"r": rows[39:99]})  # 60 more committed rows: over the window
+    more = np.arange(1, 101, dtype=np.int32)
+    p.propose([[100]], [100], more[None, :])
+    assert worker.service.metrics.value("opens") == opens + 1
+    [session] = worker.service.sessions.values()
+    assert session.history.length == 100
+    np.testing.assert_array_equal(session.history.rows, rows[99 - WINDOW:99])
+    assert History(4096, WINDOW, WIDTH).check(more, rows[99 - WINDOW:99], opening=True) is None
