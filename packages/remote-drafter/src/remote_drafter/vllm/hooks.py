@@ -79,7 +79,7 @@ def propose_hook(original):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, RemoteProposer):
             req_ids, rows = list(self.input_batch.req_ids), None
-            if drafter.hidden_layers and aux_hidden_states:
+            if drafter.sends_rows and aux_hidden_states:
                 rows = committed_rows(scheduler_output, req_ids, sampled_token_ids,
                                       aux_hidden_states, drafter.hidden_layers, drafter.window)
             drafter.set_batch(req_ids, scheduler_output.finished_req_ids, rows)

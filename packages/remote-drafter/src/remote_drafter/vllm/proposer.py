@@ -25,7 +25,7 @@ from remote_drafter import env
 from remote_drafter.engine.metrics import Metrics
 
 from .client_factory import make_client, remote_async
-from .tensor_parallel import broadcast_drafts, shared_group
+from .tensor_parallel import agree, broadcast_drafts, from_first_rank, shared_group, tp_group
 from .versions import DEFERRED_SOURCES, refusal
 
 log = logging.getLogger("remote_drafter.vllm")
@@ -51,6 +51,9 @@ class RemoteProposer:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.tp = tp_group(vllm_config)
+        if self.tp is not None:  # first, before any rank can fail or wait on its own
+            agree(self.tp, drafting_settings())
         self.group, why = shared_group(vllm_config)  # the TP group rank 0's rounds serve
         if why:
             log.error("one round per TP group refused (%s): every rank runs its own rounds", why)
@@ -109,11 +112,15 @@ class RemoteProposer:
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
         """Learn which target layers the drafter reads (the plugin then has vLLM output
-        them). Local mode: the drafter uses the engine's own embedding and head (the same
-        values it read from the checkpoint) instead of a second copy."""
-        if self.client is None:  # no rounds, so no hidden rows: no taps on this rank
+        them on every rank alike: rank 0's answer is shared). Local mode: the drafter uses
+        the engine's own embedding and head (the same values it read from the checkpoint)
+        instead of a second copy."""
+        if self.client is not None:
+            self.hidden_layers = self._hidden_layers()
+        if self.group is not None:
+            self.hidden_layers, self.window = from_first_rank(self.group, (self.hidden_layers, self.window))
+        if self.client is None:  # rank 0's rounds: this rank sends no rows
             return
-        self.hidden_layers = self._hidden_layers()
         self.client.hidden_layers = self.hidden_layers
         if self.hidden_layers:
             log.warning("remote drafter reads the target's hidden rows of layers %s",
@@ -166,6 +173,11 @@ class RemoteProposer:
                 if sum(map(len, held)) > self.window:  # a window per request, whatever the prompt
                     self.carry[rid] = [np.concatenate(held)[-self.window:]]
                 self.metrics.inc("hidden_rows_copied", len(r))
+
+    @property
+    def sends_rows(self) -> bool:
+        """This rank sends the target's hidden rows (TP rank 0 of a drafter that reads them)."""
+        return self.client is not None and bool(self.hidden_layers)
 
     def rows_held(self) -> int:
         return sum(len(r) for held in self.carry.values() for r in held)
@@ -301,3 +313,13 @@ class RemoteProposer:
         self.metrics.inc("drafts_filled", filled)
         self.metrics.inc("placeholders_verified", sum(map(len, out.values())) - filled)
         return out
+
+
+def drafting_settings() -> dict:
+    """How this engine rank drafts, from its own environment: what every TP rank must
+    share (the worker's address may differ by host; only rank 0 uses it)."""
+    return {"remote": bool(env.REMOTE_DRAFTER_ADDRESS.get()), "asynchronous": remote_async(),
+            "collection": env.REMOTE_DRAFTER_VLLM_COLLECT.get(),
+            "hidden_layers": env.REMOTE_DRAFTER_HIDDEN_LAYERS.get().strip() or "auto",
+            "local_drafter": env.REMOTE_DRAFTER_DRAFTER.get(),
+            "capacity_mode": env.capacity_mode()}

@@ -1,9 +1,43 @@
 """One round per TP group: only TP rank 0 talks to the worker; deferred drafts reach the
-other ranks in one broadcast on the group's CPU group, so every rank's inputs are the same."""
+other ranks in one broadcast on the group's CPU group, so every rank's inputs are the same.
+That needs every rank to draft the same way: the ranks compare their settings at start-up
+and share rank 0's view of the worker, so a mismatch is refused on every rank, never left
+to hang one rank in a broadcast the other never joins."""
 
 from __future__ import annotations
 
 from .versions import SHARED_SOURCES, refusal
+
+
+def tp_group(vllm_config):
+    """vLLM's TP group (a GroupCoordinator), None with one rank."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group()
+
+
+def agree(group, mine: dict) -> None:
+    """Every rank of `group` holds the same settings `mine`, else every rank raises with one
+    line naming what differs where (all of them see all the settings, so all refuse)."""
+    import torch.distributed as dist
+    every: list = [None] * group.world_size
+    dist.all_gather_object(every, mine, group=group.cpu_group)
+    differ = sorted({k for theirs in every for k in {*theirs, *mine} if theirs.get(k) != every[0].get(k)})
+    if differ:
+        raise RuntimeError(
+            "remote drafter settings differ across the tensor-parallel ranks ("
+            + "; ".join(f"{k}: " + ", ".join(f"rank {r} {theirs.get(k)!r}" for r, theirs in enumerate(every))
+                        for k in differ)
+            + "): give every engine host the same drafter settings")
+
+
+def from_first_rank(group, value):
+    """TP rank 0's `value` (a small picklable object) on every rank of `group`."""
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+    return box[0]
 
 
 def shared_group(vllm_config):
@@ -19,8 +53,7 @@ def shared_group(vllm_config):
     why = refusal(SHARED_SOURCES)
     if why:
         return None, why
-    from vllm.distributed.parallel_state import get_tp_group
-    return get_tp_group(), None
+    return tp_group(vllm_config), None
 
 
 def broadcast_drafts(group, drafts: dict[str, list[int]], scheduled: dict[str, list[int]],
