@@ -157,9 +157,10 @@ def test_uneven_shards_odd_vocabulary_and_untied_head(tmp_path, lock_dir):
         w.stop()
 
 
-def test_the_pair_holds_the_one_card_workers_per_client_quotas():
-    """Same capacity flags as `remote-drafter worker` (one definition): half the slots per
-    client by default, and what the launcher passes both ranks keeps an explicit quota."""
+def test_the_pair_holds_the_one_card_workers_quotas_and_listener():
+    """Same capacity and listener flags as `remote-drafter worker` (one definition): half
+    the slots per client by default, loopback unless told, and what the launcher passes
+    both ranks keeps an explicit quota and --insecure."""
     import argparse
 
     from drafter_tp2.cli import add_worker_args, rank_config, worker_argv
@@ -172,3 +173,8 @@ def test_the_pair_holds_the_one_card_workers_per_client_quotas():
     given = p.parse_args([*base, "--max-requests-per-client", "8"])
     assert rank_config(given).service.max_requests_per_client == 8
     assert rank_config(p.parse_args(worker_argv(given))).service.max_requests_per_client == 8
+    default = rank_config(p.parse_args(base))
+    assert (default.listen, default.insecure) == ("127.0.0.1:7480", None)  # None: OFL_INSECURE
+    insecure = p.parse_args([*base, "--listen", "0.0.0.0:7480", "--insecure"])
+    passed_on = rank_config(p.parse_args(worker_argv(insecure)))
+    assert (passed_on.listen, passed_on.insecure) == ("0.0.0.0:7480", True)

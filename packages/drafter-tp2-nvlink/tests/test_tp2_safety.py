@@ -81,6 +81,24 @@ def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
         lock.release()
 
 
+def test_an_exposed_listener_without_admission_stops_both_ranks_as_refused(models, lock_dir):
+    """As the one-card worker: an address other hosts can reach needs OFL_ALLOW or a key, or
+    --insecure; without them rank 0 refuses before serving, rank 1 is told to stop, and
+    the launcher exits 2 (the supervisor does not restart a refusal)."""
+    no_admission = {name: "" for name in ("OFL_ALLOW", "OFL_AUTH_KEY", "OFL_AUTH_KEY_FILE",
+                                          "OFL_INSECURE")}
+    code, text = run_worker(worker_args(models, "cpu:0,cpu:1", "--listen", "0.0.0.0:0"),
+                            tp2_env(**no_admission))
+    assert code == 2, text
+    assert "drafter-tp2 rank 0: refusing to serve: refusing to listen on 0.0.0.0" in text, text
+    assert "OFL_ALLOW" in text and "--insecure" in text
+    assert "exit codes [2, 0]" in text, text  # rank 1 stopped when told, not broken
+    for dev in ("cpu:0", "cpu:1"):  # both released their devices, leaving no record
+        lock = DeviceLock(device_key(dev), lock_dir).acquire()
+        assert lock.cleared is None
+        lock.release()
+
+
 def test_one_card_and_tp2_workers_exclude_each_other(models, lock_dir):
     one_card = ["--drafter", models["dspark"], "--target", models["target"], "--listen", "127.0.0.1:0"]
     env = tp2_env(REMOTE_DRAFTER_DEVICE_LOCK="1")  # lock CPU 'devices' as auto locks GPUs

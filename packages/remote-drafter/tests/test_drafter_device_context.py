@@ -15,7 +15,7 @@ from remote_drafter.engine.history import History  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dspark import DSparkDrafter  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
-from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
+from remote_drafter.worker.service import LOCAL_PEER, DraftService, ServiceConfig  # noqa: E402
 
 CLIENT = 7
 
@@ -120,7 +120,7 @@ def test_service_rounds_draft_what_a_full_rebuild_drafts(models, dtype):
         if rng.random() < 0.05 and open_:  # idle expiry of one open request
             rid = int(rng.choice(sorted(set(open_) - expired))) if set(open_) - expired else None
             if rid is not None and all(p[1] != rid for p in planned):
-                service.sessions[(CLIENT, rid)].last_used -= 1e9
+                service.sessions[(LOCAL_PEER, CLIENT, rid)].last_used -= 1e9
                 service.expire_idle()
                 expired.add(rid)
         replies = P.parse_reply(service.handle(P.encode_request(entries, fp, client_id=CLIENT)))
@@ -153,7 +153,7 @@ def test_service_rounds_draft_what_a_full_rebuild_drafts(models, dtype):
             drafted += len(batch)
         for rid, (h, _, _) in open_.items():
             if rid not in expired:
-                held = service.sessions[(CLIENT, rid)].history
+                held = service.sessions[(LOCAL_PEER, CLIENT, rid)].history
                 assert held.rows.tobytes() == h.rows.tobytes() and held.length == h.length
                 assert np.array_equal(held.tokens, h.tokens)
         assert windows(d) <= len(service.sessions)
@@ -247,7 +247,7 @@ def test_device_rows_go_with_their_requests(models):
     assert windows(d) == 3
     round_([P.Entry(1, P.OP_RELEASE)])
     assert windows(d) == 2
-    service.sessions[(CLIENT, 2)].last_used -= 1e9
+    service.sessions[(LOCAL_PEER, CLIENT, 2)].last_used -= 1e9
     service.expire_idle()
     assert windows(d) == 1
     again = open_entry(3)

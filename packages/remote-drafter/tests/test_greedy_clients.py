@@ -1,8 +1,9 @@
 """A greedy or hostile client against a real worker process.
 
 (a) One 15 KB message of 256 opens took every request slot, so the engine's next open got
-`capacity` until the idle expiry: now a client id holds at most its quota (half the slots by
-default), the excess gets status `quota`, counted, and shown per client in `status`.
+`capacity` until the idle expiry: now a peer (its address, all its connections and client
+ids) holds at most its quota (half the slots by default), the excess gets status `quota`,
+counted, and shown per peer in `status` (tests/test_peer_quota.py: peers rotating ids).
 (b) A 224-byte request (two opens, k = 8, probabilities over the n-gram drafter's 2**20
 tokens) made the worker build a 67 MB reply the link then refused: now each entry's reply
 is sized before anything is drafted and refused when it would not fit.
@@ -27,6 +28,12 @@ REPEATING = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2)  # the n-gram drafter proposes
 def worker_process(*flags, env=None):
     testing = pytest.importorskip("remote_drafter.testing", reason="the worker needs torch")
     return testing.WorkerProcess("ngram", None, "tcp", 0, *flags, env=env)
+
+
+def connection_from(source: str, address: str) -> Connection:
+    """A connection from `source` (of 127.0.0.0/8): to the worker, another host."""
+    testing = pytest.importorskip("remote_drafter.testing", reason="the worker needs torch")
+    return testing.ConnectionFrom(source, address, backend="tcp")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,7 @@ def status_of(replies) -> list[str]:
 
 
 def test_one_message_of_opens_cannot_take_the_engines_slots(worker):
-    with Connection(worker.address, backend="tcp") as hostile:
+    with connection_from("127.0.0.2", worker.address) as hostile:  # the engine: 127.0.0.1
         described = hostile.peer_metadata["remote_drafter"]
         slots = described["max_requests"]
         request = P.encode_request(opens(range(slots)), fingerprint(hostile), client_id=HOSTILE)
@@ -87,11 +94,12 @@ def test_one_message_of_opens_cannot_take_the_engines_slots(worker):
     assert stats["quota_refusals"] == refused and stats["capacity_refusals"] == 0
     assert stats["open_requests"] == share + 1
     per_request = described["bytes_per_request"]
-    assert sorted(stats["clients"].values(), key=lambda c: c["requests"]) == [
-        {"requests": 1, "history_bytes": per_request, "quota_refusals": 0},
-        {"requests": share, "history_bytes": share * per_request, "quota_refusals": refused}]
-    ids = {str(HOSTILE), str(engine.client_id), f"{HOSTILE:08x}", f"{engine.client_id:08x}"}
-    assert not ids & stats["clients"].keys()  # digests, not the ids that name their requests
+    assert stats["peers_holding_requests"] == 2
+    assert sorted(stats["peers"].values(), key=lambda c: c["requests"]) == [
+        {"requests": 1, "history_bytes": per_request, "quota_refusals": 0, "client_ids": 1},
+        {"requests": share, "history_bytes": share * per_request, "quota_refusals": refused,
+         "client_ids": 1}]
+    assert not {"127.0.0.1", "127.0.0.2"} & stats["peers"].keys()  # digests, not addresses
 
 
 def peak_rss_since_reset(pid: int, reset: bool = False) -> int:

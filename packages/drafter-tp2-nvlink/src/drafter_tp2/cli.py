@@ -1,6 +1,6 @@
 """drafter-tp2: the two-card tensor-parallel DSpark drafter worker (the one-card protocol).
 
-  drafter-tp2 worker    --drafter DIR --target DIR [--devices cuda:0,cuda:1] [--listen HOST:PORT]
+  drafter-tp2 worker    --drafter DIR --target DIR [--devices cuda:0,cuda:1] [--listen HOST:PORT [--insecure]]
   drafter-tp2 supervise [--restarts N --window-s S] -- WORKER ARGS
   drafter-tp2 rank      --rank 0|1 --master HOST:PORT WORKER ARGS   (what `worker` starts)
   drafter-tp2 env
@@ -19,6 +19,7 @@ import sys
 
 from ofl.env import describe
 from remote_drafter.worker.capacity import add_capacity_args, capacity_argv
+from remote_drafter.worker.exposure import add_exposure_args, exposure_argv
 
 from . import env
 
@@ -28,7 +29,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="the target folder (embedding, head, identity)")
     p.add_argument("--devices", default="cuda:0,cuda:1",
                    help="the two devices, rank 0's first (CPU tests: cpu:0,cpu:1)")
-    p.add_argument("--listen", default="0.0.0.0:7480", help="rank 0's HOST:PORT (port 0: any free)")
+    add_exposure_args(p, "rank 0's HOST:PORT")  # the one-card worker's: loopback unless admitted
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backend", default="tcp", help="ofl backend: tcp, shm or verbs")
     add_capacity_args(p)  # the one-card worker's: slots, per-client quotas, idle release
@@ -54,7 +55,7 @@ def rank_config(args):
     return RankConfig(
         rank=args.rank, devices=devices, master=args.master, drafter=args.drafter,
         target=args.target, dtype=args.dtype, backend=args.backend, listen=args.listen,
-        service=ServiceConfig(**capacity_config(args)),
+        insecure=args.insecure, service=ServiceConfig(**capacity_config(args)),
         graphs=mode == "auto",
         graph_batches=[int(x) for x in env.DRAFTER_TP2_GRAPH_BATCHES.get().split(",")],
         timeout_s=env.DRAFTER_TP2_TIMEOUT_S.get_float(),
@@ -66,7 +67,7 @@ def rank_config(args):
 def worker_argv(args) -> list[str]:
     """The worker arguments as given, for the ranks (both get the same)."""
     return ["--drafter", args.drafter, "--target", args.target, "--devices", args.devices,
-            "--listen", args.listen, "--dtype", args.dtype, "--backend", args.backend,
+            *exposure_argv(args), "--dtype", args.dtype, "--backend", args.backend,
             *capacity_argv(args)]
 
 

@@ -39,6 +39,7 @@ class RankConfig:
     dtype: str = "float32"
     backend: str = "tcp"
     listen: str = "127.0.0.1:0"
+    insecure: bool | None = None  # Worker's: None = OFL_INSECURE
     service: ServiceConfig = field(default_factory=ServiceConfig)
     graphs: bool = True
     graph_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
@@ -136,9 +137,10 @@ def run(cfg: RankConfig) -> int:
                     "peer": infos[0]["peer"]["text"], "rounds": rounds.describe(),
                     "sharding": "q/k/v, gate/up column-parallel; o, down row-parallel; "
                                 "embedding/head vocab-parallel; Markov head on rank 0"}
-        stopped_cleanly = serve(cfg, TP2Drafter(drafter, LeaderModel(model, channel, rounds),
-                                                tdev, topology), channel, broken)
-        return 0 if stopped_cleanly else BROKEN
+        code = serve(cfg, TP2Drafter(drafter, LeaderModel(model, channel, rounds), tdev, topology),
+                     channel, broken)
+        stopped_cleanly = code != BROKEN
+        return code
     finally:
         if cuda:
             torch.cuda.synchronize(tdev)  # in-flight GPU work ends before the card is free
@@ -152,15 +154,22 @@ def _visible(device: str) -> bool:
     return d.type == "cpu" or (d.index or 0) < torch.cuda.device_count()
 
 
-def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: threading.Event) -> bool:
-    """Rank 0: serve until SIGTERM (True) or until the pair breaks (False)."""
+def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: threading.Event) -> int:
+    """Rank 0: serve until SIGTERM (0) or until the pair breaks (BROKEN); REFUSED, with
+    both ranks stopped, when --listen is exposed without admission."""
+    from ofl.errors import ConfigurationError
     from ofl.server import parse_address
     host, port = parse_address(cfg.listen, 7480)
     term = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: term.set())
     signal.signal(signal.SIGINT, lambda *a: term.set())
-    worker = Worker(drafter, cfg.backend, host, port, cfg.service,
-                    identity="drafter-tp2-worker").start()
+    try:
+        worker = Worker(drafter, cfg.backend, host, port, cfg.service,
+                        identity="drafter-tp2-worker", insecure=cfg.insecure).start()
+    except ConfigurationError as exc:
+        channel.stop()
+        _say(0, f"refusing to serve: {exc}")
+        return REFUSED
     heart = threading.Thread(target=_heartbeat, args=(channel, cfg.heartbeat_s, term, broken),
                              name="tp2-heartbeat", daemon=True)
     heart.start()
@@ -177,8 +186,8 @@ def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: thread
     if broken.is_set() and channel.broken != "stopped":
         _say(0, f"stopped serving: {channel.broken}; clients get no drafts from here "
                 "(they decode target-only) until the pair is restarted")
-        return False
-    return True
+        return BROKEN
+    return 0
 
 
 def _heartbeat(channel: Channel, interval: float, term: threading.Event, broken: threading.Event) -> None:

@@ -1,7 +1,7 @@
 """remote-drafter: create a drafter, serve it, check it.
 
   remote-drafter init      --target DIR --out DIR [--target-layers 2,15,29 | --token-only]
-  remote-drafter worker    --listen HOST:PORT --drafter SPEC --target DIR [--device cuda:0] [--kernels NAME]
+  remote-drafter worker    --drafter SPEC --target DIR [--listen HOST:PORT [--insecure]] [--device cuda:0] [--kernels NAME]
                            [--weights exl3 [--ungated]] [--record-gate-rounds FILE [--gate-rounds 64]]
   remote-drafter identity  --drafter SPEC --target DIR [--out manifest.json]
   remote-drafter status    --worker HOST:PORT
@@ -31,6 +31,7 @@ from remote_drafter.models import fidelity_gate
 from remote_drafter.models.registry import WorkerExtraMissing, spec_folder, worker_side
 from remote_drafter.worker import exl3_admission
 from remote_drafter.worker.capacity import add_capacity_args, capacity_config
+from remote_drafter.worker.exposure import add_exposure_args
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
@@ -98,7 +99,7 @@ def worker_parser(sub) -> None:
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     """Which drafter the worker serves, on what and how it is reached."""
-    p.add_argument("--listen", default="0.0.0.0:7480", help="HOST:PORT (port 0: any free)")
+    add_exposure_args(p)
     p.add_argument("--drafter", required=True, help=DRAFTER_HELP)
     p.add_argument("--target", default=None, help="the target folder (embedding, head, identity)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
@@ -205,11 +206,12 @@ def serve(args, drafter, stop, locked: bool, ungated: str | None) -> None:
     from ofl.server import parse_address
     from remote_drafter.worker.server import Worker
     host, port = parse_address(args.listen, 7480)
-    worker = Worker(drafter, args.backend, host, port, _service_config(args)).start()
+    worker = Worker(drafter, args.backend, host, port, _service_config(args),
+                    insecure=args.insecure).start()
     d = worker.service.describe()
     print(f"remote-drafter worker: {drafter.kind} drafter (depth {drafter.max_depth}, "
           f"feature {drafter.feature}, {d['max_requests']} requests x {d['bytes_per_request']} B, "
-          f"{d['max_requests_per_client']} per client, "
+          f"{d['max_requests_per_client']} per client address, "
           f"spec cache {'on' if d['spec_cache'] else 'off'}, warm-up {worker.warm_up_s:.2f} s) "
           f"on {args.device}{', device locked' if locked else ''}, {args.backend} on {worker.address}"
           f"{'; EXL3 pack UNGATED (--ungated): not for production' if ungated else ''}", flush=True)
@@ -251,7 +253,8 @@ def cmd_identity(args) -> int:
 
 
 def status_parser(sub) -> None:
-    p = sub.add_parser("status", help="a worker's counters, limits and identities (JSON)")
+    p = sub.add_parser("status", help="a worker's counters, limits, identities, whom it admits "
+                                      "(admission) and what each peer holds (peers, by digest) (JSON)")
     p.add_argument("--worker", required=True)
     p.add_argument("--backend", default="tcp")
     p.set_defaults(fn=cmd_status)

@@ -56,14 +56,16 @@ REMOTE_DRAFTER_METRICS_LISTEN = EnvVar(
 
 REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT = EnvVar(
     "REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT", "auto",
-    "Worker: requests one client id (one engine rank) may hold at once; auto = half of "
-    "--max-requests, so no one client takes every slot (a TP2 engine's two ranks fit). Opens "
-    "past it get status 'quota'. The worker's --max-requests-per-client overrides it.")
+    "Worker: requests one client may hold at once, a client being one peer address (all its "
+    "connections and client ids: every engine rank on that host); auto = half of "
+    "--max-requests, so no one host takes every slot. Opens past it get status 'quota'. The "
+    "worker's --max-requests-per-client overrides it.")
 REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT = EnvVar(
     "REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT", "auto",
-    "Worker: bytes of history one client id may hold, each request charged what its history "
-    "can grow to (bytes_per_request) when it opens, so no continue is ever refused; auto = no "
-    "bound beyond the request quota. The worker's --max-history-bytes-per-client overrides it.")
+    "Worker: bytes of history one client (one peer address) may hold, each request charged "
+    "what its history can grow to (bytes_per_request) when it opens, so no continue is ever "
+    "refused; auto = no bound beyond the request quota. The worker's "
+    "--max-history-bytes-per-client overrides it.")
 REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
     "REMOTE_DRAFTER_CONFIDENCE_CUTOFF", "0",
     "Worker, dsv41 drafter: cut each draft before its first token the checkpoint's confidence "

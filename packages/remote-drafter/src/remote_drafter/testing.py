@@ -1,15 +1,18 @@
 """Test helpers the drafter suites share (remote-drafter's, drafter-tp2's, the stack's): tiny
-targets and drafters on disk, a real worker process, and a drafter that is wrong on purpose.
-Torch side: it needs the [worker] extra, as the drafters it builds do."""
+targets and drafters on disk, a real worker process, a client on another loopback address
+(another host, to the worker), and a drafter that is wrong on purpose. Torch side: it needs
+the [worker] extra, as the drafters it builds do."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 
 import numpy as np
 
+from ofl import Connection
 from ofl.testing import ChildProcess
 from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
 from remote_drafter.models.llama import LlamaConfig, random_llama
@@ -87,3 +90,17 @@ class WorkerProcess(ChildProcess):
                     raise
                 time.sleep(0.2)
         self.proc, self.address = fresh.proc, fresh.address
+
+
+class ConnectionFrom(Connection):
+    """An ofl connection from `source`, an address of 127.0.0.0/8 other than the worker's:
+    the worker sees another peer, as it would another host (ofl's Connection picks no
+    source address itself)."""
+
+    def __init__(self, source: str, address: str, **options):
+        self.source = source
+        super().__init__(address, **options)
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        return socket.create_connection(self.address, max(deadline - time.monotonic(), 0.001),
+                                        source_address=(self.source, 0))

@@ -41,7 +41,7 @@ COUNTERS = {
     "entries_failed": "Request entries without drafts because of an error status",
     "reopens": "Requests re-opened from the client's history (worker lost state)",
     "capacity_refusals": "Opens the worker refused because it was full",
-    "quota_refusals": "Opens the worker refused because this client holds its quota of requests there",
+    "quota_refusals": "Opens the worker refused because this host (its address) holds its quota there",
     "drafts": "Draft tokens received",
     "cache_hits": "Entries the worker answered from its speculation cache",
     "async_abandoned": "Async rounds superseded before they were collected",

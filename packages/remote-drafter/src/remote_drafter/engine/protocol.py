@@ -13,10 +13,11 @@ An entry opens a request (its bounded history and `length`, the count of tokens 
 all, which fixes positions), continues one (the tokens committed since, their hidden rows,
 and `length` after them: a worker holding another count answers "unknown request", so the
 client re-opens) or releases one; `k` asks for up to k drafts (0: just record the tokens).
-Requests are named (client_id, request_id); the fingerprint is the manifest digest both
-sides agreed on in the handshake. A malformed message is refused whole (an ofl error reply);
-a bad entry gets status INVALID (QUOTA: an open past its client's quota) and a message,
-while the other entries are served.
+Requests are named (client_id, request_id) within the sender's address, which the worker
+takes from the connection; the fingerprint is the manifest digest both sides agreed on in
+the handshake. A malformed message is refused whole (an ofl error reply); a bad entry gets
+status INVALID (QUOTA: an open past its address's quota) and a message, while the other
+entries are served.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The drafter worker: a DraftService behind an ofl server. The handshake metadata carries
-the identity manifest and the drafter's limits; rounds are ofl messages; a background
-thread releases idle requests."""
+the identity manifest and the drafter's limits; rounds are ofl messages, each handled for
+the peer address the server saw at accept (whose quota it charges); a background thread
+releases idle requests. Closed by default, as ofl servers are: on an address other hosts
+can reach the server needs OFL_ALLOW or a shared key, or `insecure`."""
 
 from __future__ import annotations
 
@@ -20,11 +22,19 @@ log = logging.getLogger("remote_drafter.worker.server")
 class Worker:
     def __init__(self, drafter: Drafter, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, config: ServiceConfig | None = None,
-                 identity: str = "remote-drafter-worker"):
+                 identity: str = "remote-drafter-worker", insecure: bool | None = None):
+        """`insecure`: admit any peer on an exposed address with neither allow-list nor key
+        (None: OFL_INSECURE); without it such an address raises ofl's ConfigurationError."""
         self.service = DraftService(drafter, config)
-        self.server = Server(backend, host, port, identity=identity, handler=self.service.handle,
-                             metadata={"remote_drafter": self.service.describe()})
+        try:
+            self.server = Server(backend, host, port, identity=identity, handler=self.service.handle,
+                                 metadata={"remote_drafter": self.service.describe()},
+                                 insecure=insecure)
+        except BaseException:
+            self.service.close()
+            raise
         self.service.max_reply_bytes = self.server.max_message_bytes  # larger replies are refused whole
+        self.service.admission = self.server.admission_status()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="idle-sweeper", daemon=True)
 

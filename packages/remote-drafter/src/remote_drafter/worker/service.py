@@ -4,13 +4,16 @@ both run the same code on the same bytes.
 
 One handle() call is one round: each entry is validated before it changes any state, the
 entries that want drafts are drafted in one batch on the device, and a bad entry gets its
-own error status while the others are served. Requests are named (client id, request id),
-so engines that share a worker never touch each other's state.
+own error status while the others are served. Requests are named (peer, client id, request
+id): the peer is the address the ofl server saw at accept, so no peer can name another's
+requests, whatever client id it writes.
 
-Against a greedy or hostile client: a client id holds at most its quota of requests (the
-worker's CLI sets half the slots by default), so one client cannot take the slots another
-needs; and each entry's reply is sized before anything is drafted, so a small request
-cannot make the worker build a reply larger than the link carries.
+Against a greedy or hostile peer: the quota is charged per peer address, across all its
+connections and client ids (which it chooses freely, so they cannot be what is charged): a
+peer holds at most its quota of requests (the worker's CLI sets half the slots by default),
+so one peer cannot take the slots another needs; and each entry's reply is sized before
+anything is drafted, so a small request cannot make the worker build a reply larger than
+the link carries.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ COUNTERS = {
     "unknown_requests": "Entries for a request this worker does not hold (client re-opens)",
     "out_of_step": "Continues whose committed count disagreed with the worker's (client re-opens)",
     "capacity_refusals": "Opens refused because the worker is full",
-    "quota_refusals": "Opens refused because their client holds its quota (per client: status)",
+    "quota_refusals": "Opens refused because their peer holds its quota (per peer: status)",
     "reply_size_refusals": "Entries refused before drafting: their reply would not fit the link's",
     "invalid_entries": "Entries refused as invalid (ids, sizes, rows)",
     "draft_errors": "Batches whose drafting raised (their entries got no drafts)",
@@ -77,16 +80,21 @@ class Session:
 
 
 @dataclass
-class ClientUsage:
+class PeerUsage:
     requests: int = 0
     quota_refusals: int = 0
+
+
+Key = tuple[str, int, int]  # a request's name: (peer address, client id, request id)
+LOCAL_PEER = "local"  # in-process (local mode): the engine's own process is the only peer
 
 
 @dataclass
 class ServiceConfig:
     max_requests: int = 256
-    # Per client id (None: no bound of its own). Each request is charged bytes_per_request
-    # (what its history can grow to) at its open, so a continue is never refused.
+    # Per peer address, all its connections and client ids (None: no bound of its own).
+    # Each request is charged bytes_per_request (what its history can grow to) at its open,
+    # so a continue is never refused.
     max_requests_per_client: int | None = None
     max_history_bytes_per_client: int | None = None
     idle_timeout_s: float = 600.0
@@ -108,13 +116,14 @@ class DraftService:
         self.drafter, self.config = drafter, config or ServiceConfig()
         self.manifest = drafter.manifest()
         self.fingerprint = self.manifest.fingerprint
-        self.sessions: dict[tuple[int, int], Session] = {}  # (client id, request id)
+        self.sessions: dict[Key, Session] = {}
         self.bytes_per_request = drafter.new_history().nbytes_max
-        self.quota = self._client_quota()
-        self.clients: dict[int, ClientUsage] = {}  # only clients holding requests: bounded
-        # Client ids are all that names a client's requests: status shows keyed digests.
+        self.quota = self._peer_quota()
+        self.peers: dict[str, PeerUsage] = {}  # only peers holding requests: bounded
+        # Any admitted peer may ask for status: it names peers by keyed digests, not addresses.
         self._label_key = secrets.token_bytes(16)
         self.max_reply_bytes = 1 << 62  # local mode has no link; a Worker sets its server's limit
+        self.admission: dict | None = None  # who the Worker's server admits; local mode: none
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
         self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
@@ -137,8 +146,8 @@ class DraftService:
                                           self.manifest.target or None, self.config.gate_spacing,
                                           drafter.hidden_layers)
 
-    def _client_quota(self) -> int:
-        """Requests one client id may hold: the tighter of its two quotas."""
+    def _peer_quota(self) -> int:
+        """Requests one peer may hold: the tighter of its two quotas."""
         c, per_request = self.config, self.bytes_per_request
         requests = c.max_requests if c.max_requests_per_client is None else c.max_requests_per_client
         if not 1 <= requests <= c.max_requests:
@@ -181,7 +190,9 @@ class DraftService:
             self.recorder.close()  # what it has, if it is not full yet
 
     # -- one round ---------------------------------------------------------------------------
-    def handle(self, payload: bytes) -> bytes:
+    def handle(self, payload: bytes, peer: str = LOCAL_PEER) -> bytes:
+        """Answer one message from `peer`, the address the ofl server saw (never one the
+        message states); its requests and its quota are its own."""
         try:
             request = P.parse_request(payload, self.fingerprint)
         except P.ProtocolError:
@@ -210,28 +221,27 @@ class DraftService:
             for e in entries:
                 size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
                 fits = size <= room
-                reply, draft_request = self._apply(client, e, cached, fits)
+                reply, draft_request = self._apply((peer, client, e.request_id), e, cached, fits)
                 room -= size if fits else P.reply_entry_bytes(0)  # refused: status only (as the client counts)
                 if reply is not None:
                     replies[e.request_id] = reply
                 elif draft_request is not None:
                     batch.append((e, draft_request))
         if batch:
-            self._draft(client, batch, replies, started, cached)
+            self._draft(peer, client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
 
-    def _apply(self, client: int, e: P.Entry, cached: bool,
+    def _apply(self, key: Key, e: P.Entry, cached: bool,
                fits: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """Validate and apply one entry; (reply now, None) or (None, what to draft). `fits`:
         its reply fits in what is left of the link's."""
-        key = (client, e.request_id)
         if e.op == P.OP_RELEASE:
             self._release(key)
             self.metrics.inc("releases")
             return P.Reply(e.request_id, P.STATUS_RELEASED), None
         if (refused := self._refusal(e, fits)) is not None:
             return refused, None
-        session = self._open(client, e) if e.op == P.OP_OPEN else self._continue(key, e)
+        session = self._open(key, e) if e.op == P.OP_OPEN else self._continue(key, e)
         if isinstance(session, P.Reply):
             return session, None
         if self.recorder is not None:
@@ -258,16 +268,15 @@ class DraftService:
         self.metrics.inc(counter)
         return P.Reply(e.request_id, status, message=message)
 
-    def _open(self, client: int, e: P.Entry) -> Session | P.Reply:
+    def _open(self, key: Key, e: P.Entry) -> Session | P.Reply:
         """(Re-)open e's request from the history it carries; its session, or the refusal."""
-        key = (client, e.request_id)
         history = self.drafter.new_history()
         why = history.check(e.tokens, e.rows, opening=True)
         if why is None and not len(e.tokens) <= e.length <= P.MAX_LENGTH:
             why = f"length {e.length} is not between the {len(e.tokens)} tokens sent and {P.MAX_LENGTH}"
         if why:
             return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
-        if key not in self.sessions and (refused := self._admit(client, e)) is not None:
+        if key not in self.sessions and (refused := self._admit(key[0], e)) is not None:
             return refused  # a re-open keeps the slot it holds
         history.reset(e.tokens, e.rows, e.length)
         session = self.sessions[key] = Session(history, e.temperature, e.seed, time.monotonic())
@@ -278,24 +287,24 @@ class DraftService:
         self.metrics.inc("opens")
         return session
 
-    def _admit(self, client: int, e: P.Entry) -> P.Reply | None:
-        """A new request takes a slot and one of its client's quota; or the refusal."""
+    def _admit(self, peer: str, e: P.Entry) -> P.Reply | None:
+        """A new request takes a slot and one of its peer's quota; or the refusal."""
         if len(self.sessions) >= self.config.max_requests:
             return self._refuse(e, "capacity_refusals", P.STATUS_CAPACITY, (
                 f"worker full: {len(self.sessions)} of {self.config.max_requests} requests "
                 f"open ({self.bytes_per_request} bytes each)"))
-        usage = self.clients.get(client)
+        usage = self.peers.get(peer)
         if usage is not None and usage.requests >= self.quota:
             usage.quota_refusals += 1
             return self._refuse(e, "quota_refusals", P.STATUS_QUOTA, (
-                f"client quota: this client holds {usage.requests} requests "
-                f"({usage.requests * self.bytes_per_request} bytes of history), the most one "
-                "client may hold here (--max-requests-per-client, "
-                "--max-history-bytes-per-client): release some first"))
-        self.clients.setdefault(client, ClientUsage()).requests += 1
+                f"quota: this client's address holds {usage.requests} requests "
+                f"({usage.requests * self.bytes_per_request} bytes of history) across all its "
+                "connections and client ids, the most one address may hold here "
+                "(--max-requests-per-client, --max-history-bytes-per-client): release some first"))
+        self.peers.setdefault(peer, PeerUsage()).requests += 1
         return None
 
-    def _continue(self, key: tuple[int, int], e: P.Entry) -> Session | P.Reply:
+    def _continue(self, key: Key, e: P.Entry) -> Session | P.Reply:
         """Append e's tokens and rows to its request's history; its session, or the refusal
         (a request the worker does not hold, or holds at another length, is re-opened)."""
         session = self.sessions.get(key)
@@ -313,7 +322,7 @@ class DraftService:
         session.last_used = time.monotonic()
         return session
 
-    def _draft_request(self, key: tuple[int, int], session: Session, e: P.Entry,
+    def _draft_request(self, key: Key, session: Session, e: P.Entry,
                        cached: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """What to draft for `e`; or, on a speculation cache hit, its reply now."""
         depth = min(e.k + 1, self.drafter.max_depth) if cached else e.k
@@ -353,7 +362,8 @@ class DraftService:
             return f"{len(e.tokens)} tokens in one round exceed the history bound {d.history_tokens}"
         return None
 
-    def _draft(self, client: int, batch, replies: dict, started: float, cached: bool) -> None:
+    def _draft(self, peer: str, client: int, batch, replies: dict, started: float,
+               cached: bool) -> None:
         want_probs = any(e.want_probs for e, _ in batch)
         t0 = time.perf_counter()
         with self.fresh_round():
@@ -381,7 +391,7 @@ class DraftService:
                                                     P.CACHE_NONE, started)
                 self._count_drafts(draft.tokens[:e.k])
                 self.metrics.observe("entry_fresh", time.perf_counter() - started)
-                key = (client, e.request_id)
+                key = (peer, client, e.request_id)
                 session = self.sessions.get(key)
                 if cached and session is not None \
                         and session.history.length == request.history.length:
@@ -417,14 +427,14 @@ class DraftService:
         self.metrics.inc("drafts", len(tokens))
 
     # -- lifetime of requests --------------------------------------------------------------
-    def _release(self, key: tuple[int, int]) -> None:
+    def _release(self, key: Key) -> None:
         if self.recorder is not None:
             self.recorder.forget(key)
         if self.sessions.pop(key, None) is not None:
-            usage = self.clients[key[0]]
+            usage = self.peers[key[0]]
             usage.requests -= 1
             if not usage.requests:
-                del self.clients[key[0]]
+                del self.peers[key[0]]
         if self.cache is not None:
             self.cache.forget(key)
 
@@ -442,17 +452,22 @@ class DraftService:
         with self.state_lock:
             open_requests = len(self.sessions)
             cache_bytes = self.cache.nbytes if self.cache is not None else 0
-            clients = {self._label(c): {"requests": u.requests,
-                                        "history_bytes": u.requests * self.bytes_per_request,
-                                        "quota_refusals": u.quota_refusals}
-                       for c, u in self.clients.items()}
+            client_ids: dict[str, set[int]] = {}
+            for peer, client, _ in self.sessions:
+                client_ids.setdefault(peer, set()).add(client)
+            peers = {self._label(p): {"requests": u.requests,
+                                      "history_bytes": u.requests * self.bytes_per_request,
+                                      "quota_refusals": u.quota_refusals,
+                                      "client_ids": len(client_ids[p])}
+                     for p, u in self.peers.items()}
             r = self.recorder
             recording = {} if r is None else {
                 "gate_rounds_recorded": len(r.done), "gate_rounds_pending": len(r.pending),
                 "gate_rounds_written": r.written, **({"gate_rounds_error": r.error} if r.error else {})}
+        admission = {} if self.admission is None else {"admission": self.admission}
         return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
-                "clients": clients, **recording, **self.metrics.snapshot(), **self.describe()}
+                "peers_holding_requests": len(peers), "peers": peers, **admission, **recording,
+                **self.metrics.snapshot(), **self.describe()}
 
-    def _label(self, client: int) -> str:
-        return hashlib.blake2b(client.to_bytes(4, "little"), digest_size=4,
-                               key=self._label_key).hexdigest()
+    def _label(self, peer: str) -> str:
+        return hashlib.blake2b(peer.encode(), digest_size=4, key=self._label_key).hexdigest()
