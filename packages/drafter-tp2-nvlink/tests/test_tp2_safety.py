@@ -81,19 +81,20 @@ def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
         lock.release()
 
 
-def test_an_exposed_listener_without_admission_stops_both_ranks_as_refused(models, lock_dir):
+def test_an_exposed_listener_without_admission_is_refused_before_the_ranks_load(models, lock_dir):
     """As the one-card worker: an address other hosts can reach needs OFL_ALLOW or a key, or
-    --insecure; without them rank 0 refuses before serving, rank 1 is told to stop, and
-    the launcher exits 2 (the supervisor does not restart a refusal)."""
+    --insecure; without them the launcher refuses with ofl's one line before either rank
+    starts (no load, no device locked), and exits 2 (the supervisor does not restart a
+    refusal)."""
     no_admission = {name: "" for name in ("OFL_ALLOW", "OFL_AUTH_KEY", "OFL_AUTH_KEY_FILE",
                                           "OFL_INSECURE")}
     code, text = run_worker(worker_args(models, "cpu:0,cpu:1", "--listen", "0.0.0.0:0"),
                             tp2_env(**no_admission))
     assert code == 2, text
-    assert "drafter-tp2 rank 0: refusing to serve: refusing to listen on 0.0.0.0" in text, text
-    assert "OFL_ALLOW" in text and "--insecure" in text
-    assert "exit codes [2, 0]" in text, text  # rank 1 stopped when told, not broken
-    for dev in ("cpu:0", "cpu:1"):  # both released their devices, leaving no record
+    assert text.strip().splitlines() == [next(line for line in text.splitlines() if line)]
+    assert text.startswith("drafter-tp2 worker: refusing to listen on 0.0.0.0"), text
+    assert "OFL_ALLOW" in text and "--insecure" in text and "rank" not in text
+    for dev in ("cpu:0", "cpu:1"):  # never taken
         lock = DeviceLock(device_key(dev), lock_dir).acquire()
         assert lock.cleared is None
         lock.release()

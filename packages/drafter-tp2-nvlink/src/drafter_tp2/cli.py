@@ -19,7 +19,7 @@ import sys
 
 from ofl.env import describe
 from remote_drafter.worker.capacity import add_capacity_args, capacity_argv
-from remote_drafter.worker.exposure import add_exposure_args, exposure_argv
+from remote_drafter.worker.exposure import add_exposure_args, exposure_argv, listen_refusal
 
 from . import env
 
@@ -87,6 +87,9 @@ def cmd_rank(args) -> int:
 def cmd_worker(args) -> int:
     from .launcher import run_pair
     checked(args)  # bad arguments fail here, once, not in both ranks
+    if why := listen_refusal(args):  # before both ranks load
+        print(f"drafter-tp2 worker: {why}", file=sys.stderr)  # "refusing to listen on ..."
+        return 2
     return run_pair(env.DRAFTER_TP2_MASTER.get(), worker_argv(args))
 
 

@@ -79,6 +79,16 @@ def exposure(bound_host: str, networks: list[Network], key: bytes | None, insecu
         "(OFL_INSECURE=1) to admit every peer anyway")
 
 
+def check_listen(host: str, insecure: bool | None = None) -> str:
+    """exposure() of a listener about to bind `host` (a name is resolved as the bind would),
+    with this process's OFL_ALLOW, key and OFL_INSECURE: a server that loads for minutes
+    calls it first, so a refused address costs no load."""
+    import socket
+    bound = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4][0]
+    return exposure(bound, parse_allow(env.OFL_ALLOW.get()), configured_key(),
+                    env.OFL_INSECURE.get() == "1" if insecure is None else insecure)
+
+
 def load_key(text: str) -> bytes | None:
     """OFL_AUTH_KEY's value as HMAC key bytes, None when empty. The error names the
     variable and the length, never the value."""

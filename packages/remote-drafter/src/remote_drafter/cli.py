@@ -31,7 +31,7 @@ from remote_drafter.models import fidelity_gate
 from remote_drafter.models.registry import WorkerExtraMissing, spec_folder, worker_side
 from remote_drafter.worker import exl3_admission
 from remote_drafter.worker.capacity import add_capacity_args, capacity_config
-from remote_drafter.worker.exposure import add_exposure_args
+from remote_drafter.worker.exposure import add_exposure_args, listen_refusal
 
 DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
                 "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
@@ -171,6 +171,9 @@ def cmd_worker(args) -> int:
         raise ValueError("--ungated is for --weights exl3 (a pack and its fidelity gate)")
     if args.record_gate_rounds and (why := recording_refusal(args.record_gate_rounds, args.gate_rounds)):
         raise ValueError(why)
+    if why := listen_refusal(args):  # ofl's reason starts "refusing to listen on ..."
+        print(f"remote-drafter worker: {why}", file=sys.stderr)
+        return 2
     try:  # refused before the card is locked; then exllamav3 builds
         ungated = exl3_admission.before_loading(args.drafter, args.weights, args.device, args.ungated)
     except exl3_admission.Refused as exc:

@@ -22,6 +22,19 @@ def add_exposure_args(p: argparse.ArgumentParser, listener: str = "HOST:PORT") -
         "warning and shown in status (admission: insecure). Default: $OFL_INSECURE (1 = on)"))
 
 
+def listen_refusal(args) -> str | None:
+    """Why ofl would refuse the --listen address (exposed with no admission), asked before
+    the drafter loads, so a refused worker costs no load; None when it would serve."""
+    from ofl.admission import check_listen
+    from ofl.errors import ConfigurationError
+    from ofl.server import parse_address
+    try:
+        check_listen(parse_address(args.listen, 7480)[0], args.insecure)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
 def exposure_argv(args) -> list[str]:
     """add_exposure_args' flags as given (a launcher passing them on to its ranks)."""
     return ["--listen", args.listen, *(["--insecure"] if args.insecure else [])]
