@@ -213,7 +213,7 @@ def test_capacity_mode_never_creates_a_local_drafter(models, target, reference, 
     assert client.counters()["drafts"] == 0 and client.counters()["steps_without_drafts"] > 0
     w = WorkerProcess(models["dspark"], models["target"], "tcp", port)  # the host is back
     try:
-        client.transport._down_until = 0
+        wait_until(lambda: client.transport.conn.connected, what="the background reconnect")
         assert decode(target, client).tokens == reference
         assert client.counters()["drafts"] > 0
     finally:

@@ -8,14 +8,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-from remote_drafter.engine.history import History
-from remote_drafter.models.ngram import NgramDrafter
-from remote_drafter.vllm import hooks
-from remote_drafter.vllm.hooks import committed_rows
-from remote_drafter.vllm.proposer import RemoteProposer
-from remote_drafter.worker.server import Worker
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.engine.history import History  # noqa: E402
+from remote_drafter.models.ngram import NgramDrafter  # noqa: E402
+from remote_drafter.vllm import hooks  # noqa: E402
+from remote_drafter.vllm.hooks import committed_rows  # noqa: E402
+from remote_drafter.vllm.proposer import RemoteProposer  # noqa: E402
+from remote_drafter.worker.server import Worker  # noqa: E402
 
 WIDTH, WINDOW = 8, 16
 

@@ -8,8 +8,12 @@ import multiprocessing
 import socket
 from types import SimpleNamespace
 
-from remote_drafter.vllm.proposer import drafting_settings
-from remote_drafter.vllm.tensor_parallel import agree, from_first_rank
+import pytest
+
+pytest.importorskip("torch", reason="needs torch.distributed: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.vllm.proposer import drafting_settings  # noqa: E402
+from remote_drafter.vllm.tensor_parallel import agree, from_first_rank  # noqa: E402
 
 
 def rank_main(rank: int, port: int, settings: dict, out) -> None:

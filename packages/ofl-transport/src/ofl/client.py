@@ -55,7 +55,7 @@ class Connection:
                  deadline_s: float | None = None, connect_timeout_s: float | None = None,
                  max_inflight: int | None = None, connect: bool = True,
                  verify_peer: Callable[[dict], None] | None = None, key: str | None = None,
-                 keepalive: bool = True):
+                 keepalive: bool = True, reconnect_in_calls: bool = True):
         self.address = parse_address(address) if isinstance(address, str) else tuple(address)
         self.backend_name = backend or env.OFL_BACKEND.get()
         self.identity = identity
@@ -81,6 +81,9 @@ class Connection:
         self._lock = threading.RLock()
         self._connects = 0
         self._keepalive = keepalive
+        # False: a call on a dropped link fails at once, and its owner reconnects
+        # (ensure_connected) from a thread of its own, never the caller's hot one
+        self._reconnect_in_calls = reconnect_in_calls
         self._idle_s = 0.0  # the server's idle deadline (0: none), from its HELLO_OK
         self._last_frame = time.monotonic()  # on the channel (verbs calls bypass it)
         self._closed = threading.Event()
@@ -143,8 +146,9 @@ class Connection:
         self._connects += 1
         if self._connects > 1:
             self.stats.add("reconnects")
-        if self._keepalive and self._idle_s > 0 and self._pinger is None:
-            self._pinger = threading.Thread(target=_keep_alive, args=(weakref.ref(self),),
+        if self._keepalive and self._idle_s > 0 and (self._pinger is None or self._closed.is_set()):
+            self._closed = threading.Event()  # this link's: a pinger of a closed one ends
+            self._pinger = threading.Thread(target=_keep_alive, args=(weakref.ref(self), self._closed),
                                             daemon=True, name=f"ofl-ping-{self.where()}")
             self._pinger.start()
 
@@ -230,7 +234,8 @@ class Connection:
 
     def ensure_connected(self, deadline_s: float | None = None) -> None:
         """Connect now if not connected (handshake, verify_peer), within the deadline."""
-        self._call("connect", deadline_s or self.connect_timeout_s, lambda deadline: None)
+        self._call("connect", deadline_s or self.connect_timeout_s, lambda deadline: None,
+                   may_connect=True)
 
     @property
     def connected(self) -> bool:
@@ -272,17 +277,24 @@ class Connection:
                            f"(it has: {', '.join(self.regions) or 'none'})") from None
 
     # -- calls ---------------------------------------------------------------------------
-    def _call(self, what: str, deadline_s: float | None, fn, idempotent: bool = False):
+    def _call(self, what: str, deadline_s: float | None, fn, idempotent: bool = False,
+              may_connect: bool | None = None):
         """Run fn(deadline) on a live link. An idempotent call (a read) that finds the link
         dead is retried once on a fresh connection within the same deadline, so a server
-        restart costs no failed read; a message is never sent twice behind the caller's back."""
+        restart costs no failed read; a message is never sent twice behind the caller's back.
+        Without `may_connect` (reconnect_in_calls=False) a dropped link fails at once."""
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
+        may_connect = self._reconnect_in_calls if may_connect is None else may_connect
         with self._lock:
             for attempt in (0, 1):
                 if self._channel is not None and not self._alive():
                     self._drop()  # the server closed it (idle deadline, restart): nothing sent yet
                     self.stats.add("links_reopened")
                 fresh = self._channel is None
+                if fresh and not may_connect:
+                    self.stats.add("failures")
+                    raise ConnectionLost(f"{what} via {self.where()}: not connected (the "
+                                         "link is re-established off this thread)")
                 try:
                     if fresh:
                         self._connect(deadline)
@@ -425,12 +437,12 @@ class Links:
             c.close()
 
 
-def _keep_alive(ref: weakref.ref) -> None:
+def _keep_alive(ref: weakref.ref, closed: threading.Event) -> None:
     """Ping the connection's link whenever its channel has carried no frame for a third of
-    the server's idle deadline (verbs calls do not use the channel: they ping too); ends when the connection is closed or collected (it is held only while
-    this thread looks at it)."""
-    while (conn := ref()) is not None and not conn._closed.is_set():
-        interval, closed = conn._idle_s / 3, conn._closed
+    the server's idle deadline (verbs calls do not use the channel: they ping too); ends when
+    the connection is closed or collected (it is held only while this thread looks at it)."""
+    while (conn := ref()) is not None and not closed.is_set():
+        interval = conn._idle_s / 3
         wait = interval - (time.monotonic() - conn._last_frame) if conn.connected else interval
         del conn
         if closed.wait(max(wait, 0.05)):

@@ -304,7 +304,7 @@ def cmd_shadow(args) -> int:
     remote = DrafterClient(RemoteTransport(args.worker, args.backend, expect),
                            f"{args.requests}:{args.k}", deadline_s=args.deadline_ms / 1000)
     local = DrafterClient(LocalTransport(DraftService(local_drafter)), f"{args.requests}:{args.k}")
-    info = remote.transport.info(remote.deadline_s)
+    info = remote.worker_info(remote.deadline_s)
     if info.manifest != local_drafter.manifest():
         print("remote-drafter shadow: the worker serves another drafter than --drafter "
               "(manifests differ)", file=sys.stderr)

@@ -464,8 +464,9 @@ class DrafterClient:
         return getattr(getattr(self.transport, "service", None), "drafter", None)
 
     def worker_info(self, deadline_s: float) -> WorkerInfo:
-        """The worker's limits and the drafter's description (asked once, then cached)."""
-        return self.transport.info(deadline_s)
+        """The worker's limits and the drafter's description (asked once, then cached);
+        connects if need be, within `deadline_s` (start-up, status: not the engine's steps)."""
+        return self.transport.info(deadline_s, connect=True)
 
     def close(self) -> None:
         self.transport.close()

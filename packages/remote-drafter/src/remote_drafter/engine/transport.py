@@ -1,10 +1,13 @@
 """How a client reaches a drafter: in its own process (local mode), over an ofl link
 (synchronous rounds), or through async_handoff's torch-free proxy (asynchronous rounds).
 Every transport answers info() (the worker's manifest and limits), call() or
-submit()/wait(). Torch-free."""
+submit()/wait(). The engine thread never connects or handshakes: a link that is down is
+re-established by a background thread while rounds fail at once (target-only decoding
+meanwhile); only start-up asks with connect=True. Torch-free."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from async_handoff import Handoff, HandoffConfig
@@ -36,7 +39,7 @@ class LocalTransport:
         self.service = service
         self._info = WorkerInfo(service.describe())
 
-    def info(self, deadline_s: float) -> WorkerInfo:
+    def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
         return self._info
 
     def call(self, payload: bytes, deadline_s: float) -> bytes:
@@ -50,26 +53,34 @@ class LocalTransport:
 
 
 class RemoteTransport:
-    """Synchronous rounds over one ofl link; reconnects (and re-checks identities) lazily,
-    at most once per `retry_s` after a failure so a dead worker costs no step its deadline."""
+    """Synchronous rounds over one ofl link. A dropped link is re-established (identities
+    re-checked) by a background thread, an attempt every `retry_s` until it succeeds."""
 
     def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
                  retry_s: float = 1.0, link: str | None = None):
         self.conn = Connection(address, backend=backend, identity="remote-drafter-client",
-                               link=link, connect=False, verify_peer=check_worker(expect or Manifest()))
-        self.retry_s, self._down_until, self._last_error = retry_s, 0.0, ""
+                               link=link, connect=False, reconnect_in_calls=False,
+                               verify_peer=check_worker(expect or Manifest()))
+        self.retry_s, self._last_error = retry_s, "not connected yet"
         self._info: tuple[dict, WorkerInfo] | None = None
+        self._reconnector: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.reconnects = 0  # background attempts that succeeded
+        try:  # at creation (start-up), within OFL_CONNECT_TIMEOUT_MS; else in the background
+            self.conn.ensure_connected()
+        except Exception as exc:  # noqa: BLE001 - no worker yet: rounds fail until it answers
+            self._last_error = str(exc)
+            self.reconnect_soon()
 
-    def info(self, deadline_s: float) -> WorkerInfo:
+    def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
+        """The worker's description; `connect`: connect now if need be (start-up only),
+        else a link that is down raises at once and is re-established in the background."""
         if not self.conn.connected:
-            if time.monotonic() < self._down_until:
-                raise ConnectionError(f"worker at {self.conn.where()} unavailable ({self._last_error}); "
-                                      f"retrying every {self.retry_s:g} s")
-            try:
-                self.conn.ensure_connected(deadline_s)
-            except Exception as exc:
-                self._down_until, self._last_error = time.monotonic() + self.retry_s, str(exc)
-                raise
+            if not connect:
+                self.reconnect_soon()
+                raise ConnectionError(f"worker at {self.conn.where()} unavailable "
+                                      f"({self._last_error}); reconnecting in the background")
+            self.conn.ensure_connected(deadline_s)
         metadata = self.conn.peer_metadata
         if self._info is None or self._info[0] is not metadata:  # new handshake: new limits
             self._info = (metadata, WorkerInfo(metadata["remote_drafter"]))
@@ -85,13 +96,32 @@ class RemoteTransport:
             return self.conn.request(payload, deadline_s=deadline_s)
         except Exception:
             if not self.conn.connected:
-                self._down_until = time.monotonic() + self.retry_s
+                self.reconnect_soon()
             raise
+
+    def reconnect_soon(self) -> None:
+        """Start the background reconnection unless one is running."""
+        if self._closed.is_set() or (self._reconnector is not None and self._reconnector.is_alive()):
+            return
+        self._reconnector = threading.Thread(target=self._reconnect, daemon=True,
+                                             name=f"remote-drafter-reconnect-{self.conn.where()}")
+        self._reconnector.start()
+
+    def _reconnect(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.conn.ensure_connected()
+                self.reconnects += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - the worker is away: try again later
+                self._last_error = str(exc)
+                self._closed.wait(self.retry_s)
 
     def invalidate(self) -> None:
         """A round failed: nothing to forget (a reconnect re-reads the worker's description)."""
 
     def close(self) -> None:
+        self._closed.set()
         self.conn.close()
 
 
@@ -109,11 +139,12 @@ class AsyncTransport(RemoteTransport):
                                 "identity": "remote-drafter-proxy",
                                 "expect": (expect or Manifest()).to_json()}).start()
 
-    def info(self, deadline_s: float) -> WorkerInfo:
-        """Fetched once, again after a failed round; the proxy re-checks identities on each
-        of its reconnects and the worker checks every round's fingerprint."""
+    def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
+        """Fetched once, again after a failed round (in the background: rounds are
+        refused meanwhile); the proxy re-checks identities on each of its reconnects and the
+        worker checks every round's fingerprint."""
         if self._info is None:
-            super().info(deadline_s)
+            super().info(deadline_s, connect)
             self.conn.close()  # the proxy holds the link that carries rounds
         return self._info[1]
 

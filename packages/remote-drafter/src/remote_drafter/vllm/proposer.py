@@ -16,6 +16,7 @@ so its output never changes. The whole story: ARCHITECTURE.md § Drafting data p
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -40,10 +41,24 @@ COUNTERS = {
     "placeholders_verified": "Placeholder drafts left for verification (round late, failed or short)",
     "hidden_rows_copied": "Hidden rows copied to the host (each request's newest window at most)",
 }
-HISTOGRAMS = {"host_gap": "Deferred round: submission to the next step's input preparation",
+HISTOGRAMS = {"engine_blocked": "The engine thread's time in the drafter per step (its propose, take "
+                                "and fill): what drafting cost the step, network waits included",
+              "host_gap": "Deferred round: submission to the next step's input preparation",
               "collect_wait": "Deferred round: time input preparation waited for the reply",
               "tp_broadcast": "Deferred drafts to every TP rank: time in the broadcast (ranks > 0: "
                               "with the wait for rank 0's collection)"}
+
+
+def engine_time(method):
+    """Adds the engine thread's time in `method` to the step's blocked time."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._blocked += time.perf_counter() - started
+    return timed
 
 
 class RemoteProposer:
@@ -70,6 +85,7 @@ class RemoteProposer:
         # the client's bound on history
         self.window = self.client.history_tokens if self.client else 0
         self.carry: dict[str, list[np.ndarray]] = {}  # committed rows not yet sent, per request
+        self._blocked, self._stepped = 0.0, False  # the step's time in propose, take and fill
         self.metrics = Metrics("remote_drafter_vllm", COUNTERS, HISTOGRAMS)
         self.defer = self._defer_allowed(vllm_config)
         self.http = self._serve_metrics(vllm_config)
@@ -162,7 +178,11 @@ class RemoteProposer:
 
     def set_batch(self, req_ids: list[str], finished, rows: dict | None = None) -> None:
         """From the plugin, before propose: this step's rows (request ids) and, for a
-        drafter that reads hidden states, the rows of what each request committed."""
+        drafter that reads hidden states, the rows of what each request committed. Once a
+        step: the time the last step spent in the drafter is observed here."""
+        if self._stepped:
+            self.metrics.observe("engine_blocked", self._blocked)
+        self._blocked, self._stepped = 0.0, True
         self.req_ids = req_ids
         for rid in finished or ():
             self._forget(rid)
@@ -207,6 +227,7 @@ class RemoteProposer:
         self.known[rid] = n
         return self.ids[rid]
 
+    @engine_time
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
         rows = len(sampled_token_ids)
@@ -248,6 +269,7 @@ class RemoteProposer:
                 out[i] = [int(t) for t in d.tokens[:self.k]]
         return out
 
+    @engine_time
     def take_rows(self, structured: bool = False) -> list[list[int]] | None:
         """Async mode, when vLLM takes the drafts: placeholders of the promised count per row
         (deferred), or the round's drafts (bounded wait); None if no round. `structured`: a
@@ -268,6 +290,7 @@ class RemoteProposer:
             log.exception("collecting remote drafts failed; no drafts this step")
             return [[] for _ in range(rows)]
 
+    @engine_time
     def fill(self, batch, scheduled: dict[str, list[int]]) -> None:
         """After the next step's _update_states: the deferred round's drafts over the
         placeholders the scheduler sent back, in the token ids _prepare_inputs gathers and in
