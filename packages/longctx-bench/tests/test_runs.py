@@ -105,3 +105,14 @@ def test_capacity_drill(fake, tmp_path):
     d = json.loads((tmp_path / "d.json").read_text())["capacity_drill"]
     assert code == 0 and d["requests"] == 3 and d["all_completed"]
     assert all(r["completed"] and r["task_s"] > 0 for r in d["per_request"])
+
+
+def test_tables_keep_every_digit_in_a_log(fake, tmp_path, capsys):
+    """Piped to a file or a CI log the table is as wide as it needs: no number is cut to
+    an ellipsis (rich's 80 columns did: `733…`)."""
+    code, res = run_cli(fake, tmp_path, "--label", "A")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    cell = res["cells"][-1]
+    assert f"{cell['ttft_s']['mean'] * 1e3:.2f}±{cell['ttft_s']['sd'] * 1e3:.2f}" in out

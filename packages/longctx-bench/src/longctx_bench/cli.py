@@ -19,11 +19,10 @@ import os
 import signal
 import sys
 
-from rich.console import Console
 from rich.progress import Progress
 
 from .compare import GateRefused, gate, paired_table
-from .report import plot, print_table, receipt, save
+from .report import plot, print_table, receipt, save, wide_console
 from .runner import RunConfig, run
 
 PERCENTILE_METRICS = {"ttft": "ttft_s", "step": "step_p50_s", "stream": "stream_tok_s",
@@ -45,7 +44,7 @@ def parse_tolerance(text: str) -> float:
 
 
 def cmd_run(args) -> int:
-    console = Console(stderr=True)
+    console = wide_console(stderr=True)
     cfg = RunConfig(
         base_url=args.base_url.rstrip("/"), model=args.model,
         contexts=parse_list(args.contexts, parse_tokens),
@@ -77,7 +76,7 @@ def cmd_run(args) -> int:
         loop.close()
     result["label"] = args.label
     result["receipt"] = receipt(settings, args.hardware)
-    print_table(result, Console())
+    print_table(result)
     name = args.result_filename or (
         f"longctx-{args.label or 'run'}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     if args.save_result:

@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .report import METRICS, fmt
+from .report import METRICS, fmt, wide_console
 
 GATED = ("ttft_s", "step_p50_s", "task_s", "stream_tok_s", "aggregate_tok_s")
 
@@ -18,7 +18,7 @@ def key(cell: dict) -> tuple:
 
 
 def paired_table(results: list[dict], names: list[str], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or wide_console()
     cells = {}
     for i, res in enumerate(results):
         for c in res["cells"]:
@@ -29,9 +29,9 @@ def paired_table(results: list[dict], names: list[str], console: Console | None 
         t.add_column("conc")
         t.add_column("mode")
         for n in names:
-            t.add_column(n, justify="right")
+            t.add_column(n, justify="right", overflow="fold")
         if len(results) == 2:
-            t.add_column("B / A", justify="right")
+            t.add_column("B / A", justify="right", overflow="fold")
         for k in sorted(cells):
             row = cells[k]
             vals = [fmt(c.get(metric), scale) if c else "-" for c in row]

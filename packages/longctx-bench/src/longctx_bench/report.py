@@ -13,6 +13,8 @@ from rich.table import Table
 
 from . import __version__
 
+LOG_WIDTH = 240  # columns of a table written to a file or a pipe
+
 METRICS = {  # name -> (label, unit scale, unit, lower is better)
     "ttft_s": ("TTFT", 1e3, "ms", True),
     "step_p50_s": ("step p50", 1e3, "ms", True),
@@ -44,13 +46,20 @@ def fmt(stat: dict, scale: float, with_n: bool = True) -> str:
     return f"{stat['mean'] * scale:.2f}{sd}" + (f" (n={stat['n']})" if with_n else "")
 
 
+def wide_console(stderr: bool = False) -> Console:
+    """A console whose tables keep every digit: a terminal's own width, else (a file, a
+    pipe, a CI log) one wide enough for the widest table, not rich's 80 columns."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=LOG_WIDTH)
+
+
 def print_table(result: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or wide_console()
     t = Table(title=f"longctx-bench {result.get('label') or ''} (mean±sd over n requests; "
                     "aggregate over groups)".strip())
     for col in ("context", "conc", "mode", "n", *[f"{m[0]} {m[2]}".strip() for m in METRICS.values()],
                 "acc. len", "errors"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")  # a narrow terminal folds, never cuts
     for c in result["cells"]:
         sd = c.get("spec_decode") or {}
         mal = sd.get("mean_accepted_length")
