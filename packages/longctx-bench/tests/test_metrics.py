@@ -18,6 +18,8 @@ def test_request_metrics_exact():
     m = metrics.request_metrics(r)
     assert m["ttft_s"] == pytest.approx(0.5)
     assert m["step_p50_s"] == pytest.approx(0.1)          # gaps 0.1, 0.2, 0.1
+    assert m["step_p10_s"] == pytest.approx(0.1)          # numpy's linear interpolation
+    assert m["step_p90_s"] == pytest.approx(0.18)         # 0.1 + 0.8 x (0.2 - 0.1)
     assert m["tokens_per_event"] == pytest.approx(7 / 4)
     assert m["stream_tok_s"] == pytest.approx(6 / 0.4)     # (tokens - 1) / (last - first)
     assert m["task_s"] == pytest.approx(0.9)

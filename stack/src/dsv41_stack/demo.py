@@ -66,21 +66,24 @@ def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfi
         drafter_env.REMOTE_DRAFTER_TARGET.name: cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
         handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: "1" if setting.get("async") else None,
         drafter_env.REMOTE_DRAFTER_VLLM_COLLECT.name: "input" if setting.get("async") else None,
-        # where its proposer's counters show the deferral (deferred_rounds)
+        # where its proposer's counters show the engine thread's time in the drafter and
+        # the deferral (deferred_rounds)
         drafter_env.REMOTE_DRAFTER_METRICS_LISTEN.name:
-            f"127.0.0.1:{free_port()}" if setting.get("async") else None,
+            f"127.0.0.1:{free_port()}" if cfg.int("STACK_NUM_SPEC_TOKENS") else None,
     }
 
 
-def deferral(cfg: StackConfig) -> dict:
-    """Async rounds deferred to the next step's inputs and their host gap, from the engine
-    proposer's /health (none without REMOTE_DRAFTER_METRICS_LISTEN)."""
+def drafting(cfg: StackConfig) -> dict:
+    """The engine thread's time in the drafter per step, and async rounds deferred to the
+    next step's inputs with their host gap, from the engine proposer's /health (none
+    without REMOTE_DRAFTER_METRICS_LISTEN)."""
     listen = cfg[drafter_env.REMOTE_DRAFTER_METRICS_LISTEN]
     if not listen:
         return {}
     with urllib.request.urlopen(f"http://{listen}/health", timeout=10) as r:
         proposer = json.loads(r.read())["proposer"]
-    return {"deferred_rounds": proposer["rounds_deferred"],
+    return {"blocked_p50_ms": proposer.get("engine_blocked_p50_ms"),
+            "deferred_rounds": proposer["rounds_deferred"],
             "host_gap_p50_ms": proposer.get("host_gap_p50_ms")}
 
 
@@ -95,6 +98,7 @@ def summarize(name: str, description: str, kv_budget: int, result: dict) -> dict
     return {"config": name, "what": description, "kv_budget_bytes": kv_budget,
             "kv_tokens": result.get("kv_capacity_tokens"), "context": cell["context"],
             "ttft_s": mean("ttft_s"), "step_p50_s": mean("step_p50_s"),
+            "step_p10_s": mean("step_p10_s"), "step_p90_s": mean("step_p90_s"),
             "stream_tok_s": mean("stream_tok_s"), "task_s": mean("task_s"),
             "accepted_length": spec.get("mean_accepted_length"),
             "fingerprint": (result.get("fingerprint") or {}).get("all"),
@@ -132,10 +136,10 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
                           "--ignore-eos", "--label", name, "--hardware", "miniature, one machine",
                           "--save-result", "--result-dir", str(out),
                           "--result-filename", f"{name}.json"])
-            deferred = deferral(run_cfg)
+            drafted = drafting(run_cfg)
             processes.stop(running)
             result = json.loads((out / f"{name}.json").read_text())
-            rows.append({**summarize(name, description, kv, result), **deferred, "bench_exit": code})
+            rows.append({**summarize(name, description, kv, result), **drafted, "bench_exit": code})
     fingerprints = {r["fingerprint"] for r in rows}
     report = {"configs": rows, "identical_output": len(fingerprints) == 1 and None not in fingerprints,
               "inject_delay_ms": cfg.int("STACK_INJECT_DELAY_MS"), "kv_budget_bytes": budget,
@@ -152,13 +156,22 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    def ms(r, key):
+        return (r.get(key) or 0) * 1e3
+
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.5))
     names = [r["config"] for r in rows]
-    for ax, key, label, scale in ((axes[0], "kv_tokens", "KV tokens (vLLM)", 1),
-                                  (axes[1], "step_p50_s", "step p50 (ms)", 1e3),
-                                  (axes[2], "stream_tok_s", "stream tok/s", 1)):
-        ax.bar(names, [(r[key] or 0) * scale for r in rows], color="#4a7bb7")
-        ax.set_title(label)
+    axes[0].bar(names, [r["kv_tokens"] or 0 for r in rows], color="#4a7bb7")
+    axes[0].set_title("KV tokens (vLLM)")
+    p50 = [ms(r, "step_p50_s") for r in rows]  # whiskers: p10 to p90, the machine's noise
+    spread = [[max(m - ms(r, "step_p10_s"), 0) for m, r in zip(p50, rows)],
+              [max(ms(r, "step_p90_s") - m, 0) for m, r in zip(p50, rows)]]
+    axes[1].bar(names, p50, yerr=spread, capsize=4, color="#4a7bb7")
+    axes[1].set_title("step p50 (ms), p10-p90")
+    axes[2].bar(names, [r.get("blocked_p50_ms") or 0 for r in rows], color="#b7794a")
+    axes[2].set_title("engine blocked by drafting,\nper step p50 (ms)")
+    axes[3].bar(names, [r["stream_tok_s"] or 0 for r in rows], color="#4a7bb7")
+    axes[3].set_title("stream tok/s")
     fig.suptitle("DSV41 offload stack, miniature on one machine")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -166,16 +179,21 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(report: dict) -> str:
+    def fmt(v, f, scale=1):
+        return format(v * scale, f) if v is not None else "-"
+
     head = (f"{'config':<8} {'KV budget':>12} {'KV tokens':>10} {'TTFT s':>7} {'step p50':>9} "
-            f"{'stream':>8} {'task s':>7} {'accepted':>8}  fingerprint")
+            f"{'p10-p90 ms':>11} {'blocked':>8} {'stream':>8} {'task s':>7} {'accepted':>8}  fingerprint")
     lines = [head]
     for r in report["configs"]:
-        def fmt(v, f):
-            return format(v, f) if v is not None else "-"
+        spread = f"{fmt(r.get('step_p10_s'), '.1f', 1e3)}-{fmt(r.get('step_p90_s'), '.1f', 1e3)}"
         lines.append(f"{r['config']:<8} {r['kv_budget_bytes']:>12,} {fmt(r['kv_tokens'], ','):>10} "
-                     f"{fmt(r['ttft_s'], '.3f'):>7} {fmt(r['step_p50_s'] and r['step_p50_s'] * 1e3, '.1f'):>7}ms "
+                     f"{fmt(r['ttft_s'], '.3f'):>7} {fmt(r['step_p50_s'], '.1f', 1e3):>7}ms "
+                     f"{spread:>11} {fmt(r.get('blocked_p50_ms'), '.2f'):>6}ms "
                      f"{fmt(r['stream_tok_s'], '.1f'):>8} {fmt(r['task_s'], '.2f'):>7} "
                      f"{fmt(r['accepted_length'], '.2f'):>8}  {(r['fingerprint'] or '-')[:12]}")
+    lines.append("step p50 and its p10-p90 spread: gaps between a request's token events; blocked: "
+                 "the engine thread's time in the drafter per step (p50)")
     lines.append(f"greedy output identical in every configuration: {report['identical_output']}; "
                  f"injected link latency {report['inject_delay_ms']} ms per Engram read and drafter "
                  f"round; drafter {report['drafter']}; {report['wall_s']:.0f} s")

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from async_handoff import env as handoff_env
+from longctx_bench.launch import ONE_PROCESS_ARGS, ONE_PROCESS_ENV
 from ofl import env as ofl_env
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
@@ -207,6 +208,11 @@ def engine(cfg: StackConfig, rank: int = 0) -> Role:
                *(["--speculative-config", spec] if spec else []),
                "--tensor-parallel-size", cfg["STACK_TP"], "--max-num-seqs", cfg["STACK_MAX_NUM_SEQS"]]
     env = {"HF_HUB_OFFLINE": "1", **cfg.components(*ENGINE_PREFIXES)}
+    if cfg["STACK_ENGINE_ONE_PROCESS"] == "1":
+        if cfg.int("STACK_TP") != 1:
+            raise ConfigError(f"STACK_ENGINE_ONE_PROCESS=1 runs one rank; STACK_TP={cfg['STACK_TP']}")
+        runtime += ONE_PROCESS_ARGS
+        env.update(ONE_PROCESS_ENV)
     group = []  # vLLM's multi-node settings, none on one host
     if nodes > 1:
         master_host, _, master_port = cfg["STACK_ENGINE_MASTER"].rpartition(":")

@@ -43,15 +43,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# One rank on one host: the model runner inside vLLM's engine-core process (vLLM's own choice
+# on one GPU), one interpreter fewer to start than the worker process vLLM's CPU platform
+# chooses. That platform keeps the in-process executor only with V1 multiprocessing off, which
+# the API server ignores (its engine core still runs in a process of its own). One OpenMP
+# thread, left to the scheduler: the worker process would be bound to one core (the same
+# core for every engine on the machine), and more threads than cores spin against each other.
+ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
+ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
 def vllm_command(python: str, model, port: int, spec: str | None = None,
                  kv_bytes: int = 1 << 30, name: str = "target", dtype: str = "float32",
                  max_model_len: int = 1024, eager: bool = True, host: str = "127.0.0.1",
                  extra: list[str] | None = None) -> list[str]:
-    """The OpenAI server's command line (VllmServer runs it; the stack's `args` prints it)."""
+    """The OpenAI server's command line for one rank (VllmServer runs it with ONE_PROCESS_ENV)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--max-model-len", str(max_model_len),
            "--dtype", dtype, "--host", host, "--port", str(port),
-           "--kv-cache-memory-bytes", str(kv_bytes)] + (["--enforce-eager"] if eager else [])
+           "--kv-cache-memory-bytes", str(kv_bytes), *ONE_PROCESS_ARGS]
+    cmd += ["--enforce-eager"] if eager else []
     return cmd + (["--speculative-config", spec] if spec else []) + (extra or [])
 
 
@@ -69,7 +80,7 @@ class VllmServer:
                            eager)
         # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
         full_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+        full_env.update({"HF_HUB_OFFLINE": "1", **ONE_PROCESS_ENV, **(env or {})})
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -1,7 +1,8 @@
 """The measurement definitions (ARCHITECTURE.md § Measurements), as pure functions of the records.
 
 * TTFT: request sent -> first content token event.
-* Step time: gaps between consecutive token events of one request; p50 per request.
+* Step time: gaps between consecutive token events of one request; p50 per request
+  (and p10, p90: the spread).
   Tokens per event are reported beside it (speculative decoding puts several in one).
 * Stream tok/s = (tokens - 1) / (last token - first token). Task time = sent -> last token.
 * Aggregate tok/s = all tokens / (last token - first token) over the group.
@@ -26,6 +27,9 @@ def request_metrics(r: RequestRecord) -> dict | None:
     return {
         "ttft_s": times[0] - r.sent,
         "step_p50_s": float(np.median(gaps)) if len(gaps) else None,
+        # the spread, so a slow spell of a busy machine is not read as a result
+        "step_p10_s": float(np.percentile(gaps, 10)) if len(gaps) else None,
+        "step_p90_s": float(np.percentile(gaps, 90)) if len(gaps) else None,
         "tokens_per_event": r.tokens / len(r.events),
         "stream_tok_s": (r.tokens - 1) / span if span > 0 else None,
         "task_s": times[-1] - r.sent,

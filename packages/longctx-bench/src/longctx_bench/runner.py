@@ -95,7 +95,8 @@ async def run_cell(client, cfg: RunConfig, source: PromptSource, context: int, c
             "errors": [r.error for g in groups for r in g if r.error],
             "checks": [c for g in groups for r in g for c in r.checks],
             "prompt_sha256": sorted(prompt_digests), "warmup_error": warmup.error}
-    for key in ("ttft_s", "step_p50_s", "tokens_per_event", "stream_tok_s", "task_s"):
+    for key in ("ttft_s", "step_p50_s", "step_p10_s", "step_p90_s", "tokens_per_event",
+                "stream_tok_s", "task_s"):
         cell[key] = metrics.summarize([m[key] for m in ok])
     cell["percentiles"] = {key: metrics.percentiles([m[key] for m in ok], cfg.metric_percentiles)
                            for key in cfg.percentile_metrics}

@@ -50,6 +50,8 @@ COUNTERS = {
     "drafts_skipped_reply_size": "Entries sent with k = 0 because their drafts (probabilities) would overflow the reply",
     "request_bytes": "Bytes of round requests sent",
     "committed_tokens": "Committed tokens sent to the worker",
+    "rows_sent": "Hidden rows sent to the worker (an open sends one window at most)",
+    "row_bytes_sent": "Bytes of hidden rows sent, in the drafter's compute dtype",
 }
 
 
@@ -96,6 +98,8 @@ class WorkerInfo:
         self.feature, self.max_depth, self.vocab = int(d["feature"]), int(d["max_depth"]), int(d["vocab_size"])
         self.window, self.history_tokens = int(d["window"]), int(d["history_tokens"])
         self.hidden_layers = tuple(d.get("hidden_layers", ()))
+        # rows travel in the type the drafter computes in (what it casts them to anyway)
+        self.row_dtype = d.get("dtype") if d.get("dtype") in P.ROW_DTYPES else "float32"
         self.manifest = Manifest.from_json(described["manifest"])
         self.fingerprint = self.manifest.fingerprint
         self.described = described
@@ -119,13 +123,15 @@ class DrafterClient:
 
     def __init__(self, transport, depth: DepthTable | str | None = None, *,
                  deadline_s: float | None = None, want_probs: bool = False,
-                 row_dtype: str = "float32", history_tokens: int = 4096, window: int = 128,
+                 row_dtype: str | None = None, history_tokens: int = 4096, window: int = 128,
                  max_pending_releases: int = 4096, client_id: int | None = None):
         self.transport = transport
         self.depth_table = DepthTable(depth or env.REMOTE_DRAFTER_DEPTH.get()) \
             if not isinstance(depth, DepthTable) else depth
         self.deadline_s = deadline_s or env.REMOTE_DRAFTER_DEADLINE_MS.get_float() / 1000
-        self.want_probs, self.row_dtype = want_probs, row_dtype
+        # None: the drafter's compute dtype, once the worker has described it
+        self.want_probs, self.fixed_row_dtype = want_probs, row_dtype
+        self.row_dtype = row_dtype or "float32"
         self.history_tokens, self.window = history_tokens, window
         self.client_id = client_id if client_id is not None else secrets.randbits(32)
         self.requests: dict[int, _Request] = {}
@@ -180,6 +186,7 @@ class DrafterClient:
         if self.hidden_layers is not None and info.hidden_layers != self.hidden_layers:
             raise ValueError(f"the worker's drafter reads target layers {list(info.hidden_layers)}, "
                              f"this engine sends rows of {list(self.hidden_layers)}")
+        self.row_dtype = self.fixed_row_dtype or info.row_dtype
         if self._adopted and info.window <= self.window and info.history_tokens <= self.history_tokens:
             return
         if self._adopted:
@@ -255,6 +262,9 @@ class DrafterClient:
         self.metrics.inc("rounds")
         self.metrics.inc("request_bytes", len(payload))
         self.metrics.inc("committed_tokens", sum(len(e.tokens) for e in entries))
+        sent = [e.rows for e in entries if e.rows is not None]
+        self.metrics.inc("rows_sent", sum(map(len, sent)))
+        self.metrics.inc("row_bytes_sent", sum(r.size for r in sent) * P.ROW_BYTES[P.ROW_DTYPES[self.row_dtype]])
         return payload
 
     def _warn(self, message: str, *args) -> None:
@@ -445,6 +455,11 @@ class DrafterClient:
         tokens = out.get("committed_tokens", 0)
         out["request_bytes_per_token"] = out["request_bytes"] / tokens if tokens else 0.0
         return out
+
+    def rows_held(self) -> int:
+        """Hidden rows the client holds: each request's window and what waits to be sent."""
+        return sum((0 if r.history.rows is None else len(r.history.rows)) + sum(map(len, r.pending_rows))
+                   for r in self.requests.values())
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()

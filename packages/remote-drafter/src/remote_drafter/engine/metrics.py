@@ -39,6 +39,7 @@ class Metrics:
                 s = sorted(samples)
                 out[f"{name}_p50_ms"] = 1e3 * s[len(s) // 2]
                 out[f"{name}_p99_ms"] = 1e3 * s[min(len(s) - 1, int(len(s) * 0.99))]
+                out[f"{name}_max_ms"] = 1e3 * s[-1]
                 out[f"{name}_count"] = len(s)
         return out
 

@@ -85,6 +85,7 @@ class RemoteProposer:
         # the client's bound on history
         self.window = self.client.history_tokens if self.client else 0
         self.carry: dict[str, list[np.ndarray]] = {}  # committed rows not yet sent, per request
+        self.rows_held_peak = 0  # the most hidden rows this rank held at once
         self._blocked, self._stepped = 0.0, False  # the step's time in propose, take and fill
         self.metrics = Metrics("remote_drafter_vllm", COUNTERS, HISTOGRAMS)
         self.defer = self._defer_allowed(vllm_config)
@@ -120,7 +121,8 @@ class RemoteProposer:
                                  lambda: (self.client.prometheus() if self.client else "") + self.metrics.prometheus(),
                                  lambda: {"rank": rank, "client": self.client.counters() if self.client else {},
                                           "proposer": self.metrics.snapshot(),
-                                          "hidden_rows_held": self.rows_held()},
+                                          "hidden_rows_held": self.rows_held(),
+                                          "hidden_rows_held_peak": self.rows_held_peak},
                                  name=f"remote-drafter-r{rank}")
         except OSError as exc:  # the counters stay unreadable; drafting is unaffected
             log.error("remote drafter counters not served on %s: %s", listen, exc)
@@ -193,6 +195,8 @@ class RemoteProposer:
                 if sum(map(len, held)) > self.window:  # a window per request, whatever the prompt
                     self.carry[rid] = [np.concatenate(held)[-self.window:]]
                 self.metrics.inc("hidden_rows_copied", len(r))
+        if rows:
+            self.rows_held_peak = max(self.rows_held_peak, self.rows_held())
 
     @property
     def sends_rows(self) -> bool:
@@ -200,7 +204,9 @@ class RemoteProposer:
         return self.client is not None and bool(self.hidden_layers)
 
     def rows_held(self) -> int:
-        return sum(len(r) for held in self.carry.values() for r in held)
+        """Hidden rows this rank holds: those copied but not yet sent, and the client's."""
+        carried = sum(len(r) for held in self.carry.values() for r in held)
+        return carried + (self.client.rows_held() if self.client else 0)
 
     def _forget(self, rid: str) -> None:
         self.carry.pop(rid, None)
