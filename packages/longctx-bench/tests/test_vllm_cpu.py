@@ -22,7 +22,7 @@ def vllm_server(tmp_path_factory):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                        "prompt_lookup_min": 2})
     server = VllmServer(PYTHON, MODEL, tmp_path_factory.mktemp("vllm") / "server.log", spec,
-                        name="smollm2", dtype="bfloat16", max_model_len=2048)
+                        name="smollm2", max_model_len=2048)
     try:
         yield server.url
     finally:

@@ -192,8 +192,10 @@ class DrafterClient:
         if self._adopted:
             log.warning("a worker that keeps more (%d rows, %d tokens) than the one before: "
                         "requests opened before may be refused on re-open", info.window, info.history_tokens)
-        self.window = max(self.window, info.window)
-        self.history_tokens = max(self.history_tokens, info.history_tokens)
+            self.window = max(self.window, info.window)
+            self.history_tokens = max(self.history_tokens, info.history_tokens)
+        else:  # the first worker's bounds replace the defaults: rows beyond its window are waste
+            self.window, self.history_tokens = info.window, info.history_tokens
         for r in self.requests.values():
             r.history.window, r.history.max_tokens = self.window, self.history_tokens
             if r.history.rows is not None:
