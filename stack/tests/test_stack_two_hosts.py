@@ -150,10 +150,11 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
     # the target drafting for itself: most drafts are accepted (prompt lookup finds nothing to
     # copy in a random model's text), so rank 1 verifying other drafts than rank 0 would show;
     # deferred, it also reads hidden rows: every rank outputs the tapped layer, rank 0 sends it
-    drafter = "lm" if mode == "sync" else "row_reading_lm:drafter"
+    drafter = "lm" if mode == "sync" else "drafter_probe:lm_reading_rows"  # remote-drafter's tests'
+    probes = str(ROOT / "packages/remote-drafter/tests")
     proc, address = spawn_worker(["--drafter", drafter, "--target", str(model), "--listen", "127.0.0.1:0"],
-                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                     [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+                                 env={**os.environ, "PROBE_LAYERS": "1", "PYTHONPATH": os.pathsep.join(
+                                     [probes, os.environ.get("PYTHONPATH", "")])})
     listen = f"127.0.0.1:{free_port()}"  # the proposers' counters: rank r on its port + r
     drafter = (f"REMOTE_DRAFTER_ADDRESS={address}\nREMOTE_DRAFTER_TARGET={model}\n"
                f"REMOTE_DRAFTER_DEADLINE_MS=2000\nREMOTE_DRAFTER_METRICS_LISTEN={listen}\n")

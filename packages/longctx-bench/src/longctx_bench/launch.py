@@ -56,12 +56,13 @@ ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"
 def vllm_command(python: str, model, port: int, spec: str | None = None,
                  kv_bytes: int = 1 << 30, name: str = "target", dtype: str = "float32",
                  max_model_len: int = 1024, eager: bool = True, host: str = "127.0.0.1",
-                 extra: list[str] | None = None) -> list[str]:
-    """The OpenAI server's command line for one rank (VllmServer runs it with ONE_PROCESS_ENV)."""
+                 extra: list[str] | None = None, one_process: bool = True) -> list[str]:
+    """The OpenAI server's command line for one rank (VllmServer runs it, with ONE_PROCESS_ENV
+    when `one_process`)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--max-model-len", str(max_model_len),
            "--dtype", dtype, "--host", host, "--port", str(port),
-           "--kv-cache-memory-bytes", str(kv_bytes), *ONE_PROCESS_ARGS]
+           "--kv-cache-memory-bytes", str(kv_bytes), *(ONE_PROCESS_ARGS if one_process else [])]
     cmd += ["--enforce-eager"] if eager else []
     return cmd + (["--speculative-config", spec] if spec else []) + (extra or [])
 
@@ -69,18 +70,19 @@ def vllm_command(python: str, model, port: int, spec: str | None = None,
 class VllmServer:
     """vLLM serving `model` as `name` (float32 and eager by default) with an explicit KV
     budget; `spec` is a --speculative-config JSON or None; `env` adds variables
-    (REMOTE_DRAFTER_*, ENGRAM_* ...)."""
+    (REMOTE_DRAFTER_*, ENGRAM_* ...); `one_process=False`: the model runner in a worker
+    process of its own, as on the Sparks' two ranks."""
 
     def __init__(self, python: str, model: Path, log: Path, spec: str | None = None,
                  env: dict | None = None, kv_bytes: int = 1 << 30, max_tokens: int = 24,
                  ready_timeout_s: float = 900, name: str = "target", dtype: str = "float32",
-                 max_model_len: int = 1024, eager: bool = True):
+                 max_model_len: int = 1024, eager: bool = True, one_process: bool = True):
         self.port, self.log, self.max_tokens, self.name = free_port(), Path(log), max_tokens, name
         cmd = vllm_command(python, model, self.port, spec, kv_bytes, name, dtype, max_model_len,
-                           eager)
+                           eager, one_process=one_process)
         # the legacy VLLM_CPU_KVCACHE_SPACE would override the explicit KV budget
         full_env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        full_env.update({"HF_HUB_OFFLINE": "1", **ONE_PROCESS_ENV, **(env or {})})
+        full_env.update({"HF_HUB_OFFLINE": "1", **(ONE_PROCESS_ENV if one_process else {}), **(env or {})})
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
         self.url = f"http://127.0.0.1:{self.port}"
