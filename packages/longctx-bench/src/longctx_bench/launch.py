@@ -47,10 +47,11 @@ def free_port() -> int:
 # on one GPU), one interpreter fewer to start than the worker process vLLM's CPU platform
 # chooses. That platform keeps the in-process executor only with V1 multiprocessing off, which
 # the API server ignores (its engine core still runs in a process of its own). One OpenMP
-# thread, left to the scheduler: the worker process would be bound to one core (the same
-# core for every engine on the machine), and more threads than cores spin against each other.
+# thread and one numba thread (vLLM's n-gram proposer), left to the scheduler: the worker
+# process would be bound to one core (the same core for every engine on the machine), and
+# idle pool threads spin, slowing every engine beside them several-fold.
 ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
-ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 
 
 def vllm_command(python: str, model, port: int, spec: str | None = None,
