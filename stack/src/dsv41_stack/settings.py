@@ -38,7 +38,7 @@ SETTINGS = [
     EnvVar("STACK_ENFORCE_EAGER", "0", "1 = no compilation or graphs (the CPU miniature)."),
     EnvVar("STACK_ENGINE_ONE_PROCESS", "0", "1 = the model runner inside vLLM's engine-core "
            "process (vLLM's own choice on one GPU; on CPU vLLM starts a worker process), one "
-           "interpreter fewer to start, with one OpenMP thread (the CPU miniature). Only with "
+           "interpreter fewer to start, with one OpenMP and one numba thread (the CPU miniature). Only with "
            "one rank (STACK_TP=1)."),
     EnvVar("STACK_NUM_SPEC_TOKENS", "5", "Draft tokens per step (batch-aware depth lowers it: "
            "REMOTE_DRAFTER_DEPTH); 0 = no speculation."),

@@ -49,7 +49,7 @@ def free_port() -> int:
 # the API server ignores (its engine core still runs in a process of its own). One OpenMP
 # thread and one numba thread (vLLM's n-gram proposer), left to the scheduler: the worker
 # process would be bound to one core (the same core for every engine on the machine), and
-# idle pool threads spin, slowing every engine beside them several-fold.
+# idle pool threads spin on cores every engine beside them needs.
 ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 
