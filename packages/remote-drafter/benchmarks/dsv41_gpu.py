@@ -100,7 +100,8 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def round_p50(drafter, batch: int, rounds: int) -> float:
+def round_times(drafter, batch: int, rounds: int) -> dict:
+    """p50 / p99 ms of the drafter's round at `batch` (160-token histories), after 3 warm-up rounds."""
     requests = random_rounds(drafter, batch, 160, batch)
     times = []
     for i in range(rounds + 3):
@@ -110,7 +111,7 @@ def round_p50(drafter, batch: int, rounds: int) -> float:
         synchronize(drafter.device)
         if i >= 3:
             times.append(time.perf_counter() - t0)
-    return percentiles(times)["p50_ms"]
+    return percentiles(times)
 
 
 def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
@@ -119,16 +120,18 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
     service = DraftService(drafter, ServiceConfig(max_requests=64))
     with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         for batch in batches:
-            device_ms = round_p50(drafter, batch, rounds)
+            device_ms = round_times(drafter, batch, rounds)["p50_ms"]
             via = {}
             for name, transport in (("local", LocalTransport(service)),
                                     ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
                 client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
                                        row_dtype="bfloat16")
                 via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,
-                                         drafter.vocab_size, drafter.feature, "sync", 0.0)["drafting"]["p50_ms"]
-            rows.append({"batch": batch, "device_p50_ms": device_ms, "local_p50_ms": via["local"],
-                         "tcp_p50_ms": via["tcp"]})
+                                         drafter.vocab_size, drafter.feature, "sync", 0.0)
+            rows.append({"batch": batch, "device_p50_ms": device_ms,
+                         "local_p50_ms": via["local"]["drafting"]["p50_ms"],
+                         "tcp_p50_ms": via["tcp"]["drafting"]["p50_ms"],
+                         "tcp_request_bytes_per_round": via["tcp"]["request_bytes_per_round"]})
             print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 

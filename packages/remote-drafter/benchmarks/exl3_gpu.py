@@ -14,9 +14,8 @@ through its LinearEXL3, against the same drafter dense. Two modes:
                   exllamav3's reconstruction of each quantised weight (for the CPU's exact
                   acceptance); the tiny V4.1 drafter converted at 4 and 6 bits and served
                   from its pack (Dsv41Drafter.load) vs bf16: greedy drafts and T = 1
-                  distributions; the estimated V4.1-Flash width (dsv41_gpu.py's FLASH, random
-                  EXL3 tensors at 4 bits): weight bytes, peak memory with four sequences,
-                  round p50 at batch 1 / 4 / 16.
+                  distributions, and through the real worker over tcp. The round at the
+                  V4.1-Flash width is drafter_round.py's.
 
 The CPU evaluation of what --gpu returns (agreement, TV and exact acceptance with
 native-drafter's evaluator) is packages/native-drafter/benchmarks/exl3_evaluate.py.
@@ -325,167 +324,6 @@ def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0
     say(f"  worker: {({k: v for k, v in out.items() if k != 'worker_log_tail'})}")
 
 
-def read_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
-    """Bytes per second the device reads (a sum over a buffer far larger than its caches)."""
-    x = torch.ones(int(gib * GIB) // 2, dtype=torch.half, device="cuda")
-    nbytes, times = x.numel() * x.element_size(), []
-    for _ in range(repeats + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del x
-    return nbytes / float(np.median(times[2:]))
-
-
-def round_floor(drafter, linears: dict, dense_bytes: dict, batch: int) -> dict:
-    """The bytes one round must read: every weight used once (attention, shared experts,
-    main_proj, head, Markov w2), and of the routed experts only those the round's rows chose,
-    found by recording the router of one real round on the round_p50 requests."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dsv41_gpu import random_rounds
-    model = drafter.model
-    chosen: dict[int, set] = {}
-    route = model.route
-
-    def recording(j, x):
-        weights, experts = route(j, x)
-        chosen.setdefault(j, set()).update(experts.unique().tolist())
-        return weights, experts
-    model.route = recording
-    try:
-        drafter.draft(random_rounds(drafter, batch, 160, batch), want_probs=False)
-    finally:
-        del model.route
-    expert = {}
-    for name, m in linears.items():
-        if ".ffn.experts." in name:
-            j, e = int(name.split(".")[1]), int(name.split(".experts.")[1].split(".")[0])
-            expert[(j, e)] = expert.get((j, e), 0) + module_bytes(m)
-    fixed = sum(module_bytes(m) for n, m in linears.items() if ".ffn.experts." not in n)
-    fixed += sum(dense_bytes.get(n, 0) for n in ("head.weight", model.markov_w2))
-    routed = sum(expert[(j, e)] for j, es in chosen.items() for e in es)
-    return {"batch": batch, "experts_chosen_per_layer": [len(chosen[j]) for j in sorted(chosen)],
-            "routed_expert_bytes": routed, "other_bytes": fixed, "round_bytes": routed + fixed}
-
-
-def module_bytes(m) -> int:
-    from remote_drafter.models import exl3
-    return sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
-
-
-def random_exl3(shape: tuple[int, int], bits: int, gen, device):
-    """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only)."""
-    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
-
-    from remote_drafter.models import exl3
-    n_out, n_in = shape
-    k, n = exl3.padded(n_in), exl3.padded(n_out)
-    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=gen,
-                            device=device, dtype=torch.int32).to(torch.int16)
-
-    def sign(m: int) -> torch.Tensor:
-        return (torch.randint(0, 2, (m,), generator=gen, device=device) * 2 - 1).half()
-    tensors = {"trellis": trellis, "suh": sign(k), "svh": sign(n) * n_in ** -0.5,
-               **codebook_markers({"mul1": True})}
-    return exl3.Exl3Linear(tensors, n_in, n_out, device)
-
-
-def step_flash(res: Results, batches: list[int], rounds: int) -> None:
-    from remote_drafter.engine.identity import Manifest
-    from remote_drafter.models.dsv41 import tiny
-    from remote_drafter.models.dsv41.config import weight_table
-    from remote_drafter.models.dsv41.drafter import Dsv41Drafter
-    from remote_drafter.models.dsv41.model import Dsv41Model, linear_names
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dsv41_gpu import FLASH, random_rounds, round_p50, width_config
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    config, gen = width_config("flash"), torch.Generator(device="cuda").manual_seed(0)
-    table, names = weight_table(config), linear_names(config)
-    linears = {}
-    for name in names:
-        shape = table[name][0]
-        if name.endswith(".attn.wo_a.weight"):
-            from remote_drafter.models.exl3 import Exl3Groups
-            linears[name] = Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), 4, gen, "cuda")
-                                        for _ in range(config.o_groups)])
-        else:
-            linears[name] = random_exl3(shape, 4, gen, "cuda")
-    exl3_bytes = torch.cuda.memory_allocated() - base
-    weights = {n: tiny.random_values(n, s, config, gen).to(torch.bfloat16)
-               for n, (s, _) in table.items() if n not in linears}
-    dense_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    model = Dsv41Model(config, weights, "cuda", linears=linears)
-    dense_sizes = {n: t.numel() * t.element_size() for n, t in weights.items()}
-    del weights
-    tag = "random-flash-exl3"
-    drafter = Dsv41Drafter(model, Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag,
-                                           kind="dsv41"), "cuda")
-    torch.cuda.synchronize()
-    loaded = torch.cuda.memory_allocated() - base
-    drafter.draft(random_rounds(drafter, 4, 160, 0), want_probs=False)
-    torch.cuda.synchronize()
-    linear_params = sum(table[n][0][0] * table[n][0][1] for n in names)
-    f = res.setdefault("flash_exl3_4", {
-        "config": FLASH, "bits": 4, "exl3_linear_bytes": exl3_bytes, "linear_params": linear_params,
-        "bf16_linear_bytes": 2 * linear_params, "other_bytes_bf16": dense_bytes,
-        "allocated_after_load": loaded,
-        "peak_four_sequences": torch.cuda.max_memory_allocated() - base,
-        "card_3090_bytes": CARD_3090})
-    res.save()
-    say(f"  flash exl3 4 bits: {f}")
-    f["read_bandwidth_bytes_per_s"] = read_bandwidth()
-    f["rounds"] = []
-    for batch in batches:
-        floor = round_floor(drafter, linears, dense_sizes, batch)
-        p50 = round_p50(drafter, batch, rounds)
-        floor_ms = 1000 * floor["round_bytes"] / f["read_bandwidth_bytes_per_s"]
-        f["rounds"].append({"batch": batch, "device_p50_ms": p50, **floor,
-                            "floor_ms": round(floor_ms, 3), "p50_over_floor": round(p50 / floor_ms, 1)})
-        res.save()
-        say(f"  flash batch {batch}: {f['rounds'][-1]}")
-    # CUDA graphs: every EXL3 expert on every row (Dsv41Model._all_experts_one_by_one), one graph a bucket
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dsv41_gpu import random_rounds
-    eager = {b: drafter.draft(random_rounds(drafter, b, 160, b), want_probs=False) for b in batches}
-    t0 = time.monotonic()
-    model.every_expert = True
-    drafter._forward.capture(batches, drafter._blank)
-    f["graphs_capture_s"] = round(time.monotonic() - t0, 1)
-    f["peak_with_graphs"] = torch.cuda.max_memory_allocated() - base
-    for row in f["rounds"]:
-        b = row["batch"]
-        graphed = drafter.draft(random_rounds(drafter, b, 160, b), want_probs=False)
-        row["graphs_p50_ms"] = round_p50(drafter, b, rounds)
-        row["graphs_drafts_same_as_eager"] = sum(int(np.array_equal(x.tokens, y.tokens))
-                                                 for x, y in zip(eager[b], graphed))
-        res.save()
-        say(f"  flash graphs batch {b}: {row['graphs_p50_ms']} ms, same drafts {row['graphs_drafts_same_as_eager']}/{b}")
-    del drafter, model, linears
-    torch.cuda.empty_cache()
-    step_flash_bf16(res, batches, rounds)
-
-
-def step_flash_bf16(res: Results, batches: list[int], rounds: int) -> None:
-    """The same width in bf16 in the same run (the baseline), eager and with CUDA graphs."""
-    from remote_drafter.models.dsv41.drafter import GRAPH_BATCHES
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dsv41_gpu import random_drafter, round_p50
-    drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
-    b = res.setdefault("flash_bf16", {"weight_bytes": weight_bytes, "rounds": []})
-    eager = {batch: round_p50(drafter, batch, rounds) for batch in batches}
-    drafter.model.stack_experts()
-    drafter._forward.capture([x for x in GRAPH_BATCHES if x in batches], drafter._blank)
-    for batch in batches:
-        b["rounds"].append({"batch": batch, "eager_p50_ms": eager[batch],
-                            "graphs_p50_ms": round_p50(drafter, batch, rounds)})
-        res.save()
-        say(f"  flash bf16 batch {batch}: {b['rounds'][-1]}")
-
-
 def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: int) -> None:
     res = Results(os.path.join(out, "exl3-gpu.json"))
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
@@ -497,8 +335,7 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
     work = tempfile.mkdtemp()
     for name, fn in (("smollm2", lambda: step_smollm2(res, taps_dir, out, work)),
                      ("tiny_dsv41", lambda: step_tiny_dsv41(res, work)),
-                     ("worker", lambda: step_worker(res, work)),
-                     ("flash", lambda: step_flash(res, batches, rounds))):
+                     ("worker", lambda: step_worker(res, work))):
         if name not in steps:
             continue
         say(f"== {name}")
@@ -520,7 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", metavar="DIR", help="the prepared taps")
     ap.add_argument("--out", required=True, help="--gpu: the folder its files go to")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
-    ap.add_argument("--steps", default="smollm2,tiny_dsv41,worker,flash")
+    ap.add_argument("--steps", default="smollm2,tiny_dsv41,worker")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--timed-rounds", type=int, default=10)
     args = ap.parse_args(argv)

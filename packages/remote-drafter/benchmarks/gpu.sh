@@ -17,6 +17,20 @@ if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter 
   python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"
   exit
 fi
+if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the Flash width
+  # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
+  # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first)
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  if [[ $ONLY_DRAFTER_ROUND != bench ]]; then
+    python3 -m pytest -q -p no:cacheprovider -s packages/remote-drafter/tests/test_exl3_experts_gpu.py \
+      2>&1 | tail -30 | tee "$OUT/exl3-experts-pytest.txt"
+  fi
+  if [[ $ONLY_DRAFTER_ROUND != tests ]]; then
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --out "$OUT/drafter-round.json" \
+      2>&1 | tee "$OUT/drafter-round.log"
+  fi
+  exit
+fi
 if [[ -n ${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-} ]]; then  # exllamav3 (its wheel and missing deps
   # carried in .whl; its CUDA extension builds on first import, ~5 min, and again if its sources
   # are reinstalled: run both below in one call of this script)
@@ -24,7 +38,7 @@ if [[ -n ${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-} ]]; then  # exllamav3 (its wheel a
   if [[ -n ${ONLY_EXL3_DRAFTER:-} ]]; then  # ONLY_EXL3_DRAFTER=1: EXL3 drafting (exl3_gpu.py;
     # carry .exl3taps from `exl3_gpu.py --prepare .exl3taps`)
     REMOTE_DRAFTER_CUDA_GRAPHS=0 python3 packages/remote-drafter/benchmarks/exl3_gpu.py \
-      --gpu .exl3taps --out "$OUT" --steps ${EXL3_STEPS:-smollm2,tiny_dsv41,worker,flash} 2>&1 | tee "$OUT/exl3-gpu.log"
+      --gpu .exl3taps --out "$OUT" --steps ${EXL3_STEPS:-smollm2,tiny_dsv41,worker} 2>&1 | tee "$OUT/exl3-gpu.log"
   fi
   if [[ -n ${ONLY_EXL3:-} ]]; then  # ONLY_EXL3=1: DeepSeek-V4's drafter against exllamav3's own
     python3 packages/remote-drafter/benchmarks/dsv4_exl3_check.py --out "$OUT/dsv4-exl3.json" \

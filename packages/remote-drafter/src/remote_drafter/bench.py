@@ -124,6 +124,7 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         client.release(rid)
     return {"drafting": percentiles(drafting), "step_p50_ms": percentiles(steps)["p50_ms"],
             "drafts_per_s": drafted / sum(steps), "drafts_per_round": drafted / rounds,
+            "request_bytes_per_round": client.counters()["request_bytes"] / (rounds + 3),
             "rounds_failed": client.counters()["rounds_failed"]}
 
 

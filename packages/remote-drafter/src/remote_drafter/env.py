@@ -75,8 +75,10 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "Worker, dsv41 drafter on CUDA with dense weights: auto = run every expert on every row "
     "(routing weights zero where not chosen: the same sum, fixed shapes) and capture the "
     "round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = eager, only "
-    "the chosen experts. EXL3 weights: eager unless 1 (each served expert on every row, "
-    "captured the same way).")
+    "the chosen experts. EXL3 weights: auto = captured the same way when the experts run "
+    "through exllamav3's fused kernels (the chosen experts only, no host read of the routing), "
+    "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
+    "(per matrix: each served expert on every row).")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "

@@ -43,7 +43,11 @@ class Dsv41Drafter(Drafter):
     kind = "dsv41"
 
     def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
-                 confidence_cutoff: float = 0.0, cuda_graphs: bool = False):
+                 confidence_cutoff: float = 0.0, cuda_graphs: bool | None = False,
+                 fuse_experts: bool = True):
+        """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
+        expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
+        baseline the fused kernels are measured against)."""
         c = model.config
         if confidence_cutoff > 0 and not model.has_confidence:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -56,11 +60,19 @@ class Dsv41Drafter(Drafter):
         self._windows = DeviceWindows(self.window, c.n_mtp_layers * c.head_dim, self._encode,
                                       model.dtype)
         self._forward = BucketGraphs(self._block, device)
+        self.experts = "dense"
+        if model.linears and self._forward.cuda:
+            why = model.fuse_exl3_experts() if fuse_experts else "not asked to"
+            if why:
+                log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
+            self.experts = "exl3 fused" if why is None else f"exl3 per matrix ({why})"
+        if cuda_graphs is None:
+            cuda_graphs = not model.linears or bool(model.fused)
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
-            if model.linears:  # EXL3 experts: each on every row (nothing to stack)
-                model.every_expert = True
-            else:
+            if not model.linears:
                 model.stack_experts()
+            elif not model.fused:  # EXL3 experts per matrix: each on every row
+                model.every_expert = True
             self._forward.capture(GRAPH_BATCHES, self._blank)
 
     @classmethod
@@ -85,7 +97,7 @@ class Dsv41Drafter(Drafter):
             log.warning("%s: %d stored drafter tensors that no weight of %s uses: %s", folder,
                         len(loaded.not_read), loaded.config.name, ", ".join(loaded.not_read[:8]))
         setting = env.REMOTE_DRAFTER_CUDA_GRAPHS.get()
-        graphs = setting == "1" or (setting != "0" and not linears)  # EXL3: eager unless asked
+        graphs = {"1": True, "0": False}.get(setting)  # auto: see __init__
         return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
                    manifest, device, confidence_cutoff, graphs)
 
@@ -130,6 +142,7 @@ class Dsv41Drafter(Drafter):
     def describe(self) -> dict:
         return {**super().describe(), "confidence_head": self.model.has_confidence,
                 "confidence_cutoff": self.confidence_cutoff,
+                "experts": self.experts,
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
 
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, torch.Tensor]:

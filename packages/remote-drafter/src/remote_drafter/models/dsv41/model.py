@@ -114,6 +114,22 @@ class Dsv41Model:
         self.markov_w1, self.markov_w2 = markov_names(config)
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
         self.every_expert = False  # served experts: all of them on every row (fixed shapes)
+        self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
+
+    def fuse_exl3_experts(self) -> str | None:
+        """Every layer's EXL3 experts through exllamav3's fused multi-expert kernels (no host
+        read of the routing: a CUDA graph captures the round). None when done, else why not
+        (the per-matrix path stays)."""
+        from remote_drafter.models.exl3_experts import layer_experts
+        c = self.config
+        try:
+            self.fused = {j: layer_experts(self.linears, j, c.n_routed_experts, c.num_experts_per_tok,
+                                           bool(c.n_shared_experts), c.swiglu_limit, self.device)
+                          for j in range(c.n_mtp_layers)}
+        except (KeyError, ValueError, ImportError, AttributeError, RuntimeError) as exc:
+            self.fused = {}
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def stack_experts(self) -> None:
         """Every layer's dense experts as [experts, out, in] tensors (moved, not copied), so
@@ -254,6 +270,8 @@ class Dsv41Model:
         c = self.config
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(j, flat)
+        if j in self.fused:  # its output lives in the layer's buffers: copied out here
+            return self.fused[j](flat, weights, experts).to(x.dtype, copy=True).view_as(x)
         if j in self.stacked:
             out = self._all_experts_stacked(j, flat, weights, experts)
         elif self.every_expert:

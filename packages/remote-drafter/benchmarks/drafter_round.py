@@ -1,0 +1,335 @@
+"""DeepSeek's drafter's round at the estimated V4.1-Flash width (dsv41_gpu.py's FLASH, random
+weights drawn on the card) on one GPU, every variant side by side in one run
+(benchmarks/gpu.sh ONLY_DRAFTER_ROUND=1, an H200):
+
+  exl3_4   EXL3 4-bit linears (random trellis): the experts per matrix, eager (the path
+           before the fused kernels); the experts through exllamav3's fused kernels, eager;
+           fused with the round captured as CUDA graphs (the worker's default)
+  bf16     the same width in bf16, CUDA graphs (every expert on every row, stacked)
+
+Per variant and batch (1 / 4 / 16 requests, a block of W rows each): round p50 / p99 (the
+drafter alone, synchronised), against its floor: the bytes the round reads (every weight
+once, of the routed experts only those its rows chose, found by recording one round's
+router) over the read bandwidth measured in this run. Beside them: one MoE layer, ours
+(models/exl3_experts.py) against exllamav3's own BlockSparseMLP on the same weights and
+rows (time and agreement); the fused drafter through the real worker over tcp loopback
+(dsv41_gpu.measure: p50 as the engine sees it, the device p50, request bytes); peak memory
+with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth).
+
+    python packages/remote-drafter/benchmarks/drafter_round.py --out drafter-round.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dsv41_gpu import FLASH, measure, random_drafter, random_rounds, round_times, width_config  # noqa: E402
+
+from remote_drafter.engine.identity import Manifest  # noqa: E402
+from remote_drafter.models import exl3  # noqa: E402
+from remote_drafter.models.dsv41 import tiny  # noqa: E402
+from remote_drafter.models.dsv41.config import weight_table  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model, linear_names  # noqa: E402
+
+GIB = 1 << 30
+CARD_3090 = 24 * 10**9
+BANDWIDTH_3090 = 936e9  # bytes/s, the card's datasheet figure
+BITS = 4
+GOALS = {"exl3_4": {1: 3.0, 4: 3.0, 16: 2.0}, "bf16": {1: 3.0, 4: 3.0, 16: 3.0}}  # x floor
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def read_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
+    """Bytes per second the device reads (a sum over a buffer far larger than its caches)."""
+    x = torch.ones(int(gib * GIB) // 2, dtype=torch.half, device="cuda")
+    nbytes, times = x.numel() * x.element_size(), []
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del x
+    return nbytes / float(np.median(times[2:]))
+
+
+def random_exl3(shape: tuple[int, int], bits: int, gen, device) -> exl3.Exl3Linear:
+    """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only)."""
+    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
+    n_out, n_in = shape
+    k, n = exl3.padded(n_in), exl3.padded(n_out)
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=gen,
+                            device=device, dtype=torch.int32).to(torch.int16)
+
+    def sign(m: int) -> torch.Tensor:
+        return (torch.randint(0, 2, (m,), generator=gen, device=device) * 2 - 1).half()
+    tensors = {"trellis": trellis, "suh": sign(k), "svh": sign(n) * n_in ** -0.5,
+               **codebook_markers({"mul1": True})}
+    return exl3.Exl3Linear(tensors, n_in, n_out, device)
+
+
+def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
+    """The Flash width with random EXL3 linears at BITS and bf16 for the rest; and the bytes
+    of every weight as served."""
+    config, gen = width_config("flash"), torch.Generator(device="cuda").manual_seed(0)
+    table, linears = weight_table(config), {}
+    for name in linear_names(config):
+        shape = table[name][0]
+        if name.endswith(".attn.wo_a.weight"):
+            linears[name] = exl3.Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), BITS, gen, "cuda")
+                                             for _ in range(config.o_groups)])
+        else:
+            linears[name] = random_exl3(shape, BITS, gen, "cuda")
+    weights = {n: tiny.random_values(n, s, config, gen).to(torch.bfloat16)
+               for n, (s, _) in table.items() if n not in linears}
+    sizes = {n: t.numel() * t.element_size() for n, t in weights.items()}
+    for name, m in linears.items():
+        sizes[name] = sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
+    return Dsv41Model(config, weights, "cuda", linears=linears), sizes
+
+
+def dense_sizes(model: Dsv41Model) -> dict[str, int]:
+    """Bytes of every weight of a dense model (bf16 at 2 bytes a parameter, f32 at 4)."""
+    return {n: int(np.prod(shape)) * (4 if storage == "f32" else model.dtype.itemsize)
+            for n, (shape, storage) in weight_table(model.config).items()}
+
+
+def round_floor(drafter: Dsv41Drafter, sizes: dict[str, int], batch: int, bandwidth: float) -> dict:
+    """The bytes one round must read: every weight once but the gathered embeddings, and of
+    the routed experts only those the round's rows chose (one real round's router, recorded)."""
+    model, chosen = drafter.model, {}
+    route = model.route
+
+    def recording(j, x):
+        weights, experts = route(j, x)
+        chosen.setdefault(j, set()).update(experts.unique().tolist())
+        return weights, experts
+    model.route = recording
+    try:
+        drafter.draft(random_rounds(drafter, batch, 160, batch), want_probs=False)
+    finally:
+        del model.route
+    gathered = {"embed.weight", model.markov_w1}
+    fixed = sum(b for n, b in sizes.items() if ".ffn.experts." not in n and n not in gathered)
+    routed = sum(sizes[f"mtp.{j}.ffn.experts.{e}.{w}.weight"] for j, es in chosen.items()
+                 for e in es for w in ("w1", "w3", "w2"))
+    total = routed + fixed
+    return {"experts_chosen_per_layer": [len(chosen[j]) for j in sorted(chosen)],
+            "routed_expert_bytes": routed, "other_bytes": fixed, "round_bytes": total,
+            "floor_ms": round(1e3 * total / bandwidth, 3),
+            "rtx3090_floor_ms_estimate": round(1e3 * total / BANDWIDTH_3090, 3)}
+
+
+def rounds_of(drafter, sizes, batches, rounds, bandwidth, floors=None) -> list[dict]:
+    out = []
+    for i, batch in enumerate(batches):
+        floor = floors[i] if floors else round_floor(drafter, sizes, batch, bandwidth)
+        t = round_times(drafter, batch, rounds)
+        out.append({"batch": batch, **t, **floor, "p50_over_floor": round(t["p50_ms"] / floor["floor_ms"], 1)})
+        say(f"    batch {batch}: p50 {t['p50_ms']:.2f} ms, p99 {t['p99_ms']:.2f} ms, floor "
+            f"{floor['floor_ms']:.3f} ms ({out[-1]['p50_over_floor']}x)")
+    return out
+
+
+def greedy_drafts(drafter: Dsv41Drafter, batches) -> list[np.ndarray]:
+    return [d.tokens for batch in batches
+            for d in drafter.draft(random_rounds(drafter, batch, 160, 1000 + batch), False)]
+
+
+def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
+    return {"same_greedy_drafts": sum(int(np.array_equal(x, y)) for x, y in zip(a, b)), "requests": len(a)}
+
+
+# -- one MoE layer: ours against exllamav3's BlockSparseMLP --------------------------------
+
+def upstream_layer(model: Dsv41Model, j: int):
+    """exllamav3's BlockSparseMLP over layer j's own EXL3 linears (no copy), built as its
+    tensor-parallel import builds one (config None, load_local), fed our routing."""
+    from exllamav3.modules import BlockSparseMLP, GatedMLP, Linear
+    c, dev = model.config, torch.device("cuda", torch.cuda.current_device())
+
+    def wrap(name):
+        m = model.linears[name]
+        linear = Linear(None, name, m.in_stored, m.inner.trellis.shape[1] * 16, out_dtype=torch.half)
+        linear.device, linear.inner, linear.quant_type = dev, m.inner, "exl3"
+        return linear
+
+    def three(prefix):
+        return [[wrap(f"{prefix}.{w}.weight")] for w in ("w1", "w3", "w2")]
+    g, u, d = three(f"mtp.{j}.ffn.shared_experts")
+    shared = GatedMLP(None, f"mtp.{j}.ffn.shared_experts", c.hidden_size, c.moe_intermediate_size,
+                      out_dtype=torch.float, activation_fn="silu", act_limit=c.swiglu_limit or 0.0,
+                      gates=g, ups=u, downs=d)
+    shared.device = dev
+    shared.load_local(dev, 0)
+    experts = [three(f"mtp.{j}.ffn.experts.{e}") for e in range(c.n_routed_experts)]
+    mlp = BlockSparseMLP(None, f"mtp.{j}.ffn", c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
+                         c.num_experts_per_tok, interm_dtype=torch.half, out_dtype=torch.float,
+                         activation_fn="silu", act_limit=c.swiglu_limit or 0.0, router_type="sqrtsp",
+                         shared_experts=shared, gates=[e[0][0] for e in experts],
+                         ups=[e[1][0] for e in experts], downs=[e[2][0] for e in experts])
+    mlp.device = dev
+    mlp.load_local()
+    mlp.routing_gate = object()  # forward routes through routing_fn only with a gate: ours instead
+    mlp.routing_fn = lambda bsz, cfg, z, params: (params["sel"], params["rw"])
+    return mlp
+
+
+def timed(fn, repeats: int = 50) -> float:
+    """Median ms of fn() with the device synchronised around each call."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
+    c, j = model.config, 0
+    ours = {"rows": []}
+    upstream = {"rows": []}
+    try:
+        mlp = upstream_layer(model, j)
+    except Exception as exc:  # noqa: BLE001 - recorded; ours is still measured
+        upstream["error"] = f"{type(exc).__name__}: {exc}"
+        mlp = None
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for batch in batches:
+        rows = batch * c.block_size
+        x = torch.randn(rows, c.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        weights, experts = model.route(j, x)
+        layer = model.fused[j]
+        mine = layer(x, weights, experts).clone()
+        ours["rows"].append({"batch": batch, "rows": rows,
+                             "p50_ms": timed(lambda f=layer, a=(x, weights, experts): f(*a))})
+        if mlp is None:
+            continue
+        params = {"sel": experts.contiguous(), "rw": weights.half().contiguous()}
+        x16 = x.half().view(1, rows, -1)
+        try:
+            theirs = mlp.forward(x16, params).view(rows, -1).float()
+            entry = {"batch": batch, "rows": rows, "p50_ms": timed(lambda a=x16, p=params: mlp.forward(a, p)),
+                     "relative_difference_to_ours": float((theirs - mine).norm() / theirs.norm())}
+        except Exception as exc:  # noqa: BLE001
+            entry = {"batch": batch, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}
+        upstream["rows"].append(entry)
+        say(f"    MoE layer, {rows} rows: ours {ours['rows'][-1]['p50_ms']:.3f} ms, exllamav3 {entry}")
+    return ours, upstream
+
+
+# -- the run --------------------------------------------------------------------------------
+
+def run(batches: list[int], rounds: int, out: str) -> dict:
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
+                 "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
+
+    def save():
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    res["exllamav3"] = exl3.load_exllamav3(say).version
+    res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
+    say(f"== read bandwidth {bandwidth / 1e12:.2f} TB/s")
+
+    say("== EXL3 4 bits, experts per matrix, eager")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model, sizes = exl3_flash_model()
+    tag = "random-flash-exl3"
+    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    per_matrix = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, fuse_experts=False)
+    e = res["exl3_4"] = {"linear_bytes": sum(b for n, b in sizes.items() if n in model.linears),
+                         "per_matrix_eager": rounds_of(per_matrix, sizes, batches, max(3, rounds // 4), bandwidth)}
+    reference = greedy_drafts(per_matrix, batches)
+    floors = [{k: r[k] for k in ("experts_chosen_per_layer", "routed_expert_bytes", "other_bytes",
+                                  "round_bytes", "floor_ms", "rtx3090_floor_ms_estimate")}
+              for r in e["per_matrix_eager"]]
+    save()
+    say("== EXL3 4 bits, fused experts, eager")
+    fused_eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False)
+    e["experts"] = fused_eager.experts
+    if model.fused:
+        e["fused_eager"] = rounds_of(fused_eager, sizes, batches, rounds, bandwidth, floors)
+        eager_drafts = greedy_drafts(fused_eager, batches)
+        e["fused_vs_per_matrix"] = agreement(reference, eager_drafts)
+        save()
+        say("== one MoE layer: ours vs exllamav3's BlockSparseMLP")
+        res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
+        save()
+        say("== EXL3 4 bits, fused experts, CUDA graphs")
+        t0 = time.monotonic()
+        graphed = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
+        e["graphs_capture_s"] = round(time.monotonic() - t0, 1)
+        e["graphs"] = graphed.describe()["cuda_graphs"]
+        e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
+        e["graphs_vs_eager"] = agreement(eager_drafts, greedy_drafts(graphed, batches))
+        graphed.draft(random_rounds(graphed, 4, 160, 0), want_probs=False)  # four sequences' windows
+        e["peak_four_sequences"] = torch.cuda.max_memory_allocated() - base
+        e["card_3090_bytes"] = CARD_3090
+        save()
+        say("== the worker over tcp loopback (fused, graphs)")
+        res["worker_tcp"] = {"rounds": measure(graphed, batches, rounds)}
+        save()
+        del graphed
+    del per_matrix, fused_eager, model
+    torch.cuda.empty_cache()
+
+    say("== bf16, CUDA graphs (every expert stacked)")
+    drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
+    bsizes = dense_sizes(drafter.model)
+    bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
+    graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
+    res["bf16"] = {"weight_bytes": weight_bytes, "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
+    save()
+    print_table(res)
+    return res
+
+
+def print_table(res: dict) -> None:
+    e = res.get("exl3_4", {})
+    print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: {e.get('experts')}")
+    print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
+          "| bf16 graphs | bf16 floor | x floor")
+    def cell(rows, i, key, fmt="{:.2f}"):
+        return fmt.format(rows[i][key]) if rows and i < len(rows) and key in rows[i] else "-"
+    for i, b in enumerate(res["batches"]):
+        def at(rows, key, fmt="{:.2f}", i=i):
+            return cell(rows, i, key, fmt)
+        g, bf = e.get("rounds"), res.get("bf16", {}).get("rounds")
+        print(f"{b:5d} | {at(e.get('per_matrix_eager'), 'p50_ms'):>15} | {at(e.get('fused_eager'), 'p50_ms'):>16} | "
+              f"{at(g, 'p50_ms'):>13} / {at(g, 'p99_ms'):<12} | {at(g, 'floor_ms', '{:.3f}')} "
+              f"({at(g, 'rtx3090_floor_ms_estimate', '{:.2f}')}) | {at(g, 'p50_over_floor', '{}'):>7} | "
+              f"{at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="drafter-round.json", help="JSON results (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
+    run([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""GPU tier (CUDA and exllamav3; CI has neither and skips it: `benchmarks/gpu.sh` with
+ONLY_DRAFTER_ROUND=tests runs it on an H200 with the [exl3] extra's wheels carried): DeepSeek's
+drafter's EXL3 experts through exllamav3's fused kernels against the per-matrix path, on the
+same tiny pack, at row counts that take each tier."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.models import exl3  # noqa: E402
+
+WHY = exl3.refusal("cuda:0")
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"GPU tier ({WHY}): benchmarks/gpu.sh "
+                                "with ONLY_DRAFTER_ROUND=tests runs it on an H200")
+
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.dsv41 import exl3_pack, tiny  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.exl3_experts import COOP_SLOTS  # noqa: E402
+
+DEVICE = "cuda:0"
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    folder, out = tmp_path_factory.mktemp("tiny"), tmp_path_factory.mktemp("pack")
+    tiny.write_tiny(str(folder))
+    Dsv41Drafter.convert_exl3(str(folder), str(out), 4, None, DEVICE)
+    return str(out)
+
+
+def two_models(pack: str) -> tuple[Dsv41Model, Dsv41Model]:
+    """(per matrix, fused) on the same EXL3 linears."""
+    loaded = exl3_pack.load(pack, torch.bfloat16, DEVICE)
+    per_matrix, fused = (Dsv41Model(loaded.config, loaded.weights, DEVICE, linears=loaded.linears)
+                         for _ in range(2))
+    assert fused.fuse_exl3_experts() is None
+    return per_matrix, fused
+
+
+def test_fused_experts_give_the_per_matrix_sum_in_every_tier(pack):
+    per_matrix, fused = two_models(pack)
+    c = fused.config
+    coop_rows = COOP_SLOTS // c.num_experts_per_tok
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    # one row; a block; the coop tier's last row count; the sorted tier; the shared expert in chunks
+    for rows in (1, c.block_size, coop_rows, coop_rows + 1, 2 * COOP_SLOTS + 3):
+        for j in range(c.n_mtp_layers):
+            x = torch.randn(rows, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
+            want, got = per_matrix.moe(j, x), fused.moe(j, x)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            error = float((got.float() - want.float()).norm() / want.float().norm())
+            assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
+    # the coop tier's result is copied out: a second layer's call leaves the first's intact
+    x = torch.randn(3, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
+    first = fused.moe(0, x)
+    kept = first.clone()
+    fused.moe(1, x)
+    assert torch.equal(first, kept)
+
+
+def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
+    per_matrix, fused = two_models(pack)
+    fused.fused = {}  # the drafter fuses its model's experts itself
+    manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
+    eager = Dsv41Drafter(per_matrix, manifest, DEVICE, cuda_graphs=None, fuse_experts=False)
+    graphed = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)  # auto: fused, so captured
+    assert graphed.describe()["experts"] == "exl3 fused" and graphed.describe()["cuda_graphs"] != "off (eager rounds)"
+    assert eager.describe()["experts"].startswith("exl3 per matrix") and \
+        eager.describe()["cuda_graphs"] == "off (eager rounds)"
+    rng = np.random.default_rng(0)
+    same = total = 0
+    gaps = []
+    for batch in (1, 4, 16, 20):  # 20: above every bucket, eager with the fused experts
+        requests = []
+        for _ in range(batch):
+            h = eager.new_history()
+            n = int(rng.integers(2, 160))
+            h.reset(rng.integers(0, eager.vocab_size, n).astype(np.int32),
+                    rng.standard_normal((n - 1, eager.feature)).astype(np.float32))
+            requests.append(DraftRequest(h, eager.max_depth))
+        for a, b in zip(eager.draft(requests, True), graphed.draft(requests, True)):
+            total += 1
+            if np.array_equal(a.tokens, b.tokens):
+                same += 1
+            else:  # where they part, the per-matrix drafter's top two were nearly tied
+                i = int(np.flatnonzero(a.tokens != b.tokens)[0])
+                gaps.append(float(a.own_probs[i] - a.alt_probs[i]))
+    print(f"fused + graphs vs per matrix eager: {same}/{total} drafts identical; top-2 gaps where "
+          f"they part: {gaps}")
+    assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
+    assert same >= 0.8 * total
