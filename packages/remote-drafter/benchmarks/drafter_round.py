@@ -319,14 +319,47 @@ def print_table(res: dict) -> None:
               f"{at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
 
 
+def profile(batches: list[int], out: str) -> None:
+    """Where a round's device time goes: the fused EXL3 drafter, eager and in graphs, kernels
+    grouped by name (torch's profiler), written as text."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    exl3.load_exllamav3(say)
+    model, _ = exl3_flash_model()
+    tag = "random-flash-exl3"
+    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    lines = []
+    for name, graphs in (("eager", False), ("graphs", None)):
+        drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=graphs)
+        for batch in batches:
+            requests = random_rounds(drafter, batch, 160, batch)
+            for _ in range(3):
+                drafter.draft(requests, want_probs=False)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    drafter.draft(requests, want_probs=False)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+            lines += [f"== {name}, batch {batch}, 5 rounds", table]
+            say(lines[-2] + "\n" + "\n".join(table.splitlines()[:30]))
+    with open(out, "w") as f:
+        f.write("\n".join(lines))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="drafter-round.json", help="JSON results (default: %(default)s)")
     ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    ap.add_argument("--profile", metavar="TXT", help="instead: where the fused EXL3 round's device "
+                    "time goes, by kernel (torch's profiler), written to TXT")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
+    if args.profile:
+        profile([int(b) for b in args.batches.split(",")], args.profile)
+        return 0
     run([int(b) for b in args.batches.split(",")], args.rounds, args.out)
     return 0
 
