@@ -18,6 +18,7 @@ from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.models.llama import LlamaConfig, LlamaLM, random_llama  # noqa: E402
+from remote_drafter.models.pick import Picker, chain_arrays  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.testing import WorkerProcess  # noqa: E402
 
@@ -161,12 +162,35 @@ def test_all_experts_at_once_draft_as_the_chosen_experts_do(folders):
         inputs[1][:, -10 * (seed + 1):] = True
         inputs[2][:] = torch.tensor([5, 9, 17])
         inputs[3][:] = torch.tensor([40, 60, 80])
-        (h1, z1), (h2, z2) = chosen._block(*inputs), every._block(*inputs)
+        (h1, z1, *_), (h2, z2, *_) = chosen._block(*inputs), every._block(*inputs)
         assert float((h1 - h2).norm() / h1.norm()) < 1e-5 and float((z1 - z2).norm() / z1.norm()) < 1e-5
         assert torch.equal(z1.argmax(-1), z2.argmax(-1))
         a, b = chosen.draft(requests, want_probs=False), every.draft(requests, want_probs=False)
         assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     assert fresh(every).describe()["cuda_graphs"] == "off (eager rounds)"
+
+
+def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
+    """A greedy round reads the chain the block computed on the device (inside the CUDA graph
+    there): the same tokens, top-two probabilities and confidence as the Picker's loop over
+    the same block, bit for bit."""
+    d = fresh(drafter)
+    requests = [DraftRequest(history(d, 20 + 9 * i, i), d.max_depth) for i in range(3)]
+    inputs = d._blank(3)
+    inputs[0].normal_(generator=torch.Generator().manual_seed(1))
+    inputs[1][:, -30:] = True
+    inputs[2][:] = torch.tensor([5, 9, 17])
+    inputs[3][:] = torch.tensor([40, 60, 80])
+    h, z, tokens, top_p, top_i, scores = d._block(*inputs)
+    pick, previous = Picker(requests, want_probs=False), inputs[2]
+    for i in range(d.max_depth):
+        m = d.model.markov_embed(previous)
+        assert torch.equal(d.model.confidence(h[:, i], m), scores[:, i])
+        previous = pick(d.model.markov_logits(z[:, i], m), [0] * 3)
+    want = pick.finish()
+    got = chain_arrays(tokens.numpy(), top_p.numpy(), top_i.numpy(), top_p[..., 0].numpy(), None, [True] * 3)
+    for a, b in zip(want, got):
+        assert (a is None and b is None) or np.array_equal(a, b)
 
 
 def test_sampled_drafts_draw_from_probabilities_and_the_seed_reproduces(drafter):

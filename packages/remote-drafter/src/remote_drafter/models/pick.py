@@ -24,8 +24,7 @@ class Picker:
     def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """logits [B, V] (float32) for the tokens at `positions`; returns tokens [B] (device)."""
         temps = torch.tensor(self.temps, device=logits.device, dtype=torch.float32)[:, None]
-        p = torch.softmax(logits.float() / temps, dim=-1)
-        top_p, top_i = p.topk(2, dim=-1)
+        p, top_p, top_i = top_two(logits, temps)
         tokens = top_i[:, 0].clone()
         if not all(self.greedy):
             host = p.cpu().numpy()
@@ -42,21 +41,33 @@ class Picker:
 
     def finish(self):
         """(tokens [B, D], probs [B, D, V] | None, own [B, D], alt_tokens [B, D], alt_probs [B, D])."""
-        tokens = torch.stack(self.tokens, 1).cpu().numpy().astype(np.int32)
-        top_p = torch.stack(self.top2_p, 1).cpu().numpy()
-        top_i = torch.stack(self.top2_i, 1).cpu().numpy().astype(np.int32)
-        own = torch.stack(self.own, 1).cpu().numpy()
-        first_is_mine = top_i[..., 0] == tokens
-        alt_tokens = np.where(first_is_mine, top_i[..., 1], top_i[..., 0]).astype(np.int32)
-        alt_probs = np.where(first_is_mine, top_p[..., 1], top_p[..., 0]).astype(np.float32)
-        probs = None
-        if self.want_probs:
-            probs = torch.stack(self.full, 1).cpu().numpy().astype(np.float32)
-            for b, g in enumerate(self.greedy):
-                if g:  # at T = 0 a draft is a point mass: that is what the verifier must use
-                    probs[b] = 0.0
-                    probs[b, np.arange(tokens.shape[1]), tokens[b]] = 1.0
-        return tokens, probs, own.astype(np.float32), alt_tokens, alt_probs
+        probs = torch.stack(self.full, 1).cpu().numpy().astype(np.float32) if self.want_probs else None
+        return chain_arrays(torch.stack(self.tokens, 1).cpu().numpy(), torch.stack(self.top2_p, 1).cpu().numpy(),
+                            torch.stack(self.top2_i, 1).cpu().numpy(), torch.stack(self.own, 1).cpu().numpy(),
+                            probs, self.greedy)
+
+
+def top_two(logits: torch.Tensor, temps: torch.Tensor | None = None):
+    """(probabilities [B, V] at `temps` (None: 1), their top two [B, 2], its tokens [B, 2]):
+    a greedy token is the first (a drafter's chain on the device uses this alone)."""
+    p = torch.softmax(logits.float() if temps is None else logits.float() / temps, dim=-1)
+    top_p, top_i = p.topk(2, dim=-1)
+    return p, top_p, top_i
+
+
+def chain_arrays(tokens, top_p, top_i, own, probs, greedy: list[bool]):
+    """Host arrays of a chain ([B, D] each; top_p, top_i [B, D, 2]; probs [B, D, V] or None)
+    -> (tokens, probs, own, alt_tokens, alt_probs) as split() takes them."""
+    tokens, top_i = tokens.astype(np.int32), top_i.astype(np.int32)
+    first_is_mine = top_i[..., 0] == tokens
+    alt_tokens = np.where(first_is_mine, top_i[..., 1], top_i[..., 0]).astype(np.int32)
+    alt_probs = np.where(first_is_mine, top_p[..., 1], top_p[..., 0]).astype(np.float32)
+    if probs is not None:
+        for b, g in enumerate(greedy):
+            if g:  # at T = 0 a draft is a point mass: that is what the verifier must use
+                probs[b] = 0.0
+                probs[b, np.arange(tokens.shape[1]), tokens[b]] = 1.0
+    return tokens, probs, own.astype(np.float32), alt_tokens, alt_probs
 
 
 def split(requests, tokens, probs, own, alt_tokens, alt_probs) -> list[Draft]:

@@ -25,10 +25,11 @@ from safetensors.torch import save_file
 
 from remote_drafter import env
 from remote_drafter.engine.identity import Manifest, target_digest, tokenizer_digest
+from remote_drafter.engine.sampling import is_greedy
 from remote_drafter.models import exl3
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
-from remote_drafter.models.pick import Picker, split
+from remote_drafter.models.pick import Picker, chain_arrays, split, top_two
 from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
@@ -145,10 +146,26 @@ class Dsv41Drafter(Drafter):
                 "experts": self.experts,
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
 
-    def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One parallel pass: (pre-norm hidden, base logits) of each request's block."""
-        h = self.model.block_hidden(ctx, valid, seed, p0)
-        return h, self.model.logits(h)
+    def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
+        """One parallel pass: (pre-norm hidden, base logits) of each request's block, and the
+        greedy chain over the whole block on the device (tokens [B, W], their top two
+        probabilities and tokens [B, W, 2], confidence [B, W] or [B, 0]): a greedy round reads
+        these alone, so its Markov head runs inside the captured graph."""
+        model = self.model
+        h = model.block_hidden(ctx, valid, seed, p0)
+        z = model.logits(h)
+        previous, tokens, top_p, top_i, confidence = seed, [], [], [], []
+        for i in range(self.max_depth):
+            m = model.markov_embed(previous)
+            if model.has_confidence:
+                confidence.append(model.confidence(h[:, i], m))
+            _, p2, i2 = top_two(model.markov_logits(z[:, i], m))
+            previous = i2[:, 0]
+            tokens.append(previous)
+            top_p.append(p2)
+            top_i.append(i2)
+        scores = torch.stack(confidence, 1) if confidence else h.new_zeros(len(h), 0)
+        return h, z, torch.stack(tokens, 1), torch.stack(top_p, 1), torch.stack(top_i, 1), scores
 
     def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
         c, dev = self.config, self.device
@@ -173,18 +190,25 @@ class Dsv41Drafter(Drafter):
             valid[i, n - m:] = True
         seed = torch.tensor([int(r.history.tokens[-1]) for r in requests], device=dev)
         p0 = torch.tensor([r.history.length - 1 for r in requests], device=dev)
-        h, z = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
-                             torch.from_numpy(valid).to(dev), seed, p0)
-        pick, previous, confidence = Picker(requests, want_probs), seed, []
-        for i in range(max(r.depth for r in requests)):
-            m = model.markov_embed(previous)
-            if model.has_confidence:
-                confidence.append(model.confidence(h[:, i], m))
-            previous = pick(model.markov_logits(z[:, i], m), [r.history.length + i for r in requests])
-        drafts = split(requests, *pick.finish())
-        if not confidence:
+        h, z, *chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
+                                     torch.from_numpy(valid).to(dev), seed, p0)
+        depth = max(r.depth for r in requests)
+        if all(is_greedy(r.temperature) for r in requests):  # the device's chain: one copy back
+            tokens, top_p, top_i, scores = (t[:, :depth].cpu().numpy() for t in chain)
+            scores = scores.astype(np.float32)
+            probs = np.zeros((b, depth, self.vocab_size), np.float32) if want_probs else None
+            drafts = split(requests, *chain_arrays(tokens, top_p, top_i, top_p[..., 0], probs, [True] * b))
+        else:
+            pick, previous, confidence = Picker(requests, want_probs), seed, []
+            for i in range(depth):
+                m = model.markov_embed(previous)
+                if model.has_confidence:
+                    confidence.append(model.confidence(h[:, i], m))
+                previous = pick(model.markov_logits(z[:, i], m), [r.history.length + i for r in requests])
+            drafts = split(requests, *pick.finish())
+            scores = torch.stack(confidence, 1).float().cpu().numpy() if confidence else None
+        if not model.has_confidence:
             return drafts
-        scores = torch.stack(confidence, 1).float().cpu().numpy()
         return [self._cut(replace(d, confidence=s[:len(d.tokens)])) for d, s in zip(drafts, scores)]
 
     def _cut(self, d: Draft) -> Draft:
