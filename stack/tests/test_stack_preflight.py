@@ -125,9 +125,23 @@ def test_the_drafter_workers_identity(ready, tmp_path):
             checks = {c.name: c for c in preflight.run(cfg, "engine")}
             assert checks["link drafter worker"].ok
             assert checks["drafter identity"].ok is ok, checks["drafter identity"].detail
+            assert ("drafter round" in checks) is ok  # timed once the identities agree
+        # the worker's timed round plus the link against the engine's wait: synchronous rounds'
+        # deadline, or the proxy's wait; too short is a WARN that says what to raise
+        engine = ready[0].with_values(REMOTE_DRAFTER_ADDRESS=address, REMOTE_DRAFTER_TARGET=str(tmp_path / "a"))
+        for values, name, warned in (({"REMOTE_DRAFTER_DEADLINE_MS": "5000"}, "REMOTE_DRAFTER_DEADLINE_MS", False),
+                                     ({"VLLM_DSPARK_REMOTE_ASYNC": "1", "ASYNC_HANDOFF_MAX_WAIT_MS": "5000"},
+                                      "ASYNC_HANDOFF_MAX_WAIT_MS", False),
+                                     ({"VLLM_DSPARK_REMOTE_ASYNC": "1", "ASYNC_HANDOFF_MAX_WAIT_MS": "0.0001"},
+                                      "ASYNC_HANDOFF_MAX_WAIT_MS", True)):
+            check = preflight.check_drafter_round(address, engine.with_values(**values))
+            assert check.ok and check.warn is warned and f"{name}=" in check.detail, check.detail
+            assert "slowest start-up round at batch 4" in check.detail, check.detail  # no traffic yet
+            assert ("raise " + name in check.detail) is warned, check.detail
     finally:
         proc.kill()
         proc.wait()
+    assert preflight.check_drafter_round(address, engine).warn  # gone: said, not measured
 
 
 def closed_port() -> str:

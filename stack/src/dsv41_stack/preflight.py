@@ -272,6 +272,34 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
                  f"{info.manifest.target[:12]}, drafter {info.manifest.drafter[:12]}")
 
 
+def check_drafter_round(address: str, cfg: StackConfig) -> Check:
+    """The worker's round (the p99 of those it served, else the slowest it timed at start-up
+    at the production batch) plus the link's round trip, against what the engine waits for
+    one: ASYNC_HANDOFF_MAX_WAIT_MS through the proxy, REMOTE_DRAFTER_DEADLINE_MS for
+    synchronous rounds. Longer is a WARN: those rounds come too late to be drafts."""
+    from remote_drafter.engine.transport import probe_worker
+    try:
+        stats, trip_s = probe_worker(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND])
+    except Exception as exc:  # noqa: BLE001 - the identity check says why it is unreachable
+        return Check("drafter round", True, f"{address}: not measured ({exc})", warn=True)
+    start = stats.get("round_at_start_ms") or {}
+    if "draft_p99_ms" in stats:
+        round_ms, what = stats["draft_p99_ms"], "p99 of its rounds"
+    elif start:
+        round_ms, what = start["max"], f"slowest start-up round at batch {start['batch']}"
+    else:
+        return Check("drafter round", True, f"{address}: the worker reports no round time", warn=True)
+    wait = handoff_env.ASYNC_HANDOFF_MAX_WAIT_MS if handoff_env.async_enabled(cfg.values) \
+        else drafter_env.REMOTE_DRAFTER_DEADLINE_MS
+    allowed, need = float(cfg[wait]), round_ms + 1e3 * trip_s
+    detail = (f"{address}: {what} {round_ms:.1f} ms + link {1e3 * trip_s:.2f} ms = {need:.1f} ms, "
+              f"{wait.name}={allowed:g}")
+    if need <= allowed:
+        return Check("drafter round", True, detail)
+    return Check("drafter round", True, detail + f": rounds arrive too late to draft; raise {wait.name} "
+                 f"to {need:.0f} or more, or serve a faster drafter", warn=True)
+
+
 def check_exl3_gate(spec: str) -> Check:
     """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.worker.exl3_admission):
     the record alone here, the worker compares its weights' digest once it has loaded them."""
@@ -393,7 +421,9 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
             if not reachable.ok:
                 continue
             if link_rank is None:
-                checks.append(check_drafter_identity(address, cfg))
+                checks.append(identity := check_drafter_identity(address, cfg))
+                if identity.ok:
+                    checks.append(check_drafter_round(address, cfg))
             elif shard_dir := cfg[engram_env.ENGRAM_SHARD_DIR]:
                 checks.append(check_qualify(address, shard_dir, link_rank, backend))
     return checks
