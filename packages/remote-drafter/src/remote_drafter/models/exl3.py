@@ -3,7 +3,8 @@ trellis quantiser and run through its quantised linear (`modules/quant/exl3.py`,
 LinearEXL3) on a CUDA GPU; everything else stays this project's code (ARCHITECTURE.md
 § DeepSeek-V4.1's drafter).
 
-The only module that imports exllamav3, and only inside functions: nothing loads it unless
+The only module that imports exllamav3 (exl3_experts.py reaches its kernels through
+load_exllamav3), and only inside functions: nothing loads it unless
 EXL3 weights are asked for (`remote-drafter worker --weights exl3`, `exl3 convert`). Its
 first import on a machine builds its CUDA extension, which `load_exllamav3` says while it waits.
 
@@ -58,7 +59,8 @@ def require(device: str) -> None:
 
 
 def load_exllamav3(log=None) -> SimpleNamespace:
-    """exllamav3's quantiser and quantised linear, imported once."""
+    """exllamav3's quantiser, quantised linear and kernels (`ext`: exl3_experts.py's fused
+    MoE), imported once."""
     global _lib
     if _lib is None:
         say = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -66,10 +68,12 @@ def load_exllamav3(log=None) -> SimpleNamespace:
             "extension (about 5 minutes on 16 cores; TORCH_CUDA_ARCH_LIST=<this GPU's> and MAX_JOBS "
             "shorten it)")
         t0 = time.monotonic()
+        from exllamav3.ext import exllamav3_ext
         from exllamav3.modules.quant.exl3 import LinearEXL3
         from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
         from exllamav3.version import __version__
-        _lib = SimpleNamespace(LinearEXL3=LinearEXL3, quantize_exl3=quantize_exl3, version=__version__)
+        _lib = SimpleNamespace(LinearEXL3=LinearEXL3, quantize_exl3=quantize_exl3, ext=exllamav3_ext,
+                               version=__version__)
         say(f"remote-drafter: exllamav3 {__version__} ready in {time.monotonic() - t0:.0f} s")
     return _lib
 

@@ -15,8 +15,8 @@ routers hand them over. The activation is exllamav3's SiLU with a limit,
 min(silu(g), L) * clamp(u, -L, L): DeepSeek's silu(min(g, L)) * clamp(u, -L, L) differs only
 where g > L, by at most L / (1 + e^L).
 
-exllamav3 is imported inside functions, as in exl3.py: nothing loads it unless EXL3 weights
-are served. The pointer tables hold the addresses of the Exl3Linears' own tensors (no copy of
+exllamav3 is reached through exl3.load_exllamav3 (exl3.py stays its only importer): nothing
+loads it unless EXL3 weights are served. The pointer tables hold the addresses of the Exl3Linears' own tensors (no copy of
 any weight), so those linears must stay alive and in place.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exl3 import Exl3Linear
+from .exl3 import Exl3Linear, load_exllamav3
 
 SILU = 0  # exllamav3's MOE_COOP_ACT_SILU == MOE_ACT_SILU
 COOP_SLOTS = 256  # exl3_moe_coop's scratch holds 1..256 slots
@@ -34,8 +34,7 @@ ALIGN = 128  # the fused kernels' dimension granularity
 
 
 def _ext():
-    from exllamav3.ext import exllamav3_ext
-    return exllamav3_ext
+    return load_exllamav3().ext
 
 
 @dataclass
