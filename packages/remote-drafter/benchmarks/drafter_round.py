@@ -347,6 +347,30 @@ def profile(batches: list[int], out: str) -> None:
         f.write("\n".join(lines))
 
 
+def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
+    """Whether fusing the small kernels pays: the bf16 round in graphs as served, then with the
+    hyper-connection sublayers (mixes, Sinkhorn, collapse) compiled by torch.compile (inductor
+    fuses their elementwise and reduction kernels), the same requests, greedy drafts compared."""
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
+    graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
+    res["as_served"] = [{"batch": b, **round_times(graphed, b, rounds)} for b in batches]
+    reference = greedy_drafts(graphed, batches)
+    say(f"  as served: {res['as_served']}")
+    model = drafter.model
+    torch._dynamo.config.cache_size_limit = 64  # one graph per layer, sublayer and shape class
+    model.hc_pre, model.hc_post = torch.compile(model.hc_pre), torch.compile(model.hc_post)
+    t0 = time.monotonic()
+    compiled = Dsv41Drafter(model, drafter.manifest(), "cuda", cuda_graphs=True)
+    res["compile_and_capture_s"] = round(time.monotonic() - t0, 1)
+    res["compiled_mhc"] = [{"batch": b, **round_times(compiled, b, rounds)} for b in batches]
+    res["compiled_vs_served"] = agreement(reference, greedy_drafts(compiled, batches))
+    say(f"  compiled mHC: {res['compiled_mhc']}, {res['compiled_vs_served']}, "
+        f"{res['compile_and_capture_s']} s to compile and capture")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="drafter-round.json", help="JSON results (default: %(default)s)")
@@ -354,11 +378,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
     ap.add_argument("--profile", metavar="TXT", help="instead: where the fused EXL3 round's device "
                     "time goes, by kernel (torch's profiler), written to TXT")
+    ap.add_argument("--compile-experiment", action="store_true", help="instead: the bf16 round with "
+                    "its hyper-connection sublayers compiled by torch.compile, against it as served (--out)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
     if args.profile:
         profile([int(b) for b in args.batches.split(",")], args.profile)
+        return 0
+    if args.compile_experiment:
+        compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)
         return 0
     run([int(b) for b in args.batches.split(",")], args.rounds, args.out)
     return 0
