@@ -13,8 +13,11 @@ import resource
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from async_handoff import env as handoff_env
 from ofl import admission
@@ -29,6 +32,7 @@ from .config import StackConfig
 from .roles import Role, admitted_peers, engine_nodes, own_peers, roles, tp2_devices
 
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
+ROUND_BATCH, ROUND_SAMPLES = 4, 5  # drafter rounds timed: four sequences, the production batch
 
 
 @dataclass
@@ -272,32 +276,48 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
                  f"{info.manifest.target[:12]}, drafter {info.manifest.drafter[:12]}")
 
 
-def check_drafter_round(address: str, cfg: StackConfig) -> Check:
-    """The worker's round (the p99 of those it served, else the slowest it timed at start-up
-    at the production batch) plus the link's round trip, against what the engine waits for
-    one: ASYNC_HANDOFF_MAX_WAIT_MS through the proxy, REMOTE_DRAFTER_DEADLINE_MS for
-    synchronous rounds. Longer is a WARN: those rounds come too late to be drafts."""
-    from remote_drafter.engine.transport import probe_worker
-    try:
-        stats, trip_s = probe_worker(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND])
-    except Exception as exc:  # noqa: BLE001 - the identity check says why it is unreachable
-        return Check("drafter round", True, f"{address}: not measured ({exc})", warn=True)
-    start = stats.get("round_at_start_ms") or {}
-    if "draft_p99_ms" in stats:
-        round_ms, what = stats["draft_p99_ms"], "p99 of its rounds"
-    elif start:
-        round_ms, what = start["max"], f"slowest start-up round at batch {start['batch']}"
-    else:
-        return Check("drafter round", True, f"{address}: the worker reports no round time", warn=True)
+def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMPLES) -> Check:
+    """Rounds as the engine will see them, the link included: ROUND_BATCH throwaway requests
+    (the production batch, their windows of zero rows) drafted `rounds` times by a client
+    like the engine's, the slowest against what the engine waits for one:
+    ASYNC_HANDOFF_MAX_WAIT_MS through the proxy, REMOTE_DRAFTER_DEADLINE_MS for synchronous
+    rounds. Longer is a WARN: those rounds come too late to be drafts."""
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.identity import expectation
+    from remote_drafter.engine.transport import RemoteTransport
     wait = handoff_env.ASYNC_HANDOFF_MAX_WAIT_MS if handoff_env.async_enabled(cfg.values) \
         else drafter_env.REMOTE_DRAFTER_DEADLINE_MS
-    allowed, need = float(cfg[wait]), round_ms + 1e3 * trip_s
-    detail = (f"{address}: {what} {round_ms:.1f} ms + link {1e3 * trip_s:.2f} ms = {need:.1f} ms, "
-              f"{wait.name}={allowed:g}")
-    if need <= allowed:
+    allowed = float(cfg[wait])
+    try:
+        transport = RemoteTransport(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND],
+                                    expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
+                                                cfg[drafter_env.REMOTE_DRAFTER_MANIFEST]))
+        client = DrafterClient(transport, deadline_s=max(5.0, 2 * allowed / 1e3))
+        info = client.worker_info(5.0)
+    except Exception as exc:  # noqa: BLE001 - the identity check says why
+        return Check("drafter round", True, f"{address}: not measured ({exc})", warn=True)
+    try:
+        n = min(info.window + 1, info.history_tokens, 64)
+        rows = np.zeros((n - 1, info.feature), np.float32) if info.feature else None
+        for rid in range(ROUND_BATCH):
+            client.add_request(rid, np.arange(n, dtype=np.int32) % info.vocab, rows)
+        seconds = []
+        for _ in range(rounds + 1):  # the first opens the requests
+            t0 = time.perf_counter()
+            client.propose()
+            seconds.append(time.perf_counter() - t0)
+        failed = client.counters()["rounds_failed"]
+    finally:
+        client.close()
+    if failed:
+        return Check("drafter round", True, f"{address}: {failed:g} of {rounds + 1} rounds failed", warn=True)
+    slowest = 1e3 * max(seconds[1:])
+    detail = (f"{address}: slowest of {rounds} rounds of {ROUND_BATCH} requests {slowest:.1f} ms "
+              f"(link included), {wait.name}={allowed:g}")
+    if slowest <= allowed:
         return Check("drafter round", True, detail)
     return Check("drafter round", True, detail + f": rounds arrive too late to draft; raise {wait.name} "
-                 f"to {need:.0f} or more, or serve a faster drafter", warn=True)
+                 f"to {slowest:.0f} or more, or serve a faster drafter", warn=True)
 
 
 def check_exl3_gate(spec: str) -> Check:

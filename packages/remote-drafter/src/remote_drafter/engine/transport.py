@@ -21,22 +21,13 @@ ADAPTER = "remote_drafter.engine.proxy_adapter:DrafterProxyAdapter"
 
 def worker_stats(address: str, backend: str = "tcp") -> dict:
     """A worker's counters (requests held, rounds, failures...), asked over its own link."""
-    return probe_worker(address, backend, 1)[0]
+    from ofl import Connection
 
-
-def probe_worker(address: str, backend: str = "tcp", asks: int = 5) -> tuple[dict, float]:
-    """(the worker's counters, the quickest of `asks` requests on one connection in seconds:
-    the link's round trip plus the worker's least work per request)."""
     from . import protocol as P
     with Connection(address, backend=backend, identity="remote-drafter-status") as conn:
         described = conn.peer_metadata.get("remote_drafter", {})
-        request = P.encode_request([], Manifest.from_json(described["manifest"]).fingerprint, kind=P.KIND_STATS)
-        quickest = float("inf")
-        for _ in range(asks):
-            t0 = time.perf_counter()
-            reply = conn.request(request)
-            quickest = min(quickest, time.perf_counter() - t0)
-        return P.parse_stats_reply(reply), quickest
+        fingerprint = Manifest.from_json(described["manifest"]).fingerprint
+        return P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
 
 
 class LocalTransport:

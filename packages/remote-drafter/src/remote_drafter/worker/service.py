@@ -64,7 +64,6 @@ COUNTERS = {
     "spec_cache_jobs_dropped": "Pre-draft jobs dropped because the job queue was full",
     "spec_cache_evictions": "Cache entries evicted by the memory bound",
 }
-STARTUP_BATCH, STARTUP_ROUNDS = 4, 5  # timed at start-up: four sequences, the production batch
 HISTOGRAMS = {
     "draft": "Device time of one drafted batch",
     "entry_hit": "Service time of an entry answered from the cache",
@@ -140,7 +139,6 @@ class DraftService:
             self.cache = SpeculationCache(self, self.config.spec_cache_outcomes,
                                           self.config.spec_cache_bytes)
         self.recorder = None
-        self.round_at_start_ms: dict | None = None  # warm_up's timed rounds
         if self.config.record_gate_rounds:
             from .round_recorder import RoundRecorder
             self.recorder = RoundRecorder(self.config.record_gate_rounds, self.config.gate_rounds,
@@ -175,25 +173,15 @@ class DraftService:
 
     def warm_up(self) -> float:
         """Draft once for a throwaway request (lazy kernel and allocator set-up happen here,
-        not in a client's first round), then time STARTUP_ROUNDS rounds of STARTUP_BATCH
-        throwaway requests (status: `round_at_start_ms`, what preflight holds against the
-        engine's wait before any traffic); returns the first draft's seconds."""
+        not in a client's first round); returns the seconds it took."""
         d = self.drafter
+        history = d.new_history()
         rows = np.zeros((min(d.window, 7), d.feature), np.float32) if d.feature else None
-        requests = []
-        for _ in range(min(STARTUP_BATCH, self.config.max_requests)):
-            history = d.new_history()
-            history.reset(np.zeros(8, np.int32), rows)
-            requests.append(DraftRequest(history, d.max_depth))
-        seconds = []
-        for i in range(1 + STARTUP_ROUNDS):
-            t0 = time.perf_counter()
-            with self.device_lock:
-                d.draft(requests[:1] if i == 0 else requests, want_probs=i == 0)
-            seconds.append(time.perf_counter() - t0)
-        timed = sorted(1e3 * s for s in seconds[1:])
-        self.round_at_start_ms = {"batch": len(requests), "p50": timed[len(timed) // 2], "max": timed[-1]}
-        return seconds[0]
+        history.reset(np.zeros(8, np.int32), rows)
+        t0 = time.perf_counter()
+        with self.device_lock:
+            d.draft([DraftRequest(history, d.max_depth)], want_probs=True)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.cache is not None:
@@ -478,7 +466,6 @@ class DraftService:
                 "gate_rounds_written": r.written, **({"gate_rounds_error": r.error} if r.error else {})}
         admission = {} if self.admission is None else {"admission": self.admission}
         return {"open_requests": open_requests, "spec_cache_bytes": cache_bytes,
-                "round_at_start_ms": self.round_at_start_ms,
                 "peers_holding_requests": len(peers), "peers": peers, **admission, **recording,
                 **self.metrics.snapshot(), **self.describe()}
 
