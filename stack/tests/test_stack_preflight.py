@@ -110,6 +110,7 @@ def test_one_engram_entry_serves_and_is_checked_for_every_rank(ready):
 
 def test_the_drafter_workers_identity(ready, tmp_path):
     """The worker serves target A; an engine of target A passes, an engine of B fails."""
+    from remote_drafter.engine.transport import worker_stats
     from remote_drafter.models.llama import LlamaConfig, random_llama
     from remote_drafter.worker.server import spawn_worker
     tiny = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -138,6 +139,7 @@ def test_the_drafter_workers_identity(ready, tmp_path):
             assert check.ok and check.warn is warned and f"{name}=" in check.detail, check.detail
             assert "rounds of 4 requests" in check.detail, check.detail
             assert ("raise " + name in check.detail) is warned, check.detail
+            assert worker_stats(address)["open_requests"] == 0  # its throwaway requests handed back
     finally:
         proc.kill()
         proc.wait()

@@ -308,6 +308,9 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
             seconds.append(time.perf_counter() - t0)
         failed = client.counters()["rounds_failed"]
     finally:
+        for rid in range(ROUND_BATCH):  # one more round hands the throwaway requests back
+            client.release(rid)
+        client.propose()
         client.close()
     if failed:
         return Check("drafter round", True, f"{address}: {failed:g} of {rounds + 1} rounds failed", warn=True)
