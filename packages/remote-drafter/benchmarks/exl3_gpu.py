@@ -40,8 +40,6 @@ ROOT = Path(__file__).resolve().parents[3]
 CHECKPOINT = ROOT / "packages/native-drafter/checkpoints/smollm2-135m-dspark"
 TARGET = ROOT / ".artifacts/smollm2-135m"
 BITS = (4, 6)
-GIB = 1 << 30
-CARD_3090 = 24 * 10**9
 ROUNDS = 64
 DEPTH = 5  # drafts per round (the drafter's block)
 FILE_LIMIT = 15 << 20  # what one file may carry back from the device
@@ -324,7 +322,7 @@ def step_worker(res: Results, work: str, rounds: int = 10, device: str = "cuda:0
     say(f"  worker: {({k: v for k, v in out.items() if k != 'worker_log_tail'})}")
 
 
-def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: int) -> None:
+def gpu(taps_dir: str, out: str, steps: list[str]) -> None:
     res = Results(os.path.join(out, "exl3-gpu.json"))
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     from remote_drafter.models import exl3
@@ -350,7 +348,6 @@ def gpu(taps_dir: str, out: str, steps: list[str], batches: list[int], rounds: i
         res.save()
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", metavar="DIR")
@@ -358,15 +355,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="--gpu: the folder its files go to")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--steps", default="smollm2,tiny_dsv41,worker")
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--timed-rounds", type=int, default=10)
     args = ap.parse_args(argv)
     if args.prepare:
         prepare(args.prepare, args.rounds)
     elif args.gpu:
         os.makedirs(args.out, exist_ok=True)
-        gpu(args.gpu, args.out, args.steps.split(","), [int(b) for b in args.batches.split(",")],
-            args.timed_rounds)
+        gpu(args.gpu, args.out, args.steps.split(","))
     else:
         ap.error("--prepare DIR or --gpu DIR")
     return 0

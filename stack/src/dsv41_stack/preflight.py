@@ -257,15 +257,21 @@ def check_tp2_pair(devices: list[str]) -> Check:
                  + ("" if ok else " (the pair needs two distinct cards)"))
 
 
-def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
-    """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
-    engine expects (REMOTE_DRAFTER_TARGET / _MANIFEST): the handshake the engine will make."""
+def drafter_transport(address: str, cfg: StackConfig):
+    """A link to the worker expecting the identities this engine expects
+    (REMOTE_DRAFTER_TARGET / _MANIFEST), as the engine's client makes it."""
     from remote_drafter.engine.identity import expectation
     from remote_drafter.engine.transport import RemoteTransport
+    return RemoteTransport(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND],
+                           expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
+                                       cfg[drafter_env.REMOTE_DRAFTER_MANIFEST]))
+
+
+def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
+    """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
+    engine expects: the handshake the engine will make."""
     try:
-        expect = expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
-                             cfg[drafter_env.REMOTE_DRAFTER_MANIFEST])
-        transport = RemoteTransport(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND], expect)
+        transport = drafter_transport(address, cfg)
         try:
             info = transport.info(5.0)
         finally:
@@ -283,16 +289,11 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
     ASYNC_HANDOFF_MAX_WAIT_MS through the proxy, REMOTE_DRAFTER_DEADLINE_MS for synchronous
     rounds. Longer is a WARN: those rounds come too late to be drafts."""
     from remote_drafter.engine.client import DrafterClient
-    from remote_drafter.engine.identity import expectation
-    from remote_drafter.engine.transport import RemoteTransport
     wait = handoff_env.ASYNC_HANDOFF_MAX_WAIT_MS if handoff_env.async_enabled(cfg.values) \
         else drafter_env.REMOTE_DRAFTER_DEADLINE_MS
     allowed = float(cfg[wait])
     try:
-        transport = RemoteTransport(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND],
-                                    expectation(cfg[drafter_env.REMOTE_DRAFTER_TARGET],
-                                                cfg[drafter_env.REMOTE_DRAFTER_MANIFEST]))
-        client = DrafterClient(transport, deadline_s=max(5.0, 2 * allowed / 1e3))
+        client = DrafterClient(drafter_transport(address, cfg), deadline_s=max(5.0, 2 * allowed / 1e3))
         info = client.worker_info(5.0)
     except Exception as exc:  # noqa: BLE001 - the identity check says why
         return Check("drafter round", True, f"{address}: not measured ({exc})", warn=True)
