@@ -16,7 +16,7 @@ from remote_drafter.engine.identity import expectation  # noqa: E402
 from remote_drafter.engine.transport import RemoteTransport  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import tiny  # noqa: E402
-from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter, unpack_chain  # noqa: E402
 from remote_drafter.models.llama import LlamaConfig, LlamaLM, random_llama  # noqa: E402
 from remote_drafter.models.pick import Picker, chain_arrays  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
@@ -114,12 +114,11 @@ def test_incremental_context_equals_recomputing_it(drafter):
         got = d.draft([r], True)[0]
         if rounds % 4 == 0:
             assert_close(got, fresh(d).draft([r], True)[0])
-    ring = d._windows.current(h, "cpu")
-    kept = torch.empty_like(ring.ring)
-    assert ring.lay_out(kept) == d.window
+    ctx, kept = d._windows.lay_out([h], "cpu")
+    assert kept.tolist() == [d.window]
     positions = torch.arange(h.length - 1 - d.window, h.length - 1)
     want = d.model.encode_rows(torch.tensor(h.rows), positions)
-    assert torch.allclose(kept, want, atol=1e-5)
+    assert torch.allclose(ctx[0], want, atol=1e-5)
 
 
 def test_greedy_drafts_are_a_deterministic_markov_chain(either):
@@ -181,14 +180,15 @@ def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
     inputs[1][:, -30:] = True
     inputs[2][:] = torch.tensor([5, 9, 17])
     inputs[3][:] = torch.tensor([40, 60, 80])
-    h, z, tokens, top_p, top_i, scores = d._block(*inputs)
+    h, z, chain = d._block(*inputs)
+    tokens, top_p, top_i, scores = unpack_chain(chain.numpy())
     pick, previous = Picker(requests, want_probs=False), inputs[2]
     for i in range(d.max_depth):
         m = d.model.markov_embed(previous)
-        assert torch.equal(d.model.confidence(h[:, i], m), scores[:, i])
+        assert np.array_equal(d.model.confidence(h[:, i], m).float().numpy(), scores[:, i])
         previous = pick(d.model.markov_logits(z[:, i], m), [0] * 3)
     want = pick.finish()
-    got = chain_arrays(tokens.numpy(), top_p.numpy(), top_i.numpy(), top_p[..., 0].numpy(), None, [True] * 3)
+    got = chain_arrays(tokens, top_p, top_i, top_p[..., 0], None, [True] * 3)
     for a, b in zip(want, got):
         assert (a is None and b is None) or np.array_equal(a, b)
 

@@ -5,7 +5,9 @@ bucket and replayed (the one-card dsv41 drafter and drafter-tp2's ranks use it).
 first, with no host synchronisation inside (a graph replays device work only). A call is
 padded up to the smallest captured bucket that holds it (padding rows are zeros, which the
 caller's fn must tolerate, and are dropped) and replayed; a batch above every bucket runs
-eagerly on the owned stream. On CPU: no streams, no graphs, fn runs as called."""
+eagerly on the owned stream. A replay's outputs are views of the graph's own buffers: read
+them before the next call (the worker's device lock runs one round at a time). On CPU: no
+streams, no graphs, fn runs as called."""
 
 from __future__ import annotations
 
@@ -53,7 +55,6 @@ class BucketGraphs:
                     dst.zero_()
                     dst[:b].copy_(src)
                 graph.replay()
-                out = (tuple(t[:b].clone() for t in captured) if isinstance(captured, tuple)
-                       else captured[:b].clone())
+                out = tuple(t[:b] for t in captured) if isinstance(captured, tuple) else captured[:b]
         self.stream.synchronize()
         return out

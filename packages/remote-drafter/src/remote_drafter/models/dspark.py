@@ -34,7 +34,7 @@ from .base import Draft, Drafter, DraftRequest
 from .llama_layers import Block, RMSNorm
 from .pick import Picker, split
 from .tensors import tensor_bytes
-from .window import DeviceWindows, empty
+from .window import DeviceWindows
 
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "drafter.safetensors"
 
@@ -242,20 +242,17 @@ class DSparkDrafter(Drafter):
         another row count). Hidden rows are assembled from each request's copy on the device
         (window.py), so only rows committed since its last round cross to it."""
         b, n = len(requests), self.window
-        valid = np.zeros((b, n), bool)
-        pos = np.zeros((b, n), np.int64)
-        ctx = empty((b, n, self.feature), device) if self.feature else np.zeros((b, n), np.int64)
-        for i, r in enumerate(requests):
-            h = r.history
-            if self.feature:
-                m = self._windows.current(h, device).lay_out(ctx[i])
-            else:
-                known = h.tokens[:-1][-n:]
-                m = len(known)
-                ctx[i, n - m:] = known
-            if m:
-                valid[i, n - m:] = True
-                pos[i, n - m:] = np.arange(h.length - 1 - m, h.length - 1)
+        if self.feature:
+            ctx, m = self._windows.lay_out([r.history for r in requests], device)
+        else:
+            known = [r.history.tokens[:-1][-n:] for r in requests]
+            m = np.array([len(k) for k in known], np.int64)
+            ctx = np.zeros((b, n), np.int64)
+            for i, k in enumerate(known):
+                ctx[i, n - len(k):] = k
+        valid = np.arange(n) >= n - m[:, None]
+        lengths = np.array([r.history.length for r in requests], np.int64)
+        pos = np.where(valid, lengths[:, None] - 1 - n + np.arange(n), 0)
         if not self.feature:
             ctx = torch.from_numpy(ctx).to(device)
         return ctx, torch.from_numpy(valid).to(device), torch.from_numpy(pos).to(device)

@@ -2,7 +2,11 @@
 read hidden rows): a ring of the last `window` rows per request, brought up to date with
 only the rows committed since its last round. A drafter may store the rows as they come
 (the Llama-style DSpark stand-in) or encoded (DeepSeek-V4.1's drafter keeps each layer's
-key/value rows, computed once per position)."""
+key/value rows, computed once per position).
+
+A round's work does not grow with its request count in launches: every request's ring is
+one slot of one tensor per device, the new rows of the whole batch are encoded in one call
+and written with one indexed copy, and the batch's context is read with one gather."""
 
 from __future__ import annotations
 
@@ -19,71 +23,105 @@ Encode = Callable[[np.ndarray, np.ndarray, torch.device], torch.Tensor]
 
 
 def _as_rows(rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
-    return torch.tensor(rows)  # a host copy of the new rows (they are read-only)
+    return torch.from_numpy(rows).to(device)
 
 
 class DeviceWindows(dict):
-    """device -> {lineage: RowRing}: rings keyed by the history's lineage, which the
-    service's snapshots share with the session's history and which a reset or re-open
-    replaces (so stale rows are never served); held weakly, so a ring goes when its request
-    is released or expires."""
+    """device -> RingPool: rings keyed by the history's lineage, which the service's
+    snapshots share with the session's history and which a reset or re-open replaces (so
+    stale rows are never served); held weakly, so a ring goes when its request is released
+    or expires, and its slot is reused."""
 
     def __init__(self, window: int, width: int, encode: Encode = _as_rows,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.window, self.width, self.encode, self.dtype = window, width, encode, dtype
 
-    def current(self, h: History, device) -> RowRing:
-        """h's last rows on `device`, brought up to date."""
-        rings = self.setdefault(str(device), weakref.WeakKeyDictionary())
-        ring, rows = rings.get(h.lineage), h.rows
-        new = -1 if ring is None else h.rows_added - ring.seen
-        if not 0 <= new <= len(rows):  # new, an older snapshot, or more new rows than kept
-            ring = rings[h.lineage] = RowRing(empty((self.window, self.width), device, self.dtype))
-            new = len(rows)
-        k = min(new, self.window)
-        # the newest row is of position length - 2 (the newest token's row comes later)
-        positions = np.arange(h.length - 1 - k, h.length - 1)
-        ring.push(self.encode(rows[len(rows) - k:], positions, device) if k else None, h.rows_added)
-        ring.m = min(ring.m, len(rows))  # a history keeping fewer rows than the window
-        return ring
-
-
-def empty(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Uninitialised on `device`. Float32 on the CPU in numpy's memory: numpy maps arrays
-    this large on huge pages, where torch's allocator maps each one afresh in 4 KB pages,
-    faulted in again on every round, which slows a CPU round's host part."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        return torch.from_numpy(np.empty(shape, np.float32))
-    return torch.empty(shape, dtype=dtype, device=device)
+    def lay_out(self, histories: list[History], device) -> tuple[torch.Tensor, np.ndarray]:
+        """Every history's last rows, brought up to date: (ctx [B, window, width] on `device`,
+        each request's rows oldest first and right-aligned; m [B], how many are valid). The
+        rows before a request's last m are finite (zeros, or older rows of its own) and
+        mean nothing: a caller masks them."""
+        pool = self.get(str(device))
+        if pool is None:
+            pool = self[str(device)] = RingPool(self.window, self.width, device, self.dtype)
+        rings, rows, positions, writes = [], [], [], []
+        for h in histories:
+            ring, where = pool.ring(h)
+            if len(where):  # the newest row is of position length - 2 (its token's row comes later)
+                k = len(where)
+                rows.append(h.rows[len(h.rows) - k:])
+                positions.append(np.arange(h.length - 1 - k, h.length - 1))
+                writes.append(where)
+            rings.append(ring)
+        if rows:
+            new = self.encode(np.concatenate(rows), np.concatenate(positions), pool.device)
+            pool.write(np.concatenate(writes), new.to(self.dtype))
+        return pool.gather(rings), np.array([r.m for r in rings], np.int64)
 
 
 class RowRing:
-    """One request's last `window` rows on a device, as a ring: `head` is where the next
-    row goes, the newest `m` rows are valid, `seen` is the history's rows_added they
-    reflect. Memory: window x width values per open request."""
+    """One request's rows: slot `slot` of its pool, `head` where the next row goes, the
+    newest `m` rows valid, `seen` the history's rows_added they reflect."""
 
-    def __init__(self, ring: torch.Tensor):
-        self.ring, self.head, self.m, self.seen = ring, 0, 0, 0
+    def __init__(self, slot: int):
+        self.slot, self.head, self.m, self.seen = slot, 0, 0, 0
 
-    def push(self, rows: torch.Tensor | None, seen: int) -> None:
-        n = len(self.ring)
-        if rows is not None:
-            k = len(rows)
-            a = min(k, n - self.head)
-            self.ring[self.head:self.head + a] = rows[:a]
-            self.ring[:k - a] = rows[a:]
-            self.head, self.m = (self.head + k) % n, min(n, self.m + k)
-        self.seen = seen
 
-    def lay_out(self, dst: torch.Tensor) -> int:
-        """Copy the valid rows, oldest first, to the end of dst [window, width] and zero
-        the rest (a full window, the usual case, has none); their count."""
-        n, m = len(self.ring), self.m
-        first = (self.head - m) % n
-        a = min(m, n - first)  # rows before the ring wraps
-        dst[:n - m] = 0
-        # One cat, not two copies: one kernel on a GPU, memcpy speed on the CPU (copy_ ran
-        # at half that there).
-        torch.cat([self.ring[first:first + a], self.ring[:m - a]], out=dst[n - m:])
-        return m
+class RingPool:
+    """One device's rings as slots of one tensor [capacity, window, width] (grown by
+    doubling). Memory: window x width values per open request."""
+
+    def __init__(self, window: int, width: int, device, dtype: torch.dtype):
+        self.window, self.width, self.device, self.dtype = window, width, torch.device(device), dtype
+        self.store = zeros((4, window, width), self.device, dtype)
+        self.free = list(range(4))
+        self.rings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def ring(self, h: History) -> tuple[RowRing, np.ndarray]:
+        """h's ring (a fresh one for a new lineage, an older snapshot, or more new rows
+        than kept), advanced past the newest rows it lacks (at most a window): and the flat
+        store rows those go to, oldest first (the caller writes them)."""
+        ring, rows, n = self.rings.get(h.lineage), h.rows, self.window
+        new = -1 if ring is None else h.rows_added - ring.seen
+        if not 0 <= new <= len(rows):
+            ring = self.rings[h.lineage] = RowRing(self._take_slot())
+            weakref.finalize(ring, self._give_back, ring.slot)
+            new = len(rows)
+        k = min(new, n)
+        where = ring.slot * n + (ring.head + np.arange(k)) % n
+        ring.head, ring.seen = (ring.head + k) % n, h.rows_added
+        ring.m = min(n, ring.m + k, len(rows))  # a history may keep fewer rows than the window
+        return ring, where
+
+    def _take_slot(self) -> int:
+        if not self.free:
+            n = len(self.store)
+            grown = zeros((2 * n, self.window, self.width), self.device, self.dtype)
+            grown[:n] = self.store
+            self.store, self.free = grown, self.free + list(range(n, 2 * n))
+        slot = self.free.pop()
+        self.store[slot] = 0  # a reused slot's old rows never reach another request
+        return slot
+
+    def _give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def write(self, where: np.ndarray, rows: torch.Tensor) -> None:
+        flat = self.store.view(-1, self.width)
+        flat.index_copy_(0, torch.from_numpy(where).to(self.device), rows)
+
+    def gather(self, rings: list[RowRing]) -> torch.Tensor:
+        """[B, window, width]: each ring's rows oldest first (its valid ones at the end)."""
+        n = self.window
+        where = np.array([r.slot * n + (r.head + np.arange(n)) % n for r in rings]).reshape(len(rings), n)
+        return self.store.view(-1, self.width)[torch.from_numpy(where).to(self.device)]
+
+
+def zeros(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros on `device`. Float32 on the CPU in numpy's memory: numpy maps arrays this large
+    on huge pages, where torch's allocator maps each one afresh in 4 KB pages, faulted in
+    again on every round, which slows a CPU round's host part."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, np.float32))
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -148,24 +148,23 @@ class Dsv41Drafter(Drafter):
 
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
         """One parallel pass: (pre-norm hidden, base logits) of each request's block, and the
-        greedy chain over the whole block on the device (tokens [B, W], their top two
-        probabilities and tokens [B, W, 2], confidence [B, W] or [B, 0]): a greedy round reads
-        these alone, so its Markov head runs inside the captured graph."""
+        greedy chain over the whole block on the device, packed in one float64 tensor
+        [B, W, 5 (+1 with a confidence head)]: token, its probability and the runner-up's,
+        both tokens, confidence. A greedy round reads this alone, so its Markov head runs
+        inside the captured graph and one copy brings the round back."""
         model = self.model
         h = model.block_hidden(ctx, valid, seed, p0)
         z = model.logits(h)
-        previous, tokens, top_p, top_i, confidence = seed, [], [], [], []
+        previous, chain = seed, []
         for i in range(self.max_depth):
             m = model.markov_embed(previous)
-            if model.has_confidence:
-                confidence.append(model.confidence(h[:, i], m))
             _, p2, i2 = top_two(model.markov_logits(z[:, i], m))
+            step = [i2[:, :1], p2, i2]
+            if model.has_confidence:
+                step.append(model.confidence(h[:, i], m)[:, None])
+            chain.append(torch.cat([t.double() for t in step], -1))
             previous = i2[:, 0]
-            tokens.append(previous)
-            top_p.append(p2)
-            top_i.append(i2)
-        scores = torch.stack(confidence, 1) if confidence else h.new_zeros(len(h), 0)
-        return h, z, torch.stack(tokens, 1), torch.stack(top_p, 1), torch.stack(top_i, 1), scores
+        return h, z, torch.stack(chain, 1)
 
     def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
         c, dev = self.config, self.device
@@ -175,27 +174,22 @@ class Dsv41Drafter(Drafter):
 
     def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
         """New committed taps -> every layer's context rows, computed once per position."""
-        taps = torch.tensor(rows).to(device)  # a copy: history rows are read-only
+        taps = torch.from_numpy(rows).to(device)  # the round's new rows, gathered (a copy)
         return self.model.encode_rows(taps, torch.from_numpy(positions).to(device))
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
         model, dev, c = self.model, self.device, self.config
         b, n = len(requests), self.window
-        # each request's rows right-aligned in a fixed window: one shape for the batch
-        ctx = torch.empty((b, n, self._windows.width), dtype=model.dtype, device=dev)
-        valid = np.zeros((b, n), bool)
-        for i, r in enumerate(requests):
-            m = self._windows.current(r.history, dev).lay_out(ctx[i])
-            valid[i, n - m:] = True
-        seed = torch.tensor([int(r.history.tokens[-1]) for r in requests], device=dev)
-        p0 = torch.tensor([r.history.length - 1 for r in requests], device=dev)
-        h, z, *chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim),
-                                     torch.from_numpy(valid).to(dev), seed, p0)
+        ctx, kept = self._windows.lay_out([r.history for r in requests], dev)  # one shape for the batch
+        valid = torch.from_numpy(np.arange(n) >= n - kept[:, None])
+        seed_p0 = torch.tensor([[int(r.history.tokens[-1]), r.history.length - 1] for r in requests]).to(dev)
+        seed = seed_p0[:, 0]
+        h, z, chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim), valid.to(dev),
+                                    seed, seed_p0[:, 1])
         depth = max(r.depth for r in requests)
         if all(is_greedy(r.temperature) for r in requests):  # the device's chain: one copy back
-            tokens, top_p, top_i, scores = (t[:, :depth].cpu().numpy() for t in chain)
-            scores = scores.astype(np.float32)
+            tokens, top_p, top_i, scores = unpack_chain(chain[:, :depth].cpu().numpy())
             probs = np.zeros((b, depth, self.vocab_size), np.float32) if want_probs else None
             drafts = split(requests, *chain_arrays(tokens, top_p, top_i, top_p[..., 0], probs, [True] * b))
         else:
@@ -218,3 +212,10 @@ class Dsv41Drafter(Drafter):
             return d
         return replace(d, **{f.name: getattr(d, f.name)[:low[0]] for f in fields(d)
                              if getattr(d, f.name) is not None})
+
+
+def unpack_chain(packed: np.ndarray) -> tuple[np.ndarray, ...]:
+    """_block's packed chain [B, D, 5 | 6] -> tokens [B, D], top two probabilities and
+    tokens [B, D, 2], confidence [B, D] (float32) or None."""
+    scores = packed[..., 5].astype(np.float32) if packed.shape[-1] > 5 else None
+    return packed[..., 0], packed[..., 1:3], packed[..., 3:5], scores
