@@ -45,10 +45,11 @@ class Dsv41Drafter(Drafter):
 
     def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
                  confidence_cutoff: float = 0.0, cuda_graphs: bool | None = False,
-                 fuse_experts: bool = True):
+                 fuse_experts: bool = True, mhc_kernels: bool = True):
         """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
         expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
-        baseline the fused kernels are measured against)."""
+        baseline the fused kernels are measured against). mhc_kernels False: the
+        hyper-connection mixes in torch on CUDA too (the kernels' baseline)."""
         c = model.config
         if confidence_cutoff > 0 and not model.has_confidence:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -62,6 +63,13 @@ class Dsv41Drafter(Drafter):
                                       model.dtype)
         self._forward = BucketGraphs(self._block, device)
         self.experts = "dense"
+        if self._forward.cuda:
+            why = model.use_mhc_kernels(mhc_kernels)
+            if why and mhc_kernels:
+                log.warning("hyper-connection mixes run in torch, not fused (slower rounds): %s", why)
+        else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
+            why = None if model.mhc_kernels else "cpu"
+        self.mhc = "triton kernels" if why is None else f"torch ({why})"
         if model.linears and self._forward.cuda:
             why = model.fuse_exl3_experts() if fuse_experts else "not asked to"
             if why:
@@ -143,7 +151,7 @@ class Dsv41Drafter(Drafter):
     def describe(self) -> dict:
         return {**super().describe(), "confidence_head": self.model.has_confidence,
                 "confidence_cutoff": self.confidence_cutoff,
-                "experts": self.experts,
+                "experts": self.experts, "mhc": self.mhc,
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
 
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:

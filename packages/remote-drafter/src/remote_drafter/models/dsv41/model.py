@@ -115,6 +115,45 @@ class Dsv41Model:
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
         self.every_expert = False  # served experts: all of them on every row (fixed shapes)
         self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
+        self.mhc_kernels = None  # mhc_kernels.py once use_mhc_kernels() took it
+
+    def use_mhc_kernels(self, on: bool = True) -> str | None:
+        """The hyper-connection mixes through mhc_kernels.py's Triton kernels (one launch a
+        side of each sublayer, not ~100), or (on False) through torch. The kernels serve only
+        once they have matched torch on this model's first layer, on this device (a Triton or
+        GPU they break on is refused here, not mid-round). None when they serve, else why not."""
+        self.mhc_kernels = None
+        if not on:
+            return "not asked to"
+        if self.wide != torch.float32:
+            return f"the kernels compute in float32, this model in {self.wide}"
+        try:
+            from . import mhc_kernels
+            torch_path = self._first_mixes()
+            self.mhc_kernels = mhc_kernels
+            kernel_path = self._first_mixes()
+        except Exception as exc:  # noqa: BLE001 - any failure to build or run them: torch serves
+            self.mhc_kernels = None
+            return f"{type(exc).__name__}: {exc}"
+        tol = 1e-5 if self.dtype == torch.float32 else 2 ** -6  # float32 rounding; two bf16 steps
+        for name, a, b in zip(("collapse", "post", "comb", "pre", "stream"), torch_path, kernel_path):
+            err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-30))
+            if not err <= tol:
+                self.mhc_kernels = None
+                return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
+        return None
+
+    @torch.inference_mode()
+    def _first_mixes(self) -> tuple[torch.Tensor, ...]:
+        """Layer 0's attention and FFN mixes on a fixed random stream: what use_mhc_kernels
+        compares (every collapse the variant uses, both kernels)."""
+        c = self.config
+        g = torch.Generator().manual_seed(0)
+        residual = torch.randn(2, c.block_size, c.hc_mult, c.hidden_size, generator=g).to(self.device, self.dtype)
+        x, post, comb, pre = self.hc_pre(0, "attn", residual, None)
+        residual = self.hc_post(x, residual, post, comb)
+        x, post, comb, pre = self.hc_pre(0, "ffn", residual, pre)
+        return x, post, comb, pre, self.hc_post(x, residual, post, comb)
 
     def fuse_exl3_experts(self) -> str | None:
         """Every layer's EXL3 experts through exllamav3's fused multi-expert kernels (no host
@@ -197,6 +236,14 @@ class Dsv41Model:
         previous sublayer's pre (None: layer 0's attention, which takes copy 0)."""
         c, k = self.config, self.config.hc_mult
         fn, scale, base = (self._w(j, f"hc_{mixer}_{p}") for p in ("fn", "scale", "base"))
+        norm = self._w(j, f"{mixer}_norm.weight")
+        if self.mhc_kernels is not None:
+            kernels = self.mhc_kernels
+            collapse = (kernels.COLLAPSE_OWN if not c.delayed_mhc else
+                        kernels.COLLAPSE_FIRST if carried_pre is None else kernels.COLLAPSE_CARRIED)
+            raw = residual.flatten(-2).to(self.wide) @ fn.T
+            return kernels.hc_pre(residual, raw, scale, base, carried_pre, collapse, norm, c.rms_norm_eps,
+                                  c.hc_eps, HC_POST_ALPHA, c.hc_sinkhorn_iters)
         mixes = self._mixes(fn, residual)
         pre = torch.sigmoid(mixes[..., :k] * scale[0] + base[:k]) + c.hc_eps
         post = torch.sigmoid(mixes[..., k:2 * k] * scale[1] + base[k:2 * k]) * HC_POST_ALPHA
@@ -208,12 +255,13 @@ class Dsv41Model:
             comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
         collapse_with = carried_pre if c.delayed_mhc else pre  # V4: no delay
         collapsed = residual[..., 0, :] if collapse_with is None else self.collapse(residual, collapse_with)
-        norm = self._w(j, f"{mixer}_norm.weight")
         return rms_norm(collapsed, norm, c.rms_norm_eps, self.wide), post, comb, pre
 
     def hc_post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:
         """residual = comb^T residual + post x out."""
+        if self.mhc_kernels is not None:
+            return self.mhc_kernels.hc_post(out, residual, post, comb)
         mixed = torch.einsum("...ij,...ih->...jh", comb, residual.to(self.wide))
         return (mixed + post[..., None] * out[..., None, :].to(self.wide)).to(residual.dtype)
 

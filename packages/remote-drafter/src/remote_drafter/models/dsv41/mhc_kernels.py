@@ -1,0 +1,133 @@
+"""The hyper-connection mix (mHC) of one sublayer as one Triton kernel each side, in place
+of the ~100 small torch launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
+iterations): what a round spends when its matrices are already fast.
+
+* hc_pre: one program per row. The stream's mean square, then the pre and post weights and
+  the K x K mix normalised by Sinkhorn in registers, then the collapse and its RMS norm;
+  the K*H-wide product with hc_*_fn stays a torch matmul (one GEMM for all rows).
+* hc_post: one program per (row, slice of H): residual = comb^T residual + post x out.
+
+The same arithmetic as the torch methods in float32 (`Dsv41Model.wide`), in another order
+of summation: equal to them within float32 rounding (tests/test_mhc_kernels.py, under
+Triton's CPU interpreter in CI and compiled on the GPU tier). Imported only where used:
+Triton decides between interpreter and compiler when a kernel is defined."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+COLLAPSE_CARRIED, COLLAPSE_OWN, COLLAPSE_FIRST = 0, 1, 2  # which weights collapse the copies
+
+
+@triton.jit
+def _hc_pre_kernel(res_ptr, raw_ptr, scale_ptr, base_ptr, carried_ptr, norm_ptr,
+                   x_ptr, post_ptr, comb_ptr, pre_ptr, eps, hc_eps, alpha,
+                   H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MIX: tl.constexpr,
+                   ITERS: tl.constexpr, COLLAPSE: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    row = res_ptr + r * K * H
+    # the whole stream's mean square: the mixes are (x . fn) / rms(x)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, K * H, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(row + offs, mask=offs < K * H, other=0.0).to(tl.float32)
+        sq += v * v
+    inv = tl.rsqrt(tl.sum(sq, 0) / (K * H) + eps)
+    k = tl.arange(0, KP)
+    km = k < K
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    raw = raw_ptr + r * MIX
+    pre = tl.sigmoid((tl.load(raw + k, mask=km, other=0.0) * inv) * s0
+                     + tl.load(base_ptr + k, mask=km, other=0.0)) + hc_eps
+    post = tl.sigmoid((tl.load(raw + K + k, mask=km, other=0.0) * inv) * s1
+                      + tl.load(base_ptr + K + k, mask=km, other=0.0)) * alpha
+    tl.store(pre_ptr + r * K + k, pre, mask=km)
+    tl.store(post_ptr + r * K + k, post, mask=km)
+    # comb: softmax over each row of the K x K mix, then Sinkhorn (columns, then rows/columns)
+    ij = k[:, None] * K + k[None, :]
+    ijm = km[:, None] & km[None, :]
+    logit = (tl.load(raw + 2 * K + ij, mask=ijm, other=0.0) * inv) * s2 \
+        + tl.load(base_ptr + 2 * K + ij, mask=ijm, other=0.0)
+    logit = tl.where(ijm, logit, float("-inf"))
+    e = tl.exp(logit - tl.max(logit, 1)[:, None])
+    comb = tl.where(ijm, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
+    for _ in range(ITERS - 1):
+        comb = comb / (tl.sum(comb, 1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
+    tl.store(comb_ptr + r * K * K + ij, comb, mask=ijm)
+    # collapse the copies, in the stream's dtype, then RMS-norm it
+    if COLLAPSE == 0:
+        w = tl.load(carried_ptr + r * K + k, mask=km, other=0.0)
+    elif COLLAPSE == 1:
+        w = pre
+    else:
+        w = tl.where(k == 0, 1.0, 0.0)
+    h = tl.arange(0, BLOCK)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, H, BLOCK):
+        hm = start + h < H
+        tile = tl.load(row + k[:, None] * H + start + h[None, :], mask=km[:, None] & hm[None, :], other=0.0)
+        c = tl.sum(w[:, None] * tile.to(tl.float32), 0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        sq += c * c
+    rms = tl.rsqrt(tl.sum(sq, 0) / H + eps)
+    for start in range(0, H, BLOCK):
+        hm = start + h < H
+        tile = tl.load(row + k[:, None] * H + start + h[None, :], mask=km[:, None] & hm[None, :], other=0.0)
+        c = tl.sum(w[:, None] * tile.to(tl.float32), 0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(norm_ptr + start + h, mask=hm, other=0.0).to(tl.float32)
+        tl.store(x_ptr + r * H + start + h, ((c * rms) * g).to(x_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _hc_post_kernel(res_ptr, out_ptr, post_ptr, comb_ptr, new_ptr,
+                    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    r, part = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, KP)
+    km = k < K
+    h = part * BLOCK + tl.arange(0, BLOCK)
+    hm = h < H
+    both = km[:, None] & hm[None, :]
+    res = tl.load(res_ptr + r * K * H + k[:, None] * H + h[None, :], mask=both, other=0.0).to(tl.float32)
+    comb = tl.load(comb_ptr + r * K * K + k[:, None] * K + k[None, :], mask=km[:, None] & km[None, :], other=0.0)
+    mixed = tl.sum(comb[:, :, None] * res[:, None, :], 0)  # [j, h] = sum_i comb[i, j] res[i, h]
+    post = tl.load(post_ptr + r * K + k, mask=km, other=0.0)
+    out = tl.load(out_ptr + r * H + h, mask=hm, other=0.0).to(tl.float32)
+    new = mixed + post[:, None] * out[None, :]
+    tl.store(new_ptr + r * K * H + k[:, None] * H + h[None, :], new.to(new_ptr.dtype.element_ty), mask=both)
+
+
+def hc_pre(residual: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           carried: torch.Tensor | None, collapse: int, norm: torch.Tensor, eps: float,
+           hc_eps: float, alpha: float, iters: int):
+    """residual [..., K, H], raw = flat(residual) @ fn^T [..., (2 + K) K] (float32) ->
+    (normed collapse [..., H] in residual's dtype, post [..., K], comb [..., K, K], pre [..., K])."""
+    *lead, k, h = residual.shape
+    rows = residual.reshape(-1, k, h).contiguous()
+    n, dev, f32 = rows.shape[0], residual.device, torch.float32
+    x = torch.empty(n, h, dtype=residual.dtype, device=dev)
+    post, pre = torch.empty(n, k, dtype=f32, device=dev), torch.empty(n, k, dtype=f32, device=dev)
+    comb = torch.empty(n, k, k, dtype=f32, device=dev)
+    carried = pre if carried is None else carried.reshape(n, k).to(f32).contiguous()
+    _hc_pre_kernel[(n,)](rows, raw.reshape(n, -1).to(f32).contiguous(), scale, base, carried, norm,
+                         x, post, comb, pre, eps, hc_eps, alpha, H=h, K=k,
+                         KP=triton.next_power_of_2(k), MIX=raw.shape[-1], ITERS=iters,
+                         COLLAPSE=collapse, BLOCK=min(1024, triton.next_power_of_2(h)))
+    return (x.view(*lead, h), post.view(*lead, k), comb.view(*lead, k, k), pre.view(*lead, k))
+
+
+def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """comb^T residual + post x out, in residual's dtype: [..., K, H]."""
+    *lead, k, h = residual.shape
+    rows = residual.reshape(-1, k, h).contiguous()
+    n = rows.shape[0]
+    new = torch.empty_like(rows)
+    block = min(256, triton.next_power_of_2(h))
+    _hc_post_kernel[(n, triton.cdiv(h, block))](
+        rows, out.reshape(n, h).contiguous(), post.reshape(n, k).to(torch.float32).contiguous(),
+        comb.reshape(n, k, k).to(torch.float32).contiguous(), new,
+        H=h, K=k, KP=triton.next_power_of_2(k), BLOCK=block)
+    return new.view(*lead, k, h)

@@ -1,0 +1,127 @@
+"""The hyper-connection mix's Triton kernels (models/dsv41/mhc_kernels.py) against the torch
+methods they replace (Dsv41Model.hc_pre / hc_post), on the tiny V4.1 and V4 checkpoints:
+every output within float32 rounding, and the drafter's greedy drafts unchanged. Without a
+GPU (CI) the kernels run in Triton's CPU interpreter; with one (the GPU tier, gpu.sh) they
+are compiled. Needs Triton: the dev venv has it (native-drafter[test])."""
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="needs Triton: the dev venv installs it (native-drafter[test])")
+
+from remote_drafter.engine.identity import Manifest  # noqa: E402
+from remote_drafter.models.base import DraftRequest  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, mhc_kernels, tiny  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MANIFEST = Manifest("tiny", "tiny", "tiny", "tiny", Dsv41Drafter.kind)
+
+
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def loaded(tmp_path_factory, request):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    tiny.write_tiny(folder, variant=request.param)
+    return checkpoint.load(folder, torch.float32, "cpu")
+
+
+def model(loaded, dtype=torch.float32, **config) -> Dsv41Model:
+    return Dsv41Model(replace(loaded.config, **config), loaded.weights, DEVICE, dtype=dtype)
+
+
+def both(m: Dsv41Model, method: str, *args):
+    """(torch's result, the kernels' result) of m.<method>(*args)."""
+    assert m.use_mhc_kernels(False) == "not asked to" and m.mhc_kernels is None
+    want = getattr(m, method)(*args)
+    m.mhc_kernels = mhc_kernels  # as use_mhc_kernels sets it after its check (tested below)
+    got = getattr(m, method)(*args)
+    m.mhc_kernels = None
+    return want, got
+
+
+def stream(m: Dsv41Model, rows=(2, 3), seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    c = m.config
+    return torch.randn(*rows, c.hc_mult, c.hidden_size, generator=g).to(DEVICE, m.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("carried", ["none", "previous"])
+@pytest.mark.parametrize("iters", [20, 2])
+def test_hc_pre_kernel_is_the_torch_mix(loaded, dtype, carried, iters):
+    """The normed collapse, post, comb (Sinkhorn-normalised) and pre weights of every
+    sublayer, for layer 0's attention (no carried pre) and the others; with the checkpoint's
+    20 Sinkhorn iterations and with 2 (far from converged: a miscount would show)."""
+    m = model(loaded, dtype, hc_sinkhorn_iters=iters)
+    residual = stream(m)
+    pre = None if carried == "none" else torch.rand(2, 3, m.config.hc_mult, device=DEVICE) + 0.5
+    for j in range(m.config.n_mtp_layers):
+        for mixer in ("attn", "ffn"):
+            want, got = both(m, "hc_pre", j, mixer, residual, pre)
+            for name, a, b in zip(("x", "post", "comb", "pre"), want, got):
+                assert a.shape == b.shape and a.dtype == b.dtype, name
+                # float32: rounding; the collapse in bf16: one bf16 step of its largest values
+                tol = 1e-5 if a.dtype == torch.float32 else 2 ** -7
+                assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item()), name
+            if iters == 20:  # doubly stochastic by then
+                assert torch.allclose(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_kernel_is_the_torch_mix(loaded, dtype):
+    m = model(loaded, dtype)
+    residual, c = stream(m), m.config
+    _, post, comb, _ = m.hc_pre(0, "attn", residual, None)
+    out = torch.randn(2, 3, c.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    want, got = both(m, "hc_post", out, residual, post, comb)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_drafts_with_the_kernels_are_torchs(loaded):
+    """A float32 drafter drafts the same greedy tokens with the kernels as without."""
+    m = model(loaded)
+    d = Dsv41Drafter(m, MANIFEST, DEVICE, mhc_kernels=False)
+    assert d.describe()["mhc"].startswith("torch")
+    rng = np.random.default_rng(3)
+    requests = []
+    for i in range(4):
+        h = d.new_history()
+        n = 20 + 17 * i
+        h.reset(rng.integers(0, d.vocab_size - 1, n).astype(np.int32),
+                rng.standard_normal((n - 1, d.feature)).astype(np.float32))
+        requests.append(DraftRequest(h, d.max_depth))
+    want = d.draft(requests, False)
+    if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
+        assert m.use_mhc_kernels() is None
+    fused = Dsv41Drafter(m, MANIFEST, DEVICE)
+    assert fused.describe()["mhc"] == "triton kernels"
+    got = fused.draft(requests, False)
+    assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in got]
+    assert np.allclose([a.own_probs for a in want], [b.own_probs for b in got], atol=1e-4)
+    if DEVICE == "cuda":  # the GPU tier: the kernels inside the round's CUDA graphs too
+        graphed = Dsv41Drafter(m, MANIFEST, DEVICE, cuda_graphs=True)
+        assert graphed.describe()["cuda_graphs"] != "off (eager rounds)"
+        assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in graphed.draft(requests, False)]
+
+
+def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
+    """use_mhc_kernels compares the kernels with torch on the model's first layer: they
+    serve when they match, and a kernel that computes something else is refused by name
+    (torch serves on)."""
+    m = model(loaded, torch.bfloat16)
+    assert m.use_mhc_kernels() is None and m.mhc_kernels is mhc_kernels
+    right = mhc_kernels.hc_post
+    monkeypatch.setattr(mhc_kernels, "hc_post", lambda *a: right(*a) * 1.05)
+    why = m.use_mhc_kernels()
+    assert why.startswith("the kernels' stream differs from torch's") and m.mhc_kernels is None
+    monkeypatch.setattr(mhc_kernels, "hc_post", lambda *a: 1 / 0)
+    assert m.use_mhc_kernels() == "ZeroDivisionError: division by zero" and m.mhc_kernels is None
