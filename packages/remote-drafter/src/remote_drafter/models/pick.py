@@ -24,17 +24,20 @@ class Picker:
     def __call__(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """logits [B, V] (float32) for the tokens at `positions`; returns tokens [B] (device)."""
         temps = torch.tensor(self.temps, device=logits.device, dtype=torch.float32)[:, None]
-        p, top_p, top_i = top_two(logits, temps)
-        tokens = top_i[:, 0].clone()
+        top_p, top_i = top_two(logits, temps)
+        tokens, own = top_i[:, 0].clone(), top_p[:, 0]
+        p = torch.softmax(logits.float() / temps, dim=-1) if self.want_probs or not all(self.greedy) else None
         if not all(self.greedy):
             host = p.cpu().numpy()
             for b, r in enumerate(self.requests):
                 if not self.greedy[b]:
                     tokens[b] = draw(host[b], r.seed, positions[b])
+            drawn = torch.tensor([not g for g in self.greedy], device=logits.device)
+            own = torch.where(drawn, p.gather(1, tokens[:, None])[:, 0], own)
         self.tokens.append(tokens)
         self.top2_p.append(top_p)
         self.top2_i.append(top_i)
-        self.own.append(p.gather(1, tokens[:, None])[:, 0])
+        self.own.append(own)
         if self.want_probs:
             self.full.append(p)
         return tokens
@@ -48,11 +51,14 @@ class Picker:
 
 
 def top_two(logits: torch.Tensor, temps: torch.Tensor | None = None):
-    """(probabilities [B, V] at `temps` (None: 1), their top two [B, 2], its tokens [B, 2]):
-    a greedy token is the first (a drafter's chain on the device uses this alone)."""
-    p = torch.softmax(logits.float() if temps is None else logits.float() / temps, dim=-1)
-    top_p, top_i = p.topk(2, dim=-1)
-    return p, top_p, top_i
+    """(the top two probabilities [B, 2] at `temps` (None: 1), their tokens [B, 2]): from
+    two max-reductions and a logsumexp of the logits, without the vocabulary-wide softmax
+    and sort a greedy chain does not need (a drafter's chain on the device uses this)."""
+    x = logits.float() if temps is None else logits.float() / temps
+    v1, i1 = x.max(-1, keepdim=True)
+    v2, i2 = x.scatter(-1, i1, float("-inf")).max(-1, keepdim=True)
+    top_p = (torch.cat([v1, v2], -1) - torch.logsumexp(x, -1, keepdim=True)).exp()
+    return top_p, torch.cat([i1, i2], -1)
 
 
 def chain_arrays(tokens, top_p, top_i, own, probs, greedy: list[bool]):

@@ -71,6 +71,9 @@ class Dsv41Drafter(Drafter):
             why = None if model.mhc_kernels else "cpu"
         self.mhc = "triton kernels" if why is None else f"torch ({why})"
         if model.linears and self._forward.cuda:
+            if model.fused and not fuse_experts:
+                raise ValueError("this model's EXL3 experts are fused already (another drafter's "
+                                 "CUDA graphs use their buffers): load it again for the per-matrix path")
             why = model.fuse_exl3_experts() if fuse_experts else "not asked to"
             if why:
                 log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
@@ -166,7 +169,7 @@ class Dsv41Drafter(Drafter):
         previous, chain = seed, []
         for i in range(self.max_depth):
             m = model.markov_embed(previous)
-            _, p2, i2 = top_two(model.markov_logits(z[:, i], m))
+            p2, i2 = top_two(model.markov_logits(z[:, i], m))
             step = [i2[:, :1], p2, i2]
             if model.has_confidence:
                 step.append(model.confidence(h[:, i], m)[:, None])

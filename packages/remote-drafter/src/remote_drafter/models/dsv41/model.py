@@ -158,7 +158,10 @@ class Dsv41Model:
     def fuse_exl3_experts(self) -> str | None:
         """Every layer's EXL3 experts through exllamav3's fused multi-expert kernels (no host
         read of the routing: a CUDA graph captures the round). None when done, else why not
-        (the per-matrix path stays)."""
+        (the per-matrix path stays). Once fused, a model stays fused with the same buffers:
+        CUDA graphs another drafter captured over this model point into them."""
+        if self.fused:
+            return None
         from remote_drafter.models.exl3_experts import layer_experts
         c = self.config
         try:
