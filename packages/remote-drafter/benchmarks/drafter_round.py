@@ -237,17 +237,32 @@ def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
 
 # -- the run --------------------------------------------------------------------------------
 
-def run(batches: list[int], rounds: int, out: str) -> dict:
+def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
                  "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
 
     def save():
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
-    res["exllamav3"] = exl3.load_exllamav3(say).version
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
     say(f"== read bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if "exl3_4" in variants:
+        res["exllamav3"] = exl3.load_exllamav3(say).version
+        run_exl3(res, batches, rounds, bandwidth, save)
+    if "bf16" in variants:
+        say("== bf16, CUDA graphs (every expert stacked)")
+        drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
+        bsizes = dense_sizes(drafter.model)
+        bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
+        graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
+        res["bf16"] = {"weight_bytes": weight_bytes, "mhc": graphed.describe()["mhc"],
+                       "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
+        save()
+    print_table(res)
+    return res
 
+
+def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save) -> None:
     say("== EXL3 4 bits, experts per matrix, eager")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -299,16 +314,6 @@ def run(batches: list[int], rounds: int, out: str) -> dict:
         del graphed
     del per_matrix, fused_eager, model
     torch.cuda.empty_cache()
-
-    say("== bf16, CUDA graphs (every expert stacked)")
-    drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
-    bsizes = dense_sizes(drafter.model)
-    bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
-    graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
-    res["bf16"] = {"weight_bytes": weight_bytes, "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
-    save()
-    print_table(res)
-    return res
 
 
 def print_table(res: dict) -> None:
@@ -387,6 +392,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="drafter-round.json", help="JSON results (default: %(default)s)")
     ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    ap.add_argument("--variants", default="exl3_4,bf16", help="which drafters, in one process "
+                    "(default: %(default)s)")
     ap.add_argument("--profile", metavar="TXT", help="instead: where the fused EXL3 round's device "
                     "time goes, by kernel (torch's profiler), written to TXT")
     ap.add_argument("--compile-experiment", action="store_true", help="instead: the bf16 round with "
@@ -400,7 +407,7 @@ def main(argv=None) -> int:
     if args.compile_experiment:
         compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)
         return 0
-    run([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+    run([int(b) for b in args.batches.split(",")], args.rounds, args.out, args.variants.split(","))
     return 0
 
 

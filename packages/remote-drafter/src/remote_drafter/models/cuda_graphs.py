@@ -29,7 +29,8 @@ class BucketGraphs:
         if not self.cuda:
             return
         for b in sorted(buckets):
-            static = blank(b)
+            static = blank(b)  # made on the current stream: the owned one waits for it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 for _ in range(2):  # warm-up: lazy kernel choices and allocations before capture
                     self.fn(*static)
