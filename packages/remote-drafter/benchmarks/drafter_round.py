@@ -5,7 +5,7 @@ weights drawn on the card) on one GPU, every variant side by side in one run
   exl3_4   EXL3 4-bit linears (random trellis): the experts per matrix, eager (the path
            before the fused kernels); the experts through exllamav3's fused kernels, eager;
            fused with the round captured as CUDA graphs (the worker's default), with the
-           hyper-connection mixes as Triton kernels (the default) and in torch
+           round's Triton kernels (mixes, top two: the default) and with torch's
   bf16     the same width in bf16, CUDA graphs (every expert on every row, stacked)
 
 Per variant and batch (1 / 4 / 16 requests, a block of W rows each): round p50 / p99 (the
@@ -255,7 +255,7 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
         bsizes = dense_sizes(drafter.model)
         bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
         graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
-        res["bf16"] = {"weight_bytes": weight_bytes, "mhc": graphed.describe()["mhc"],
+        res["bf16"] = {"weight_bytes": weight_bytes, "round_kernels": graphed.describe()["round_kernels"],
                        "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
         save()
     print_table(res)
@@ -295,15 +295,15 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         e["graphs_capture_s"] = round(time.monotonic() - t0, 1)
         e["graphs"] = graphed.describe()["cuda_graphs"]
         e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
-        e["mhc"] = graphed.describe()["mhc"]
+        e["round_kernels"] = graphed.describe()["round_kernels"]
         graphed_drafts = greedy_drafts(graphed, batches)
         e["graphs_vs_eager"] = agreement(eager_drafts, graphed_drafts)
-        say("== the same, the hyper-connection mixes in torch (the kernels' baseline)")
-        mhc_torch = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, mhc_kernels=False)
-        e["rounds_mhc_torch"] = rounds_of(mhc_torch, sizes, batches, rounds, bandwidth, floors)
-        e["mhc_kernels_vs_torch"] = agreement(greedy_drafts(mhc_torch, batches), graphed_drafts)
-        del mhc_torch
-        model.use_mhc_kernels()
+        say("== the same, the mixes and the top two in torch (the round kernels' baseline)")
+        in_torch = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, round_kernels=False)
+        e["rounds_torch_kernels"] = rounds_of(in_torch, sizes, batches, rounds, bandwidth, floors)
+        e["round_kernels_vs_torch"] = agreement(greedy_drafts(in_torch, batches), graphed_drafts)
+        del in_torch
+        model.use_kernels()
         graphed.draft(random_rounds(graphed, 4, 160, 0), want_probs=False)  # four sequences' windows
         e["peak_four_sequences"] = torch.cuda.max_memory_allocated() - base
         e["card_3090_bytes"] = CARD_3090
@@ -319,9 +319,9 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
 def print_table(res: dict) -> None:
     e = res.get("exl3_4", {})
     print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: "
-          f"{e.get('experts')}; mHC: {e.get('mhc')}")
+          f"{e.get('experts')}; round kernels: {e.get('round_kernels')}")
     print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
-          "| graphs, mHC torch | bf16 graphs | bf16 floor | x floor")
+          "| graphs, torch's | bf16 graphs | bf16 floor | x floor")
     def cell(rows, i, key, fmt="{:.2f}"):
         return fmt.format(rows[i][key]) if rows and i < len(rows) and key in rows[i] else "-"
     for i, b in enumerate(res["batches"]):
@@ -331,7 +331,7 @@ def print_table(res: dict) -> None:
         print(f"{b:5d} | {at(e.get('per_matrix_eager'), 'p50_ms'):>15} | {at(e.get('fused_eager'), 'p50_ms'):>16} | "
               f"{at(g, 'p50_ms'):>13} / {at(g, 'p99_ms'):<12} | {at(g, 'floor_ms', '{:.3f}')} "
               f"({at(g, 'rtx3090_floor_ms_estimate', '{:.2f}')}) | {at(g, 'p50_over_floor', '{}'):>7} | "
-              f"{at(e.get('rounds_mhc_torch'), 'p50_ms'):>17} | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
+              f"{at(e.get('rounds_torch_kernels'), 'p50_ms'):>15} | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
 
 
 def profile(batches: list[int], out: str) -> None:

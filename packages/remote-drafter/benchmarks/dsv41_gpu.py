@@ -115,9 +115,19 @@ def round_times(drafter, batch: int, rounds: int) -> dict:
 
 
 def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
-    """Round p50 per batch: the drafter alone, the service in process, a worker over tcp."""
+    """Round p50 per batch: the drafter alone (its windows current), the service in process, a
+    worker over tcp; and the time the worker's rounds spent inside drafter.draft (the new rows'
+    encoding included), so tcp minus that is the worker's own cost: protocol, copies, Python."""
     rows = []
     service = DraftService(drafter, ServiceConfig(max_requests=64))
+    inside, draft = [], drafter.draft
+
+    def timed_draft(requests, want_probs):
+        t0 = time.perf_counter()
+        try:
+            return draft(requests, want_probs)
+        finally:
+            inside.append(time.perf_counter() - t0)
     with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         for batch in batches:
             device_ms = round_times(drafter, batch, rounds)["p50_ms"]
@@ -126,11 +136,19 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
                                     ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
                 client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
                                        row_dtype="bfloat16")
-                via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,
-                                         drafter.vocab_size, drafter.feature, "sync", 0.0)
+                inside.clear()
+                drafter.draft = timed_draft
+                try:
+                    via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,
+                                             drafter.vocab_size, drafter.feature, "sync", 0.0)
+                finally:
+                    del drafter.draft
+                via[name]["inside_p50_ms"] = percentiles(inside[3:rounds + 3])["p50_ms"]
+            tcp, in_draft = via["tcp"]["drafting"]["p50_ms"], via["tcp"]["inside_p50_ms"]
             rows.append({"batch": batch, "device_p50_ms": device_ms,
                          "local_p50_ms": via["local"]["drafting"]["p50_ms"],
-                         "tcp_p50_ms": via["tcp"]["drafting"]["p50_ms"],
+                         "tcp_p50_ms": tcp, "tcp_inside_draft_p50_ms": in_draft,
+                         "tcp_worker_own_ms": round(tcp - in_draft, 3),
                          "tcp_request_bytes_per_round": via["tcp"]["request_bytes_per_round"]})
             print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows

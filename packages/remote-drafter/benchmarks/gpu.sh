@@ -23,7 +23,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND != bench ]]; then
     python3 -m pytest -q -p no:cacheprovider -s packages/remote-drafter/tests/test_exl3_experts_gpu.py \
-      packages/remote-drafter/tests/test_mhc_kernels.py \
+      packages/remote-drafter/tests/test_dsv41_kernels.py \
       2>&1 | tail -30 | tee "$OUT/exl3-experts-pytest.txt"
   fi
   if [[ $ONLY_DRAFTER_ROUND != tests ]]; then

@@ -29,7 +29,7 @@ from remote_drafter.engine.sampling import is_greedy
 from remote_drafter.models import exl3
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
-from remote_drafter.models.pick import Picker, chain_arrays, split, top_two
+from remote_drafter.models.pick import Picker, chain_arrays, split
 from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
@@ -45,11 +45,12 @@ class Dsv41Drafter(Drafter):
 
     def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
                  confidence_cutoff: float = 0.0, cuda_graphs: bool | None = False,
-                 fuse_experts: bool = True, mhc_kernels: bool = True):
+                 fuse_experts: bool = True, round_kernels: bool = True):
         """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
         expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
-        baseline the fused kernels are measured against). mhc_kernels False: the
-        hyper-connection mixes in torch on CUDA too (the kernels' baseline)."""
+        baseline the fused kernels are measured against). round_kernels False: the
+        hyper-connection mixes and the greedy chain's top two in torch on CUDA too (the
+        baseline of kernels.py)."""
         c = model.config
         if confidence_cutoff > 0 and not model.has_confidence:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -64,12 +65,12 @@ class Dsv41Drafter(Drafter):
         self._forward = BucketGraphs(self._block, device)
         self.experts = "dense"
         if self._forward.cuda:
-            why = model.use_mhc_kernels(mhc_kernels)
-            if why and mhc_kernels:
-                log.warning("hyper-connection mixes run in torch, not fused (slower rounds): %s", why)
+            why = model.use_kernels(round_kernels)
+            if why and round_kernels:
+                log.warning("the round's Triton kernels do not serve, torch does (slower rounds): %s", why)
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
-            why = None if model.mhc_kernels else "cpu"
-        self.mhc = "triton kernels" if why is None else f"torch ({why})"
+            why = None if model.kernels else "cpu"
+        self.round_kernels = "triton (mHC, top two)" if why is None else f"torch ({why})"
         if model.linears and self._forward.cuda:
             if model.fused and not fuse_experts:
                 raise ValueError("this model's EXL3 experts are fused already (another drafter's "
@@ -154,7 +155,7 @@ class Dsv41Drafter(Drafter):
     def describe(self) -> dict:
         return {**super().describe(), "confidence_head": self.model.has_confidence,
                 "confidence_cutoff": self.confidence_cutoff,
-                "experts": self.experts, "mhc": self.mhc,
+                "experts": self.experts, "round_kernels": self.round_kernels,
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
 
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
@@ -169,7 +170,7 @@ class Dsv41Drafter(Drafter):
         previous, chain = seed, []
         for i in range(self.max_depth):
             m = model.markov_embed(previous)
-            p2, i2 = top_two(model.markov_logits(z[:, i], m))
+            p2, i2 = model.top_two(model.markov_logits(z[:, i], m))
             step = [i2[:, :1], p2, i2]
             if model.has_confidence:
                 step.append(model.confidence(h[:, i], m)[:, None])

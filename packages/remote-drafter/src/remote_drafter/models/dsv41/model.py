@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
+from remote_drafter.models import pick
+
 from .config import (
     HC_POST_ALPHA,
     Dsv41DrafterConfig,
@@ -115,37 +117,40 @@ class Dsv41Model:
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
         self.every_expert = False  # served experts: all of them on every row (fixed shapes)
         self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
-        self.mhc_kernels = None  # mhc_kernels.py once use_mhc_kernels() took it
+        self.kernels = None  # kernels.py once use_kernels() took it
 
-    def use_mhc_kernels(self, on: bool = True) -> str | None:
-        """The hyper-connection mixes through mhc_kernels.py's Triton kernels (one launch a
-        side of each sublayer, not ~100), or (on False) through torch. The kernels serve only
-        once they have matched torch on this model's first layer, on this device (a Triton or
-        GPU they break on is refused here, not mid-round). None when they serve, else why not."""
-        self.mhc_kernels = None
+    def use_kernels(self, on: bool = True) -> str | None:
+        """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
+        side of each sublayer, not ~100; the greedy chain's top two over the vocabulary), or
+        (on False) torch. The kernels serve only once they have matched torch on this model's
+        first layer and a row of random logits, on this device (a Triton or GPU they break on
+        is refused here, not mid-round). None when they serve, else why not."""
+        self.kernels = None
         if not on:
             return "not asked to"
         if self.wide != torch.float32:
             return f"the kernels compute in float32, this model in {self.wide}"
+        logits = torch.randn(3, self.config.vocab_size, generator=torch.Generator().manual_seed(0)).to(self.device)
         try:
-            from . import mhc_kernels
-            torch_path = self._first_mixes()
-            self.mhc_kernels = mhc_kernels
-            kernel_path = self._first_mixes()
+            from . import kernels
+            torch_path = (*self._first_mixes(), *self.top_two(logits))
+            self.kernels = kernels
+            kernel_path = (*self._first_mixes(), *self.top_two(logits))
         except Exception as exc:  # noqa: BLE001 - any failure to build or run them: torch serves
-            self.mhc_kernels = None
+            self.kernels = None
             return f"{type(exc).__name__}: {exc}"
         tol = 1e-5 if self.dtype == torch.float32 else 2 ** -6  # float32 rounding; two bf16 steps
-        for name, a, b in zip(("collapse", "post", "comb", "pre", "stream"), torch_path, kernel_path):
+        names = ("collapse", "post", "comb", "pre", "stream", "top-two probabilities", "top-two tokens")
+        for name, a, b in zip(names, torch_path, kernel_path):
             err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-30))
-            if not err <= tol:
-                self.mhc_kernels = None
+            if not err <= (0 if name.endswith("tokens") else 1e-5 if name.startswith("top") else tol):
+                self.kernels = None
                 return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
         return None
 
     @torch.inference_mode()
     def _first_mixes(self) -> tuple[torch.Tensor, ...]:
-        """Layer 0's attention and FFN mixes on a fixed random stream: what use_mhc_kernels
+        """Layer 0's attention and FFN mixes on a fixed random stream: what use_kernels
         compares (every collapse the variant uses, both kernels)."""
         c = self.config
         g = torch.Generator().manual_seed(0)
@@ -240,8 +245,8 @@ class Dsv41Model:
         c, k = self.config, self.config.hc_mult
         fn, scale, base = (self._w(j, f"hc_{mixer}_{p}") for p in ("fn", "scale", "base"))
         norm = self._w(j, f"{mixer}_norm.weight")
-        if self.mhc_kernels is not None:
-            kernels = self.mhc_kernels
+        if self.kernels is not None:
+            kernels = self.kernels
             collapse = (kernels.COLLAPSE_OWN if not c.delayed_mhc else
                         kernels.COLLAPSE_FIRST if carried_pre is None else kernels.COLLAPSE_CARRIED)
             raw = residual.flatten(-2).to(self.wide) @ fn.T
@@ -263,8 +268,8 @@ class Dsv41Model:
     def hc_post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:
         """residual = comb^T residual + post x out."""
-        if self.mhc_kernels is not None:
-            return self.mhc_kernels.hc_post(out, residual, post, comb)
+        if self.kernels is not None:
+            return self.kernels.hc_post(out, residual, post, comb)
         mixed = torch.einsum("...ij,...ih->...jh", comb, residual.to(self.wide))
         return (mixed + post[..., None] * out[..., None, :].to(self.wide)).to(residual.dtype)
 
@@ -394,6 +399,11 @@ class Dsv41Model:
         """h [..., H] -> z [..., V] in `wide`: the target's head over norm(h)."""
         normed = rms_norm(h, self.w[f"{self.last}.norm.weight"], self.config.rms_norm_eps, self.wide)
         return self.linear("head.weight", normed).to(self.wide)
+
+    def top_two(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> (the two likeliest tokens' probabilities [B, 2], the tokens [B, 2]):
+        a greedy draft is the first."""
+        return self.kernels.top_two(logits) if self.kernels is not None else pick.top_two(logits)
 
     def markov_embed(self, previous: torch.Tensor) -> torch.Tensor:
         return self.w[self.markov_w1][previous]

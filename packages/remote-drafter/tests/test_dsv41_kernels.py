@@ -1,5 +1,5 @@
-"""The hyper-connection mix's Triton kernels (models/dsv41/mhc_kernels.py) against the torch
-methods they replace (Dsv41Model.hc_pre / hc_post), on the tiny V4.1 and V4 checkpoints:
+"""The drafter round's Triton kernels (models/dsv41/kernels.py) against the torch code they
+replace (Dsv41Model.hc_pre / hc_post, pick.top_two), on the tiny V4.1 and V4 checkpoints:
 every output within float32 rounding, and the drafter's greedy drafts unchanged. Without a
 GPU (CI) the kernels run in Triton's CPU interpreter; with one (the GPU tier, gpu.sh) they
 are compiled. Needs Triton: the dev venv has it (native-drafter[test])."""
@@ -17,9 +17,10 @@ pytest.importorskip("triton", reason="needs Triton: the dev venv installs it (na
 
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
-from remote_drafter.models.dsv41 import checkpoint, mhc_kernels, tiny  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, kernels, tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.pick import top_two  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MANIFEST = Manifest("tiny", "tiny", "tiny", "tiny", Dsv41Drafter.kind)
@@ -38,11 +39,11 @@ def model(loaded, dtype=torch.float32, **config) -> Dsv41Model:
 
 def both(m: Dsv41Model, method: str, *args):
     """(torch's result, the kernels' result) of m.<method>(*args)."""
-    assert m.use_mhc_kernels(False) == "not asked to" and m.mhc_kernels is None
+    assert m.use_kernels(False) == "not asked to" and m.kernels is None
     want = getattr(m, method)(*args)
-    m.mhc_kernels = mhc_kernels  # as use_mhc_kernels sets it after its check (tested below)
+    m.kernels = kernels  # as use_kernels sets it after its check (tested below)
     got = getattr(m, method)(*args)
-    m.mhc_kernels = None
+    m.kernels = None
     return want, got
 
 
@@ -89,8 +90,8 @@ def test_hc_post_kernel_is_the_torch_mix(loaded, dtype):
 def test_drafts_with_the_kernels_are_torchs(loaded):
     """A float32 drafter drafts the same greedy tokens with the kernels as without."""
     m = model(loaded)
-    d = Dsv41Drafter(m, MANIFEST, DEVICE, mhc_kernels=False)
-    assert d.describe()["mhc"].startswith("torch")
+    d = Dsv41Drafter(m, MANIFEST, DEVICE, round_kernels=False)
+    assert d.describe()["round_kernels"].startswith("torch")
     rng = np.random.default_rng(3)
     requests = []
     for i in range(4):
@@ -101,9 +102,9 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
         requests.append(DraftRequest(h, d.max_depth))
     want = d.draft(requests, False)
     if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
-        assert m.use_mhc_kernels() is None
+        assert m.use_kernels() is None
     fused = Dsv41Drafter(m, MANIFEST, DEVICE)
-    assert fused.describe()["mhc"] == "triton kernels"
+    assert fused.describe()["round_kernels"] == "triton (mHC, top two)"
     got = fused.draft(requests, False)
     assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in got]
     assert np.allclose([a.own_probs for a in want], [b.own_probs for b in got], atol=1e-4)
@@ -114,14 +115,34 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
 
 
 def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
-    """use_mhc_kernels compares the kernels with torch on the model's first layer: they
-    serve when they match, and a kernel that computes something else is refused by name
-    (torch serves on)."""
+    """use_kernels compares the kernels with torch on the model's first layer and a row of
+    random logits: they serve when they match, and a kernel that computes something else is
+    refused by name (torch serves on)."""
     m = model(loaded, torch.bfloat16)
-    assert m.use_mhc_kernels() is None and m.mhc_kernels is mhc_kernels
-    right = mhc_kernels.hc_post
-    monkeypatch.setattr(mhc_kernels, "hc_post", lambda *a: right(*a) * 1.05)
-    why = m.use_mhc_kernels()
-    assert why.startswith("the kernels' stream differs from torch's") and m.mhc_kernels is None
-    monkeypatch.setattr(mhc_kernels, "hc_post", lambda *a: 1 / 0)
-    assert m.use_mhc_kernels() == "ZeroDivisionError: division by zero" and m.mhc_kernels is None
+    assert m.use_kernels() is None and m.kernels is kernels
+    right_post, right_top = kernels.hc_post, kernels.top_two
+    monkeypatch.setattr(kernels, "hc_post", lambda *a: right_post(*a) * 1.05)
+    why = m.use_kernels()
+    assert why.startswith("the kernels' stream differs from torch's") and m.kernels is None
+    monkeypatch.setattr(kernels, "hc_post", lambda *a: 1 / 0)
+    assert m.use_kernels() == "ZeroDivisionError: division by zero" and m.kernels is None
+    monkeypatch.setattr(kernels, "hc_post", right_post)
+    monkeypatch.setattr(kernels, "top_two", lambda x: (right_top(x)[0], right_top(x)[1].flip(-1)))
+    assert m.use_kernels().startswith("the kernels' top-two tokens") and m.kernels is None
+
+
+@pytest.mark.parametrize("vocab", [129280, 1024, 4097, 3])
+def test_top_two_kernel_is_torchs(vocab):
+    """The vocabulary split over programs and joined: the same two tokens as pick.top_two
+    and their probabilities within float32 rounding, at the Flash vocabulary, the tiny
+    one, one past a slice and a vocabulary smaller than a slice; ties go to the lower token,
+    as torch's max on the CPU."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(5, vocab, generator=g) * 4).to(DEVICE)
+    logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across slices
+    logits[2, 0] = logits[2].max() + 3  # a certain token: the runner-up's probability tiny
+    want_p, want_i = top_two(logits)
+    got_p, got_i = kernels.top_two(logits)
+    assert torch.equal(got_i.cpu(), want_i.cpu())
+    assert torch.allclose(got_p.cpu(), want_p.cpu(), rtol=1e-5, atol=1e-12)
+    assert got_i[1].tolist() == [vocab // 2, vocab - 1]

@@ -1,16 +1,20 @@
-"""The hyper-connection mix (mHC) of one sublayer as one Triton kernel each side, in place
-of the ~100 small torch launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
-iterations): what a round spends when its matrices are already fast.
+"""The drafter round's Triton kernels, in place of torch launches that each do little:
 
-* hc_pre: one program per row. The stream's mean square, then the pre and post weights and
-  the K x K mix normalised by Sinkhorn in registers, then the collapse and its RMS norm;
-  the K*H-wide product with hc_*_fn stays a torch matmul (one GEMM for all rows).
-* hc_post: one program per (row, slice of H): residual = comb^T residual + post x out.
+* hc_pre / hc_post: the hyper-connection mix (mHC) of one sublayer, one kernel each side,
+  for the ~100 small launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
+  iterations). hc_pre runs one program per row: the stream's mean square, then the pre and
+  post weights and the K x K mix normalised by Sinkhorn in registers, then the collapse and
+  its RMS norm (the K*H-wide product with hc_*_fn stays one torch GEMM for all rows);
+  hc_post one program per (row, slice of H): residual = comb^T residual + post x out.
+* top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
+  vocabulary, split over many programs per row then combined, for torch's single-row
+  reductions (pick.top_two), which leave most of the GPU idle at batch 1.
 
-The same arithmetic as the torch methods in float32 (`Dsv41Model.wide`), in another order
-of summation: equal to them within float32 rounding (tests/test_mhc_kernels.py, under
-Triton's CPU interpreter in CI and compiled on the GPU tier). Imported only where used:
-Triton decides between interpreter and compiler when a kernel is defined."""
+The same arithmetic as the torch code in float32, in another order of summation: equal to
+it within float32 rounding (tests/test_dsv41_kernels.py, under Triton's CPU interpreter in
+CI and compiled on the GPU tier); Dsv41Model.use_kernels checks them on the model itself
+before they serve. Imported only where used: Triton decides between interpreter and
+compiler when a kernel is defined."""
 
 from __future__ import annotations
 
@@ -131,3 +135,65 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
         comb.reshape(n, k, k).to(torch.float32).contiguous(), new,
         H=h, K=k, KP=triton.next_power_of_2(k), BLOCK=block)
     return new.view(*lead, k, h)
+
+
+@triton.jit
+def _top_two_part_kernel(x_ptr, part_ptr, V, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, part): its slice's best and second values and tokens, and the sum of
+    exp(x - best) over the slice."""
+    r, part = tl.program_id(0), tl.program_id(1)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    v1, i1 = tl.max(x, 0, return_indices=True)
+    v2, i2 = tl.max(tl.where(tl.arange(0, BLOCK) == i1, float("-inf"), x), 0, return_indices=True)
+    total = tl.sum(tl.exp(x - v1), 0)
+    out = part_ptr + (r * PARTS + part) * 5
+    tl.store(out, v1)
+    tl.store(out + 1, v2)
+    tl.store(out + 2, (part * BLOCK + i1).to(tl.float32))
+    tl.store(out + 3, (part * BLOCK + i2).to(tl.float32))
+    tl.store(out + 4, total)
+
+
+@triton.jit
+def _top_two_join_kernel(part_ptr, p_ptr, i_ptr, PARTS: tl.constexpr, PP: tl.constexpr):
+    """Program row: the best over the parts' bests; the second is the runner-up of the
+    winning part or another part's best; probabilities over the joined sum."""
+    r = tl.program_id(0)
+    s = tl.arange(0, PP)
+    sm = s < PARTS
+    base = part_ptr + (r * PARTS + s) * 5
+    v1 = tl.load(base, mask=sm, other=float("-inf"))
+    v2 = tl.load(base + 1, mask=sm, other=float("-inf"))
+    i1 = tl.load(base + 2, mask=sm, other=0.0)
+    i2 = tl.load(base + 3, mask=sm, other=0.0)
+    total = tl.load(base + 4, mask=sm, other=0.0)
+    best, win = tl.max(v1, 0, return_indices=True)  # ties: the lowest part, i.e. the lowest token
+    norm = tl.sum(tl.where(sm, total * tl.exp(v1 - best), 0.0), 0)
+    first = tl.sum(tl.where(s == win, i1, 0.0), 0)
+    # the runner-up: the winning part's second, or the best of any other part
+    other = tl.where(s == win, v2, v1)
+    other_i = tl.where(s == win, i2, i1)
+    second, at = tl.max(other, 0, return_indices=True)
+    second_i = tl.sum(tl.where(s == at, other_i, 0.0), 0)
+    tl.store(p_ptr + r * 2, 1.0 / norm)
+    tl.store(p_ptr + r * 2 + 1, tl.exp(second - best) / norm)
+    tl.store(i_ptr + r * 2, first.to(tl.int64))
+    tl.store(i_ptr + r * 2 + 1, second_i.to(tl.int64))
+
+
+TOP_TWO_BLOCK = 4096  # vocabulary slice per program: 32 programs a row for 129,280 tokens
+
+
+def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (top two probabilities [B, 2] float32, their tokens [B, 2] int64),
+    as pick.top_two at temperature 1."""
+    rows, vocab = logits.shape
+    x = logits.contiguous()
+    parts = triton.cdiv(vocab, TOP_TWO_BLOCK)
+    scratch = torch.empty(rows, parts, 5, dtype=torch.float32, device=x.device)
+    probs = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
+    tokens = torch.empty(rows, 2, dtype=torch.int64, device=x.device)
+    _top_two_part_kernel[(rows, parts)](x, scratch, vocab, PARTS=parts, BLOCK=TOP_TWO_BLOCK)
+    _top_two_join_kernel[(rows,)](scratch, probs, tokens, PARTS=parts, PP=triton.next_power_of_2(parts))
+    return probs, tokens
