@@ -87,6 +87,27 @@ def test_hc_post_kernel_is_the_torch_mix(loaded, dtype):
     assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_norm_kernels_are_torchs(loaded, dtype):
+    """RoPE there and back, one position per row and one shared by a row's heads, on a
+    non-contiguous input too, at positions up to 300K; the RMS norm with and without a weight."""
+    m, c = model(loaded, dtype), loaded.config
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, c.num_attention_heads, c.head_dim, generator=g).to(DEVICE, dtype)
+    kv = torch.randn(7, c.head_dim, generator=g).to(DEVICE, dtype)
+    heads = torch.randint(0, 300_000, (2, 3), generator=g).to(DEVICE)
+    rows = torch.randint(0, 300_000, (7,), generator=g).to(DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    checks = [("rope", q, heads, False), ("rope", q, heads, True), ("rope", kv, rows, False),
+              ("rope", q.transpose(1, 2).transpose(1, 2), heads, True),
+              ("rope", q.permute(0, 2, 1, 3), torch.randint(0, 9, (2, c.num_attention_heads), generator=g).to(DEVICE), False),
+              ("norm", q, None), ("norm", kv, m._w(0, "attn.kv_norm.weight"))]
+    for method, *args in checks:
+        want, got = both(m, method, *args)
+        assert got.shape == want.shape and got.dtype == want.dtype, method
+        assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item()), method
+
+
 def test_drafts_with_the_kernels_are_torchs(loaded):
     """A float32 drafter drafts the same greedy tokens with the kernels as without."""
     m = model(loaded)

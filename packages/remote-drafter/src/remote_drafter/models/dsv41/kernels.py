@@ -6,6 +6,8 @@
   post weights and the K x K mix normalised by Sinkhorn in registers, then the collapse and
   its RMS norm (the K*H-wide product with hc_*_fn stays one torch GEMM for all rows);
   hc_post one program per (row, slice of H): residual = comb^T residual + post x out.
+* rope and rms_norm: a row's GPT-J rotation (cos/sin from the model's own inv_freq table)
+  and its RMS norm, one program a row, for ~12 and ~6 launches each in torch.
 * top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
   vocabulary, split over many programs per row then combined, for torch's single-row
   reductions (pick.top_two), which leave most of the GPU idle at batch 1.
@@ -197,3 +199,61 @@ def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _top_two_part_kernel[(rows, parts)](x, scratch, vocab, PARTS=parts, BLOCK=TOP_TWO_BLOCK)
     _top_two_join_kernel[(rows,)](scratch, probs, tokens, PARTS=parts, PP=triton.next_power_of_2(parts))
     return probs, tokens
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, inv_ptr, out_ptr, D: tl.constexpr, DIMS: tl.constexpr,
+                 G: tl.constexpr, SIGN: tl.constexpr, KEEP: tl.constexpr):
+    """Row r (of G rows per position): its first D - DIMS values as they are, its last DIMS
+    rotated pairwise (even, odd) by position x inv_freq (SIGN -1: back)."""
+    r = tl.program_id(0)
+    row = r * D
+    if KEEP > 0:
+        k = tl.arange(0, KEEP)
+        km = k < D - DIMS
+        tl.store(out_ptr + row + k, tl.load(x_ptr + row + k, mask=km), mask=km)
+    i = tl.arange(0, DIMS // 2)
+    angle = tl.load(pos_ptr + r // G).to(tl.float32) * tl.load(inv_ptr + i)
+    cos, sin = tl.cos(angle), tl.sin(angle) * SIGN
+    at = row + D - DIMS + 2 * i
+    even = tl.load(x_ptr + at).to(tl.float32)
+    odd = tl.load(x_ptr + at + 1).to(tl.float32)
+    kind = out_ptr.dtype.element_ty
+    tl.store(out_ptr + at, (even * cos - odd * sin).to(kind))
+    tl.store(out_ptr + at + 1, (odd * cos + even * sin).to(kind))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x [..., D] at positions [...] (x.shape[:-1], or x.shape[:-2]: one position for all of
+    a row's heads) -> x with its last 2 * len(inv_freq) dims rotated, as model.rope."""
+    d, dims = x.shape[-1], 2 * inv_freq.numel()
+    x = x.contiguous()
+    rows = x.numel() // d
+    out = torch.empty_like(x)
+    keep = d - dims
+    _rope_kernel[(rows,)](x, positions.contiguous(), inv_freq, out, D=d, DIMS=dims,
+                          G=rows // positions.numel(), SIGN=-1 if inverse else 1,
+                          KEEP=triton.next_power_of_2(keep) if keep else 0)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.arange(0, BLOCK)
+    m = h < D
+    x = tl.load(x_ptr + r * D + h, mask=m, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    if WEIGHT:
+        y = y * tl.load(w_ptr + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * D + h, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """As model.rms_norm in float32: x * rsqrt(mean(x^2) + eps) (* weight), in x's dtype."""
+    d = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(x.numel() // d,)](x, x if weight is None else weight, out, eps, D=d,
+                                         BLOCK=triton.next_power_of_2(d), WEIGHT=weight is not None)
+    return out

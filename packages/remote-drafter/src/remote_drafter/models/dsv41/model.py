@@ -55,8 +55,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
     x.shape[:-1]. inverse=True rotates back (the attention output). The cos/sin table is
     float32 whatever x's dtype, as vLLM builds it (DeepseekV4ScalingRotaryEmbedding)."""
     f32 = torch.float32
-    inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, device=x.device, dtype=f32) / dims)
-    angles = positions.to(f32)[..., None] * inv_freq
+    angles = positions.to(f32)[..., None] * inv_frequencies(theta, dims, x.device)
     cos, sin = angles.cos().to(wide), angles.sin().to(wide)
     if inverse:
         sin = -sin
@@ -64,6 +63,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
     even, odd = rot[..., 0::2], rot[..., 1::2]
     turned = torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
     return torch.cat([x[..., :-dims], turned.to(x.dtype)], -1)
+
+
+def inv_frequencies(theta: float, dims: int, device) -> torch.Tensor:
+    """RoPE's inverse frequencies [dims / 2], float32, as vLLM builds them."""
+    return 1.0 / theta ** (torch.arange(0, dims, 2, device=device, dtype=torch.float32) / dims)
 
 
 def swiglu(x: torch.Tensor, w1, w3, w2, limit: float | None) -> torch.Tensor:
@@ -121,44 +125,58 @@ class Dsv41Model:
 
     def use_kernels(self, on: bool = True) -> str | None:
         """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
-        side of each sublayer, not ~100; the greedy chain's top two over the vocabulary), or
+        side of each sublayer, not ~100; RoPE and the RMS norms; the greedy chain's top two
+        over the vocabulary), or
         (on False) torch. The kernels serve only once they have matched torch on this model's
-        first layer and a row of random logits, on this device (a Triton or GPU they break on
-        is refused here, not mid-round). None when they serve, else why not."""
+        own weights and shapes (_probes), on this device (a Triton or GPU they break on is
+        refused here, not mid-round). None when they serve, else why not."""
         self.kernels = None
         if not on:
             return "not asked to"
         if self.wide != torch.float32:
             return f"the kernels compute in float32, this model in {self.wide}"
-        logits = torch.randn(3, self.config.vocab_size, generator=torch.Generator().manual_seed(0)).to(self.device)
         try:
             from . import kernels
-            torch_path = (*self._first_mixes(), *self.top_two(logits))
+            torch_path = self._probes()
             self.kernels = kernels
-            kernel_path = (*self._first_mixes(), *self.top_two(logits))
+            kernel_path = self._probes()
         except Exception as exc:  # noqa: BLE001 - any failure to build or run them: torch serves
             self.kernels = None
             return f"{type(exc).__name__}: {exc}"
-        tol = 1e-5 if self.dtype == torch.float32 else 2 ** -6  # float32 rounding; two bf16 steps
-        names = ("collapse", "post", "comb", "pre", "stream", "top-two probabilities", "top-two tokens")
-        for name, a, b in zip(names, torch_path, kernel_path):
+        # float32 rounding; with bf16 streams two bf16 steps (what follows a bf16 value inherits them)
+        tol = 1e-5 if self.dtype == torch.float32 else 2 ** -6
+        for name, a in torch_path.items():
+            b = kernel_path[name]
             err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-30))
-            if not err <= (0 if name.endswith("tokens") else 1e-5 if name.startswith("top") else tol):
+            if not err <= (0 if name.endswith("tokens") else tol):
                 self.kernels = None
                 return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
         return None
 
     @torch.inference_mode()
-    def _first_mixes(self) -> tuple[torch.Tensor, ...]:
-        """Layer 0's attention and FFN mixes on a fixed random stream: what use_kernels
-        compares (every collapse the variant uses, both kernels)."""
+    def _probes(self) -> dict[str, torch.Tensor]:
+        """What use_kernels compares, every kernel on this model's own weights and shapes:
+        layer 0's attention and FFN mixes on a fixed random stream (every collapse the
+        variant uses), RoPE there and back at positions up to 300K, the norms with and
+        without a weight, the top two of random logits."""
         c = self.config
         g = torch.Generator().manual_seed(0)
         residual = torch.randn(2, c.block_size, c.hc_mult, c.hidden_size, generator=g).to(self.device, self.dtype)
         x, post, comb, pre = self.hc_pre(0, "attn", residual, None)
         residual = self.hc_post(x, residual, post, comb)
+        out = dict(zip(("attn collapse", "attn post", "attn comb", "attn pre"), (x, post, comb, pre)))
         x, post, comb, pre = self.hc_pre(0, "ffn", residual, pre)
-        return x, post, comb, pre, self.hc_post(x, residual, post, comb)
+        out.update(zip(("ffn collapse", "ffn post", "ffn comb", "ffn pre"), (x, post, comb, pre)))
+        out["stream"] = self.hc_post(x, residual, post, comb)
+        q = torch.randn(2, c.block_size, c.num_attention_heads, c.head_dim, generator=g).to(self.device, self.dtype)
+        positions = torch.randint(0, 300_000, (2, c.block_size), generator=g).to(self.device)
+        out["rope"] = self.rope(q, positions)
+        out["rope back"] = self.rope(out["rope"], positions, inverse=True)
+        out["norm"] = self.norm(q, None)
+        out["weighted norm"] = self.norm(x, self._w(0, "attn_norm.weight"))
+        logits = torch.randn(3, c.vocab_size, generator=g).to(self.device)
+        out["top-two probabilities"], out["top-two tokens"] = self.top_two(logits)
+        return out
 
     def fuse_exl3_experts(self) -> str | None:
         """Every layer's EXL3 experts through exllamav3's fused multi-expert kernels (no host
@@ -193,6 +211,23 @@ class Dsv41Model:
         """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
         return iter([*self.w.values(), *(t for group in self.stacked.values() for t in group)])
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """rms_norm with this model's eps and arithmetic (a kernel where they serve)."""
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps, self.wide)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [..., D] at positions [...] (x.shape[:-1], or x.shape[:-2]: one position shared
+        by a row's heads), its last qk_rope_head_dim dims rotated (a kernel where they serve)."""
+        c = self.config
+        if self.kernels is not None:
+            inv_freq = inv_frequencies(c.rope_theta, c.qk_rope_head_dim, x.device)
+            return self.kernels.rope(x, positions, inv_freq, inverse)
+        if positions.dim() < x.dim() - 1:
+            positions = positions[..., None]
+        return rope(x, positions, c.rope_theta, c.qk_rope_head_dim, self.wide, inverse)
+
     def _w(self, j: int, rest: str) -> torch.Tensor:
         return self.w[f"mtp.{j}.{rest}"]
 
@@ -207,17 +242,14 @@ class Dsv41Model:
     # -- context -------------------------------------------------------------------------
     def project_taps(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [N, k*H] -> main_x [N, H]: main_norm(main_proj(taps))."""
-        c = self.config
         x = self.linear(f"{self.first}.main_proj.weight", taps.to(self.dtype))
-        return rms_norm(x, self.w[f"{self.first}.main_norm.weight"], c.rms_norm_eps, self.wide)
+        return self.norm(x, self.w[f"{self.first}.main_norm.weight"])
 
     def context_rows(self, j: int, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer j's key/value rows [N, D] (post kv_norm and RoPE) of the context (main_x)
         or of its block input (x)."""
-        c = self.config
-        kv = rms_norm(self._linear(j, "attn.wkv.weight")(main_x), self._w(j, "attn.kv_norm.weight"),
-                      c.rms_norm_eps, self.wide)
-        return rope(kv, positions, c.rope_theta, c.qk_rope_head_dim, self.wide)
+        kv = self.norm(self._linear(j, "attn.wkv.weight")(main_x), self._w(j, "attn.kv_norm.weight"))
+        return self.rope(kv, positions)
 
     def encode_rows(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """taps [N, k*H] -> every layer's rows, concatenated [N, L*D]."""
@@ -289,12 +321,11 @@ class Dsv41Model:
         c = self.config
         b, w, _ = x.shape
         heads, d, groups = c.num_attention_heads, c.head_dim, c.o_groups
-        qr = rms_norm(self._linear(j, "attn.wq_a.weight")(x), self._w(j, "attn.q_norm.weight"),
-                      c.rms_norm_eps, self.wide)
+        qr = self.norm(self._linear(j, "attn.wq_a.weight")(x), self._w(j, "attn.q_norm.weight"))
         q = self._linear(j, "attn.wq_b.weight")(qr).view(b, w, heads, d)
         if c.q_head_norm:
-            q = rms_norm(q, None, c.rms_norm_eps, self.wide)
-        q = rope(q, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide)
+            q = self.norm(q, None)
+        q = self.rope(q, positions)
         keys = torch.cat([ctx.to(x.dtype), self.context_rows(j, x, positions)], 1)  # [B, C+W, D]
         scores = torch.einsum("bwhd,bkd->bhwk", q.to(self.wide), keys.to(self.wide)) * d ** -0.5
         seen = torch.cat([ctx_valid, ctx_valid.new_ones(b, w)], 1)  # the whole block, both ways
@@ -302,7 +333,7 @@ class Dsv41Model:
         sink = self._w(j, "attn.attn_sink").view(1, heads, 1, 1).expand(b, heads, w, 1)
         probs = torch.cat([scores, sink.to(self.wide)], -1).softmax(-1)[..., :-1]
         o = torch.einsum("bhwk,bkd->bwhd", probs, keys.to(self.wide)).to(x.dtype)
-        o = rope(o, positions[..., None], c.rope_theta, c.qk_rope_head_dim, self.wide, inverse=True)
+        o = self.rope(o, positions, inverse=True)
         o = o.reshape(b, w, groups, -1)
         name = f"mtp.{j}.attn.wo_a.weight"
         if name in self.linears:
@@ -397,7 +428,7 @@ class Dsv41Model:
     # -- heads ---------------------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> z [..., V] in `wide`: the target's head over norm(h)."""
-        normed = rms_norm(h, self.w[f"{self.last}.norm.weight"], self.config.rms_norm_eps, self.wide)
+        normed = self.norm(h, self.w[f"{self.last}.norm.weight"])
         return self.linear("head.weight", normed).to(self.wide)
 
     def top_two(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
