@@ -6,7 +6,8 @@ weights drawn on the card) on one GPU, every variant side by side in one run
            before the fused kernels); the experts through exllamav3's fused kernels, eager;
            fused with the round captured as CUDA graphs (the worker's default), with the
            round's Triton kernels (mixes, top two: the default) and with torch's
-  bf16     the same width in bf16, CUDA graphs (every expert on every row, stacked)
+  bf16     the same width in bf16, CUDA graphs: each row's chosen experts in grouped GEMMs
+           (torch._grouped_mm), and every expert on every row (its baseline)
 
 Per variant and batch (1 / 4 / 16 requests, a block of W rows each): round p50 / p99 (the
 drafter alone, synchronised), against its floor: the bytes the round reads (every weight
@@ -250,14 +251,23 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
         res["exllamav3"] = exl3.load_exllamav3(say).version
         run_exl3(res, batches, rounds, bandwidth, save)
     if "bf16" in variants:
-        say("== bf16, CUDA graphs (every expert stacked)")
+        say("== bf16, CUDA graphs (the chosen experts in grouped GEMMs)")
         drafter, weight_bytes = random_drafter("flash", "cuda", torch.bfloat16)
         bsizes = dense_sizes(drafter.model)
         bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
         graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
-        res["bf16"] = {"weight_bytes": weight_bytes, "round_kernels": graphed.describe()["round_kernels"],
-                       "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
+        b = res["bf16"] = {"weight_bytes": weight_bytes, "round_kernels": graphed.describe()["round_kernels"],
+                           "experts": graphed.experts,
+                           "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
         save()
+        if drafter.model.grouped:
+            say("== bf16, CUDA graphs, every expert on every row (the grouped GEMMs' baseline)")
+            grouped_drafts = greedy_drafts(graphed, batches)
+            drafter.model.grouped = False
+            every = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
+            b["rounds_every_expert"] = rounds_of(every, bsizes, batches, rounds, bandwidth, bfloors)
+            b["grouped_vs_every_expert"] = agreement(greedy_drafts(every, batches), grouped_drafts)
+            save()
     print_table(res)
     return res
 

@@ -145,13 +145,17 @@ def test_greedy_drafts_are_a_deterministic_markov_chain(either):
     assert (m.markov_bias(m.markov_embed(seed)).abs().max()) > 0.1  # the head is not inert
 
 
-def test_all_experts_at_once_draft_as_the_chosen_experts_do(folders):
-    """What CUDA graphs capture (REMOTE_DRAFTER_CUDA_GRAPHS: every expert on every row,
-    weighted by the routing, zero where not chosen) against the chosen-experts loop: the same
-    block logits in float32 and the same greedy drafts; on the CPU the round stays eager."""
+@pytest.mark.parametrize("path", ["grouped GEMMs", "every expert on every row"])
+def test_stacked_experts_draft_as_the_chosen_experts_do(folders, path):
+    """What CUDA graphs capture (REMOTE_DRAFTER_CUDA_GRAPHS: the stacked experts, each row's
+    chosen ones through grouped GEMMs, or every expert on every row weighted by the routing,
+    zero where not chosen, where grouped GEMMs do not run) against the chosen-experts loop:
+    the same block logits in float32 and the same greedy drafts; on the CPU the round stays
+    eager."""
     chosen = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
     every = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
-    every.model.stack_experts()
+    assert every.model.stack_experts() is None and every.model.grouped  # torch's CPU build has them
+    every.model.grouped = path == "grouped GEMMs"
     assert every.model.stacked and not any(".experts." in n for n in every.model.w)
     assert sum(t.numel() for t in every.model.parameters()) == sum(t.numel() for t in chosen.model.parameters())
     for seed in range(3):

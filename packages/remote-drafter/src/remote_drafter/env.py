@@ -72,10 +72,11 @@ REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
     "head scores below this (0..1); 0 = off, the whole draft is sent.")
 REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "REMOTE_DRAFTER_CUDA_GRAPHS", "auto",
-    "Worker, dsv41 drafter on CUDA with dense weights: auto = run every expert on every row "
-    "(routing weights zero where not chosen: the same sum, fixed shapes) and capture the "
-    "round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = eager, only "
-    "the chosen experts. EXL3 weights: auto = captured the same way when the experts run "
+    "Worker, dsv41 drafter on CUDA with dense weights: auto = run each row's chosen experts "
+    "through grouped GEMMs on the device (torch._grouped_mm; where it does not run or match: "
+    "every expert on every row, routing weights zero where not chosen, the same sum) and "
+    "capture the round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = "
+    "eager, the chosen experts one by one. EXL3 weights: auto = captured the same way when the experts run "
     "through exllamav3's fused kernels (the chosen experts only, no host read of the routing), "
     "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
     "(per matrix: each served expert on every row).")

@@ -83,7 +83,9 @@ class Dsv41Drafter(Drafter):
             cuda_graphs = not model.linears or bool(model.fused)
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
             if not model.linears:
-                model.stack_experts()
+                why = model.stack_experts()
+                self.experts = ("dense, the chosen experts in grouped GEMMs" if why is None
+                                else f"dense, every expert on every row ({why})")
             elif not model.fused:  # EXL3 experts per matrix: each on every row
                 model.every_expert = True
             self._forward.capture(GRAPH_BATCHES, self._blank)

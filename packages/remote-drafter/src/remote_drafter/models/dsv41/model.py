@@ -120,6 +120,7 @@ class Dsv41Model:
         self.markov_w1, self.markov_w2 = markov_names(config)
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
         self.every_expert = False  # served experts: all of them on every row (fixed shapes)
+        self.grouped = False  # stacked experts: the chosen ones through grouped GEMMs
         self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
         self.kernels = None  # kernels.py once use_kernels() took it
 
@@ -196,16 +197,39 @@ class Dsv41Model:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def stack_experts(self) -> None:
+    def stack_experts(self) -> str | None:
         """Every layer's dense experts as [experts, out, in] tensors (moved, not copied), so
-        moe() runs all of them at once with shapes fixed by the batch: what a CUDA graph can
-        capture (the chosen-experts loop reads the routing on the host)."""
+        moe() runs them with shapes fixed by the batch: what a CUDA graph can capture (the
+        chosen-experts loop reads the routing on the host). Each row's chosen experts then run
+        as three grouped GEMMs (torch._grouped_mm: only the chosen experts' weights read) once
+        those have matched every expert on every row on this model's first layer; else every
+        expert runs on every row. None when grouped, else why not."""
+        if self.stacked:
+            return None if self.grouped else "every expert on every row"
         for j in range(self.config.n_mtp_layers):
             names = [[f"mtp.{j}.ffn.experts.{e}.{n}.weight" for e in range(self.config.n_routed_experts)]
                      for n in ("w1", "w3", "w2")]
             if any(name in self.linears for group in names for name in group):
                 raise ValueError("stacked experts need dense expert weights (another back end serves these)")
             self.stacked[j] = tuple(torch.stack([self.w.pop(name) for name in group]) for group in names)
+        return self._try_grouped()
+
+    @torch.inference_mode()
+    def _try_grouped(self) -> str | None:
+        c = self.config
+        rows = torch.randn(2 * c.block_size, c.hidden_size, generator=torch.Generator().manual_seed(0))
+        flat = rows.to(self.device, self.dtype)
+        weights, experts = self.route(0, flat)
+        try:
+            want = self._all_experts_stacked(0, flat, weights, experts)
+            got = self._chosen_experts_grouped(0, flat, weights, experts)
+        except Exception as exc:  # noqa: BLE001 - a torch or device without grouped GEMMs
+            return f"{type(exc).__name__}: {exc}"
+        err = float((want - got).abs().max() / want.abs().max().clamp(min=1e-30))
+        if not err <= (1e-5 if self.dtype == torch.float32 else 2 ** -6):
+            return f"grouped GEMMs differ from every expert on every row by {err:.2e}"
+        self.grouped = True
+        return None
 
     def parameters(self):
         """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
@@ -359,7 +383,9 @@ class Dsv41Model:
         weights, experts = self.route(j, flat)
         if j in self.fused:  # its output lives in the layer's buffers: copied out here
             return self.fused[j](flat, weights, experts).to(x.dtype, copy=True).view_as(x)
-        if j in self.stacked:
+        if j in self.stacked and self.grouped:
+            out = self._chosen_experts_grouped(j, flat, weights, experts)
+        elif j in self.stacked:
             out = self._all_experts_stacked(j, flat, weights, experts)
         elif self.every_expert:
             out = self._all_experts_one_by_one(j, flat, weights, experts)
@@ -378,6 +404,23 @@ class Dsv41Model:
                    lambda x: torch.einsum("th,eih->eti", x, w3),
                    lambda a: torch.einsum("eti,ehi->eth", a, w2), self.config.swiglu_limit)
         return torch.einsum("eth,te->th", y.to(self.wide), share)
+
+    def _chosen_experts_grouped(self, j: int, flat, weights, experts) -> torch.Tensor:
+        """Each row through its chosen experts only: the (row, expert) slots sorted by expert
+        on the device, three grouped GEMMs over the stacked weights (group e: expert e's
+        rows), the results put back in slot order and summed per row in a fixed order."""
+        w1, w3, w2 = self.stacked[j]
+        n, k = experts.shape
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.zeros(self.config.n_routed_experts, dtype=torch.int32, device=flat.device)
+        counts.index_add_(0, experts.flatten(), torch.ones_like(order, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+
+        def grouped(w):
+            return lambda x: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        y = swiglu(flat[order // k], grouped(w1), grouped(w3), grouped(w2), self.config.swiglu_limit)
+        slots = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
+        return torch.einsum("tkh,tk->th", slots.to(self.wide), weights)
 
     def _dense_routing(self, flat, weights, experts) -> torch.Tensor:
         """[rows, experts]: each row's routing weight of every expert, zero where not chosen."""
