@@ -123,6 +123,7 @@ class Dsv41Model:
         self.grouped = False  # stacked experts: the chosen ones through grouped GEMMs
         self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
         self.kernels = None  # kernels.py once use_kernels() took it
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
     def use_kernels(self, on: bool = True) -> str | None:
         """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
@@ -246,7 +247,9 @@ class Dsv41Model:
         by a row's heads), its last qk_rope_head_dim dims rotated (a kernel where they serve)."""
         c = self.config
         if self.kernels is not None:
-            inv_freq = inv_frequencies(c.rope_theta, c.qk_rope_head_dim, x.device)
+            inv_freq = self._inv_freq.get(x.device)
+            if inv_freq is None:  # made once (a graph's warm-up runs before its capture)
+                inv_freq = self._inv_freq[x.device] = inv_frequencies(c.rope_theta, c.qk_rope_head_dim, x.device)
             return self.kernels.rope(x, positions, inv_freq, inverse)
         if positions.dim() < x.dim() - 1:
             positions = positions[..., None]
