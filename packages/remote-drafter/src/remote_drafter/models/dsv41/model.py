@@ -218,6 +218,10 @@ class Dsv41Model:
     @torch.inference_mode()
     def _try_grouped(self) -> str | None:
         c = self.config
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            # seen on torch 2.11: float32 took a path that copies from the host, which a
+            # CUDA graph cannot capture
+            return f"grouped GEMMs on CUDA take bf16 here, this model is {self.dtype}"
         rows = torch.randn(2 * c.block_size, c.hidden_size, generator=torch.Generator().manual_seed(0))
         flat = rows.to(self.device, self.dtype)
         weights, experts = self.route(0, flat)
