@@ -247,34 +247,60 @@ def test_a_worker_serves_it_exactly_at_t0(folders, variant):
         worker.stop()
 
 
+def benchmark_script(name: str):
+    """benchmarks/<name>.py as a module (the folder is no package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))  # the scripts import one another
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+    finally:
+        sys.path.remove(str(folder))
+    return script
+
+
 def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     """benchmarks/dsv41_gpu.py (the GPU tier's figures for this drafter) at the tiny width on
     the CPU: it builds the drafter from random weights and times rounds locally and through a
-    worker over tcp, so the GPU run cannot fail on a rotten script."""
-    import importlib.util
+    worker over tcp, the worker's own cost apart from the time inside the drafter, so the GPU
+    run cannot fail on a rotten script."""
     import json
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dsv41_gpu.py"
-    spec = importlib.util.spec_from_file_location("dsv41_gpu", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     out = tmp_path / "r.json"
-    assert script.main(["--device", "cpu", "--width", "tiny", "--batches", "1", "--rounds", "2",
-                        "--out", str(out)]) == 0
+    assert benchmark_script("dsv41_gpu").main(["--device", "cpu", "--width", "tiny", "--batches", "1",
+                                               "--rounds", "2", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["flash"]["rounds"]
     assert row["batch"] == 1 and min(row["device_p50_ms"], row["local_p50_ms"], row["tcp_p50_ms"]) > 0
+    assert 0 < row["tcp_inside_draft_p50_ms"] < row["tcp_p50_ms"]
+    assert row["tcp_worker_own_ms"] == round(row["tcp_p50_ms"] - row["tcp_inside_draft_p50_ms"], 3)
+
+
+def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
+    """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
+    timed, local and over tcp; the phases restored afterwards (the service times nothing)."""
+    import json
+
+    from remote_drafter.worker.service import DraftService
+    script = benchmark_script("worker_cost")
+    apply = DraftService._apply
+    out = tmp_path / "w.json"
+    assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["via"] for r in result["rows"]] == ["local", "tcp"]
+    for r in result["rows"]:
+        assert set(r["phases_p50_ms"]) == {label for _, _, label in script.PHASES}
+        assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
+    assert DraftService._apply is apply
 
 
 def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(folders):
     """benchmarks/dsv4_exl3_check.py's comparison (its GPU run feeds it exllamav3's passes) on
     passes recorded from this drafter itself: every chain and logit the same; a pass whose
     third draft was changed is reported at that position, and only its chain differs."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dsv4_exl3_check.py"
-    spec = importlib.util.spec_from_file_location("dsv4_exl3_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("dsv4_exl3_check")
     d = load_drafter("dsv41:" + folders["dsv4"], folders["target"])
     m, c, rng, passes = d.model, d.config, np.random.default_rng(3), []
     for p0 in (7, d.window + 30):

@@ -1,0 +1,125 @@
+"""The worker's own cost of a round, by phase, on the CPU: everything a round costs besides the
+drafter's forward (protocol, row conversions, histories, per-request Python), with a drafter
+whose `draft` returns fixed drafts at once and whose rows are as wide as DeepSeek-V4.1-Flash's
+taps (3 x 4,096), so the payload is the production one. Local (the service in process) and a
+worker over tcp loopback, batch 1 / 4 / 16; per phase the p50 over the timed rounds.
+
+    python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
+
+The GPU script's figure (dsv41_gpu.measure: the tcp round minus the time inside `draft`) is the
+same quantity with the real drafter; this one needs no GPU and says where it goes."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dsv41_gpu import random_drafter, random_rounds  # noqa: E402
+
+from remote_drafter.bench import drive_rounds  # noqa: E402
+from remote_drafter.engine import client as client_module  # noqa: E402
+from remote_drafter.engine import protocol  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.identity import Manifest  # noqa: E402
+from remote_drafter.engine.transport import LocalTransport, RemoteTransport  # noqa: E402
+from remote_drafter.worker import service as service_module  # noqa: E402
+from remote_drafter.worker.server import Worker  # noqa: E402
+from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
+
+FLASH_FEATURE = 3 * 4096  # three tapped layers of a 4,096-wide stream
+PHASES = [  # (module or class, function, label): where a round's own time goes
+    (client_module.DrafterClient, "_entries", "client: entries (rows to bf16)"),
+    (protocol, "encode_request", "client: encode request"),
+    (protocol, "parse_request", "worker: parse request"),
+    (service_module.DraftService, "_apply", "worker: apply entries (histories)"),
+    (service_module.DraftService, "_draft", "worker: draft (stub) and replies"),
+    (protocol, "encode_reply", "worker: encode reply"),
+    (protocol, "parse_reply", "client: parse reply"),
+    (client_module.DrafterClient, "_absorb", "client: absorb replies"),
+]
+
+
+class PhaseTimer:
+    """Wraps each phase's function with a timer; times[label] lists the seconds per call."""
+
+    def __init__(self):
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self._saved = []
+        for owner, name, label in PHASES:
+            f = getattr(owner, name)
+            self._saved.append((owner, name, f))
+            setattr(owner, name, self._wrap(f, label))  # client and service call protocol.<f>
+
+    def _wrap(self, f, label):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.times[label].append(time.perf_counter() - t0)
+        return timed
+
+    def per_round(self, rounds: int) -> dict[str, float]:
+        """ms per round of each phase: its median call times its calls per round (_apply runs
+        once per entry; the median leaves out the opening round's large calls)."""
+        return {label: round(float(np.median(samples)) * len(samples) / (rounds + 3) * 1e3, 3)
+                for label, samples in self.times.items()}
+
+    def close(self) -> None:
+        for owner, name, f in self._saved:
+            setattr(owner, name, f)
+
+
+def stub_drafter():
+    """The tiny random V4.1 drafter's fixed drafts, served as a drafter of Flash-wide rows."""
+    d, _ = random_drafter("tiny", "cpu", torch.float32)
+    drafts = d.draft(random_rounds(d, 16, 40, 0), False)
+    d.feature = FLASH_FEATURE
+    d.draft = lambda requests, want_probs: drafts[:len(requests)]
+    return d
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="worker-cost.json", help="JSON results (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=40, help="timed rounds per figure (default: %(default)s)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    d = stub_drafter()
+    rows = []
+    with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        for batch in (int(b) for b in args.batches.split(",")):
+            for via in ("local", "tcp"):
+                transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
+                             else RemoteTransport(worker.address, "tcp", Manifest()))
+                client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
+                timer = PhaseTimer()
+                try:
+                    r = drive_rounds(client, batch, args.rounds, d.max_depth, d.vocab_size, d.feature,
+                                     "sync", 0.0, seed=batch)
+                finally:
+                    timer.close()
+                rows.append({"batch": batch, "via": via, "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
+                             "request_bytes_per_round": int(r["request_bytes_per_round"]),
+                             "phases_p50_ms": timer.per_round(args.rounds)})
+                print(f"batch {batch:2d} {via:5s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
+                      f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    for r in rows:
+        if r["via"] == "tcp":
+            print(f"batch {r['batch']}, tcp: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
