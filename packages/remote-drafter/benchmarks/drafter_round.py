@@ -23,7 +23,6 @@ with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -33,7 +32,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dsv41_gpu import FLASH, measure, random_drafter, random_rounds, round_times, width_config  # noqa: E402
+from dsv41_gpu import (  # noqa: E402
+    FLASH,
+    measure,
+    random_drafter,
+    random_rounds,
+    round_options,
+    round_times,
+    width_config,
+)
 
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
@@ -398,10 +405,7 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="drafter-round.json", help="JSON results (default: %(default)s)")
-    ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    ap = round_options(__doc__, "drafter-round.json")
     ap.add_argument("--variants", default="exl3_4,bf16", help="which drafters, in one process "
                     "(default: %(default)s)")
     ap.add_argument("--profile", metavar="TXT", help="instead: where the fused EXL3 round's device "

@@ -154,11 +154,17 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
     return rows
 
 
+def round_options(description: str, out: str, rounds: int = 30) -> argparse.ArgumentParser:
+    """The options every round benchmark in this folder takes: --out, --batches, --rounds."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out, help="JSON results (default: %(default)s)")
+    ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=rounds, help="timed rounds per figure (default: %(default)s)")
+    return ap
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="dsv41-gpu.json", help="JSON results (default: %(default)s)")
-    ap.add_argument("--batches", default="1,4,16", help="round batch sizes (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per figure (default: %(default)s)")
+    ap = round_options(__doc__, "dsv41-gpu.json")
     ap.add_argument("--device", default="cuda", help="cuda (the GPU tier), or cpu with --width tiny "
                     "(a smoke run of this script) (default: %(default)s)")
     ap.add_argument("--width", default="flash", choices=["flash", "tiny"],

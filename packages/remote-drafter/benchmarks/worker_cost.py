@@ -11,7 +11,6 @@ same quantity with the real drafter; this one needs no GPU and says where it goe
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dsv41_gpu import random_drafter, random_rounds  # noqa: E402
+from dsv41_gpu import random_drafter, random_rounds, round_options  # noqa: E402
 
 from remote_drafter.bench import drive_rounds  # noqa: E402
 from remote_drafter.engine import client as client_module  # noqa: E402
@@ -88,11 +87,7 @@ def stub_drafter():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="worker-cost.json", help="JSON results (default: %(default)s)")
-    ap.add_argument("--batches", default="1,4,16", help="requests per round (default: %(default)s)")
-    ap.add_argument("--rounds", type=int, default=40, help="timed rounds per figure (default: %(default)s)")
-    args = ap.parse_args(argv)
+    args = round_options(__doc__, "worker-cost.json", rounds=40).parse_args(argv)
     torch.set_num_threads(1)
     d = stub_drafter()
     rows = []
