@@ -259,3 +259,38 @@ def test_device_rows_go_with_their_requests(models):
     assert got.tokens.tobytes() == want.tokens.tobytes() and got.probs.tobytes() == want.probs.tobytes()
     round_([P.Entry(3, P.OP_RELEASE)])
     assert windows(d) == 0 and not service.sessions
+
+
+def test_ring_pool_grows_keeps_rows_and_reuses_zeroed_slots():
+    """The pool's slots: a fifth request grows it (4 -> 8) and every ring keeps its rows; a
+    request's slot comes back when its history goes and is zeroed before the next one takes
+    it; two snapshots of one history at different points in one batch each get their own."""
+    import gc
+
+    from remote_drafter.models.window import DeviceWindows
+    windows, rng = DeviceWindows(4, 3), np.random.default_rng(0)
+
+    def history(n):
+        h = History(64, 4, 3)
+        h.reset(np.arange(n + 1, dtype=np.int32), rng.standard_normal((n, 3)).astype(np.float32))
+        return h
+    kept = [history(2 + i % 3) for i in range(5)]
+    ctx, m = windows.lay_out(kept, "cpu")
+    pool = windows["cpu"]
+    assert len(pool.store) == 8 and len(pool) == 5 and m.tolist() == [2, 3, 4, 2, 3]
+    for i, h in enumerate(kept):
+        assert torch.equal(ctx[i, 4 - m[i]:], torch.tensor(h.rows[-m[i]:]))
+    again, _ = windows.lay_out(kept, "cpu")
+    assert torch.equal(again, ctx)  # nothing new: the same rows, from the slots
+    slot = pool.rings[kept[0].lineage].slot
+    del kept[0]
+    gc.collect()
+    assert slot in pool.free and len(pool) == 4
+    short = history(1)
+    ctx, m = windows.lay_out([short], "cpu")
+    assert pool.rings[short.lineage].slot == slot and m.tolist() == [1]
+    assert not ctx[0, :3].any()  # the slot's old rows are gone
+    later = copy.copy(short)
+    later.extend(np.array([7], np.int32), np.ones((1, 3), np.float32))
+    ctx, m = windows.lay_out([short, later], "cpu")
+    assert m.tolist() == [1, 2] and torch.equal(ctx[0, 3], ctx[1, 2]) and ctx[1, 3].eq(1).all()

@@ -2,7 +2,7 @@
 replace (Dsv41Model.hc_pre / hc_post, pick.top_two), on the tiny V4.1 and V4 checkpoints:
 every output within float32 rounding, and the drafter's greedy drafts unchanged. Without a
 GPU (CI) the kernels run in Triton's CPU interpreter; with one (the GPU tier, gpu.sh) they
-are compiled. Needs Triton: the dev venv has it (native-drafter[test])."""
+are compiled. Needs Triton: remote-drafter[test] installs it."""
 
 import os
 from dataclasses import replace
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="needs Triton: the dev venv installs it (native-drafter[test])")
+pytest.importorskip("triton", reason="needs Triton: remote-drafter[test] installs it")
 
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
@@ -125,7 +125,7 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
     if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
         assert m.use_kernels() is None
     fused = Dsv41Drafter(m, MANIFEST, DEVICE)
-    assert fused.describe()["round_kernels"] == "triton (mHC, top two)"
+    assert fused.describe()["round_kernels"] == "triton (mHC, RoPE, norms, top two)"
     got = fused.draft(requests, False)
     assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in got]
     assert np.allclose([a.own_probs for a in want], [b.own_probs for b in got], atol=1e-4)

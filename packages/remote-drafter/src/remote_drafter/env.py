@@ -73,7 +73,8 @@ REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
 REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "REMOTE_DRAFTER_CUDA_GRAPHS", "auto",
     "Worker, dsv41 drafter on CUDA with dense weights: auto = run each row's chosen experts "
-    "through grouped GEMMs on the device (torch._grouped_mm; where it does not run or match: "
+    "through grouped GEMMs on the device (torch._grouped_mm, bf16 weights; other dtypes, or "
+    "where it does not run, capture or match: "
     "every expert on every row, routing weights zero where not chosen, the same sum) and "
     "capture the round's forward as CUDA graphs for batches 1, 2, 4, 8, 16 at start-up; 0 = "
     "eager, the chosen experts one by one. EXL3 weights: auto = captured the same way when the experts run "

@@ -146,7 +146,7 @@ class DSparkDrafter(Drafter):
         self.vocab_size, self.feature = config.vocab_size, config.feature
         self.max_depth, self.window = config.block_size, config.window
         self.history_tokens, self.hidden_layers = config.history_tokens, tuple(config.target_layers)
-        self._windows = DeviceWindows(self.window, self.feature)  # device -> {lineage: ring}
+        self._windows = DeviceWindows(self.window, self.feature)  # device -> its requests' rings
 
     def manifest(self) -> Manifest:
         return self._manifest

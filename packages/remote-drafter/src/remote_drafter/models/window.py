@@ -45,6 +45,13 @@ class DeviceWindows(dict):
         pool = self.get(str(device))
         if pool is None:
             pool = self[str(device)] = RingPool(self.window, self.width, device, self.dtype)
+        at: dict[int, int] = {}  # lineage -> rows_added of its history in this batch
+        for i, h in enumerate(histories):
+            if at.setdefault(id(h.lineage), h.rows_added) != h.rows_added:
+                # two snapshots of one sequence at different points: each needs the ring as
+                # it was for it, so the batch goes in two parts, the first laid out first
+                (a, m), (b, n) = self.lay_out(histories[:i], device), self.lay_out(histories[i:], device)
+                return torch.cat([a, b]), np.concatenate([m, n])
         rings, rows, positions, writes = [], [], [], []
         for h in histories:
             ring, where = pool.ring(h)
@@ -69,8 +76,9 @@ class RowRing:
 
 
 class RingPool:
-    """One device's rings as slots of one tensor [capacity, window, width] (grown by
-    doubling). Memory: window x width values per open request."""
+    """One device's rings as slots of one tensor [capacity, window, width]. Memory: window x
+    width values per slot; the capacity doubles to the most requests drafted at once and
+    stays there (a released request's slot is reused)."""
 
     def __init__(self, window: int, width: int, device, dtype: torch.dtype):
         self.window, self.width, self.device, self.dtype = window, width, torch.device(device), dtype
@@ -99,13 +107,18 @@ class RingPool:
             n = len(self.store)
             grown = zeros((2 * n, self.window, self.width), self.device, self.dtype)
             grown[:n] = self.store
-            self.store, self.free = grown, self.free + list(range(n, 2 * n))
+            self.store = grown
+            self.free.extend(range(n, 2 * n))  # in place: a finalizer may append from another thread
         slot = self.free.pop()
         self.store[slot] = 0  # a reused slot's old rows never reach another request
         return slot
 
     def _give_back(self, slot: int) -> None:
         self.free.append(slot)
+
+    def __len__(self) -> int:
+        """Rings held: one per request drafted and not yet released."""
+        return len(self.rings)
 
     def write(self, where: np.ndarray, rows: torch.Tensor) -> None:
         flat = self.store.view(-1, self.width)
@@ -119,9 +132,8 @@ class RingPool:
 
 
 def zeros(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Zeros on `device`. Float32 on the CPU in numpy's memory: numpy maps arrays this large
-    on huge pages, where torch's allocator maps each one afresh in 4 KB pages, faulted in
-    again on every round, which slows a CPU round's host part."""
+    """Zeros on `device`; float32 on the CPU in numpy's memory (huge pages for arrays this
+    large, where torch's allocator maps 4 KB ones)."""
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         return torch.from_numpy(np.zeros(shape, np.float32))
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -49,8 +49,8 @@ class Dsv41Drafter(Drafter):
         """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
         expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
         baseline the fused kernels are measured against). round_kernels False: the
-        hyper-connection mixes and the greedy chain's top two in torch on CUDA too (the
-        baseline of kernels.py)."""
+        hyper-connection mixes, RoPE, the norms and the greedy chain's top two in torch on
+        CUDA too (the baseline of kernels.py)."""
         c = model.config
         if confidence_cutoff > 0 and not model.has_confidence:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -70,7 +70,7 @@ class Dsv41Drafter(Drafter):
                 log.warning("the round's Triton kernels do not serve, torch does (slower rounds): %s", why)
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
             why = None if model.kernels else "cpu"
-        self.round_kernels = "triton (mHC, top two)" if why is None else f"torch ({why})"
+        self._kernels_why = why
         if model.linears and self._forward.cuda:
             if model.fused and not fuse_experts:
                 raise ValueError("this model's EXL3 experts are fused already (another drafter's "
@@ -150,6 +150,14 @@ class Dsv41Drafter(Drafter):
                 "source_drafter_digest": loaded.drafter_digest}
         exl3.write_pack(out, meta)
         return meta
+
+    @property
+    def round_kernels(self) -> str:
+        """What runs the round's mixes, RoPE, norms and top two. The model's choice: a drafter
+        built later over the same model with another choice changes it for this one too."""
+        if self.model.kernels is not None:
+            return "triton (mHC, RoPE, norms, top two)"
+        return f"torch ({self._kernels_why or 'another drafter of this model chose it'})"
 
     def manifest(self) -> Manifest:
         return self._manifest

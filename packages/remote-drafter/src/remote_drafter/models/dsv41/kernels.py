@@ -1,13 +1,13 @@
 """The drafter round's Triton kernels, in place of torch launches that each do little:
 
 * hc_pre / hc_post: the hyper-connection mix (mHC) of one sublayer, one kernel each side,
-  for the ~100 small launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
+  for the many small launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
   iterations). hc_pre runs one program per row: the stream's mean square, then the pre and
   post weights and the K x K mix normalised by Sinkhorn in registers, then the collapse and
   its RMS norm (the K*H-wide product with hc_*_fn stays one torch GEMM for all rows);
   hc_post one program per (row, slice of H): residual = comb^T residual + post x out.
 * rope and rms_norm: a row's GPT-J rotation (cos/sin from the model's own inv_freq table)
-  and its RMS norm, one program a row, for ~12 and ~6 launches each in torch.
+  and its RMS norm, one program a row, for a dozen and half a dozen launches in torch.
 * top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
   vocabulary, split over many programs per row then combined, for torch's single-row
   reductions (pick.top_two), which leave most of the GPU idle at batch 1.
@@ -148,11 +148,11 @@ def _top_two_part_kernel(x_ptr, part_ptr, V, PARTS: tl.constexpr, BLOCK: tl.cons
     x = tl.load(x_ptr + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     v1, i1 = tl.max(x, 0, return_indices=True)
     v2, i2 = tl.max(tl.where(tl.arange(0, BLOCK) == i1, float("-inf"), x), 0, return_indices=True)
-    total = tl.sum(tl.exp(x - v1), 0)
+    total = tl.where(v1 == float("-inf"), 0.0, tl.sum(tl.exp(x - v1), 0))  # an all -inf slice adds 0
     out = part_ptr + (r * PARTS + part) * 5
     tl.store(out, v1)
     tl.store(out + 1, v2)
-    tl.store(out + 2, (part * BLOCK + i1).to(tl.float32))
+    tl.store(out + 2, (part * BLOCK + i1).to(tl.float32))  # exact: top_two checks V < 2**24
     tl.store(out + 3, (part * BLOCK + i2).to(tl.float32))
     tl.store(out + 4, total)
 
@@ -184,13 +184,15 @@ def _top_two_join_kernel(part_ptr, p_ptr, i_ptr, PARTS: tl.constexpr, PP: tl.con
     tl.store(i_ptr + r * 2 + 1, second_i.to(tl.int64))
 
 
-TOP_TWO_BLOCK = 4096  # vocabulary slice per program: 32 programs a row for 129,280 tokens
+TOP_TWO_BLOCK = 4096  # vocabulary slice per program
 
 
 def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (top two probabilities [B, 2] float32, their tokens [B, 2] int64),
     as pick.top_two at temperature 1."""
     rows, vocab = logits.shape
+    if vocab >= 1 << 24:
+        raise ValueError(f"a vocabulary of {vocab} tokens: token ids pass through float32, exact below 2**24")
     x = logits.contiguous()
     parts = triton.cdiv(vocab, TOP_TWO_BLOCK)
     scratch = torch.empty(rows, parts, 5, dtype=torch.float32, device=x.device)

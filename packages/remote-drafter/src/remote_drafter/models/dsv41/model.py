@@ -121,13 +121,14 @@ class Dsv41Model:
         self.stacked: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> experts' w1, w3, w2
         self.every_expert = False  # served experts: all of them on every row (fixed shapes)
         self.grouped = False  # stacked experts: the chosen ones through grouped GEMMs
+        self.grouped_why: str | None = "experts not stacked"
         self.fused: dict[int, Callable] = {}  # layer -> its EXL3 experts, shared one included
         self.kernels = None  # kernels.py once use_kernels() took it
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
     def use_kernels(self, on: bool = True) -> str | None:
         """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
-        side of each sublayer, not ~100; RoPE and the RMS norms; the greedy chain's top two
+        side of each sublayer; RoPE and the RMS norms; the greedy chain's top two
         over the vocabulary), or
         (on False) torch. The kernels serve only once they have matched torch on this model's
         own weights and shapes (_probes), on this device (a Triton or GPU they break on is
@@ -206,35 +207,51 @@ class Dsv41Model:
         those have matched every expert on every row on this model's first layer; else every
         expert runs on every row. None when grouped, else why not."""
         if self.stacked:
-            return None if self.grouped else "every expert on every row"
+            return self.grouped_why
         for j in range(self.config.n_mtp_layers):
             names = [[f"mtp.{j}.ffn.experts.{e}.{n}.weight" for e in range(self.config.n_routed_experts)]
                      for n in ("w1", "w3", "w2")]
             if any(name in self.linears for group in names for name in group):
                 raise ValueError("stacked experts need dense expert weights (another back end serves these)")
             self.stacked[j] = tuple(torch.stack([self.w.pop(name) for name in group]) for group in names)
-        return self._try_grouped()
+        self.grouped_why = self._try_grouped()
+        self.grouped = self.grouped_why is None
+        return self.grouped_why
 
     @torch.inference_mode()
     def _try_grouped(self) -> str | None:
         c = self.config
         if self.device.type == "cuda" and self.dtype != torch.bfloat16:
-            # seen on torch 2.11: float32 took a path that copies from the host, which a
-            # CUDA graph cannot capture
-            return f"grouped GEMMs on CUDA take bf16 here, this model is {self.dtype}"
+            # torch's grouped GEMM serves other dtypes by a path that reads the groups on the
+            # host, which a CUDA graph cannot hold
+            return f"grouped GEMMs on CUDA take bf16, this model is {self.dtype}"
         rows = torch.randn(2 * c.block_size, c.hidden_size, generator=torch.Generator().manual_seed(0))
         flat = rows.to(self.device, self.dtype)
         weights, experts = self.route(0, flat)
         try:
             want = self._all_experts_stacked(0, flat, weights, experts)
             got = self._chosen_experts_grouped(0, flat, weights, experts)
+            if self.device.type == "cuda":  # and inside a graph, as a round runs them
+                got = self._captured(lambda: self._chosen_experts_grouped(0, flat, weights, experts))
         except Exception as exc:  # noqa: BLE001 - a torch or device without grouped GEMMs
             return f"{type(exc).__name__}: {exc}"
         err = float((want - got).abs().max() / want.abs().max().clamp(min=1e-30))
         if not err <= (1e-5 if self.dtype == torch.float32 else 2 ** -6):
             return f"grouped GEMMs differ from every expert on every row by {err:.2e}"
-        self.grouped = True
         return None
+
+    def _captured(self, fn) -> torch.Tensor:
+        """fn() captured in a CUDA graph on a side stream and replayed: its output then."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()  # warm-up before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fn()
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        return out.clone()
 
     def parameters(self):
         """The weights (Drafter.describe reads the dtype of the first: the embedding)."""
