@@ -152,13 +152,22 @@ def rounds_of(drafter, sizes, batches, rounds, bandwidth, floors=None) -> list[d
     return out
 
 
-def greedy_drafts(drafter: Dsv41Drafter, batches) -> list[np.ndarray]:
-    return [d.tokens for batch in batches
-            for d in drafter.draft(random_rounds(drafter, batch, 160, 1000 + batch), False)]
+def greedy_drafts(drafter: Dsv41Drafter, batches) -> list:
+    return [d for batch in batches for d in drafter.draft(random_rounds(drafter, batch, 160, 1000 + batch), False)]
 
 
-def agreement(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
-    return {"same_greedy_drafts": sum(int(np.array_equal(x, y)) for x, y in zip(a, b)), "requests": len(a)}
+def agreement(a: list, b: list) -> dict:
+    """Identical greedy drafts of two drafters on the same requests; where they part, the
+    first drafter's gap there between its token's probability and the runner-up's (a near-tie
+    is a small gap)."""
+    gaps = []
+    for x, y in zip(a, b):
+        n = min(len(x.tokens), len(y.tokens))
+        differ = [*np.flatnonzero(x.tokens[:n] != y.tokens[:n]), *([n] if len(x.tokens) != len(y.tokens) else [])]
+        if differ:
+            i = min(differ[0], len(x.tokens) - 1)
+            gaps.append(round(float(x.own_probs[i] - x.alt_probs[i]), 6))
+    return {"same_greedy_drafts": len(a) - len(gaps), "requests": len(a), "top_two_gaps_where_they_part": gaps}
 
 
 # -- one MoE layer: ours against exllamav3's BlockSparseMLP --------------------------------
