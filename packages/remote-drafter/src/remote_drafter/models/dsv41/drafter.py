@@ -171,8 +171,8 @@ class Dsv41Drafter(Drafter):
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
         """One parallel pass: (pre-norm hidden, base logits) of each request's block, and the
         greedy chain over the whole block on the device, packed in one float64 tensor
-        [B, W, 5 (+1 with a confidence head)]: token, its probability and the runner-up's,
-        both tokens, confidence. A greedy round reads this alone, so its Markov head runs
+        [B, W, 4 (+1 with a confidence head)]: the token's probability and the runner-up's,
+        both tokens (the drafted one first), confidence. A greedy round reads this alone, so its Markov head runs
         inside the captured graph and one copy brings the round back."""
         model = self.model
         h = model.block_hidden(ctx, valid, seed, p0)
@@ -181,7 +181,7 @@ class Dsv41Drafter(Drafter):
         for i in range(self.max_depth):
             m = model.markov_embed(previous)
             p2, i2 = model.top_two(model.markov_logits(z[:, i], m))
-            step = [i2[:, :1], p2, i2]
+            step = [p2, i2]
             if model.has_confidence:
                 step.append(model.confidence(h[:, i], m)[:, None])
             chain.append(torch.cat([t.double() for t in step], -1))
@@ -237,7 +237,7 @@ class Dsv41Drafter(Drafter):
 
 
 def unpack_chain(packed: np.ndarray) -> tuple[np.ndarray, ...]:
-    """_block's packed chain [B, D, 5 | 6] -> tokens [B, D], top two probabilities and
+    """_block's packed chain [B, D, 4 | 5] -> tokens [B, D], top two probabilities and
     tokens [B, D, 2], confidence [B, D] (float32) or None."""
-    scores = packed[..., 5].astype(np.float32) if packed.shape[-1] > 5 else None
-    return packed[..., 0], packed[..., 1:3], packed[..., 3:5], scores
+    scores = packed[..., 4].astype(np.float32) if packed.shape[-1] > 4 else None
+    return packed[..., 2], packed[..., 0:2], packed[..., 2:4], scores
