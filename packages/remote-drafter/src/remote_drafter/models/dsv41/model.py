@@ -65,6 +65,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, dims: int,
     return torch.cat([x[..., :-dims], turned.to(x.dtype)], -1)
 
 
+def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest difference relative to want's largest value."""
+    return float((want.float() - got.float()).abs().max() / want.float().abs().max().clamp(min=1e-30))
+
+
 def inv_frequencies(theta: float, dims: int, device) -> torch.Tensor:
     """RoPE's inverse frequencies [dims / 2], float32, as vLLM builds them."""
     return 1.0 / theta ** (torch.arange(0, dims, 2, device=device, dtype=torch.float32) / dims)
@@ -126,6 +131,12 @@ class Dsv41Model:
         self.kernels = None  # kernels.py once use_kernels() took it
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
+    @property
+    def rounding(self) -> float:
+        """How far another order of summation may move a result, relative to its largest
+        value: float32 rounding; two bf16 steps in bf16 (what follows a bf16 value inherits them)."""
+        return 1e-5 if self.dtype == torch.float32 else 2 ** -6
+
     def use_kernels(self, on: bool = True) -> str | None:
         """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
         side of each sublayer; RoPE and the RMS norms; the greedy chain's top two
@@ -146,12 +157,9 @@ class Dsv41Model:
         except Exception as exc:  # noqa: BLE001 - any failure to build or run them: torch serves
             self.kernels = None
             return f"{type(exc).__name__}: {exc}"
-        # float32 rounding; with bf16 streams two bf16 steps (what follows a bf16 value inherits them)
-        tol = 1e-5 if self.dtype == torch.float32 else 2 ** -6
         for name, a in torch_path.items():
-            b = kernel_path[name]
-            err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-30))
-            if not err <= (0 if name.endswith("tokens") else tol):
+            err = relative_error(a, kernel_path[name])
+            if not err <= (0 if name.endswith("tokens") else self.rounding):
                 self.kernels = None
                 return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
         return None
@@ -235,8 +243,8 @@ class Dsv41Model:
                 got = self._captured(lambda: self._chosen_experts_grouped(0, flat, weights, experts))
         except Exception as exc:  # noqa: BLE001 - a torch or device without grouped GEMMs
             return f"{type(exc).__name__}: {exc}"
-        err = float((want - got).abs().max() / want.abs().max().clamp(min=1e-30))
-        if not err <= (1e-5 if self.dtype == torch.float32 else 2 ** -6):
+        err = relative_error(want, got)
+        if not err <= self.rounding:
             return f"grouped GEMMs differ from every expert on every row by {err:.2e}"
         return None
 
