@@ -45,9 +45,9 @@ from dsv41_gpu import (  # noqa: E402
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
 from remote_drafter.models.dsv41 import tiny  # noqa: E402
-from remote_drafter.models.dsv41.config import weight_table  # noqa: E402
+from remote_drafter.models.dsv41.config import linear_names, markov_names, weight_table  # noqa: E402
 from remote_drafter.models.dsv41.drafter import GRAPH_BATCHES, Dsv41Drafter  # noqa: E402
-from remote_drafter.models.dsv41.model import Dsv41Model, linear_names  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 
 GIB = 1 << 30
 CARD_3090 = 24 * 10**9
@@ -119,18 +119,21 @@ def round_floor(drafter: Dsv41Drafter, sizes: dict[str, int], batch: int, bandwi
     """The bytes one round must read: every weight once but the gathered embeddings, and of
     the routed experts only those the round's rows chose (one real round's router, recorded)."""
     model, chosen = drafter.model, {}
-    route = model.route
 
-    def recording(j, x):
-        weights, experts = route(j, x)
-        chosen.setdefault(j, set()).update(experts.unique().tolist())
-        return weights, experts
-    model.route = recording
+    def recording(j, route):
+        def recorded(x):
+            weights, experts = route(x)
+            chosen.setdefault(j, set()).update(experts.unique().tolist())
+            return weights, experts
+        return recorded
+    for j, layer in enumerate(model.layers):
+        layer.moe.route = recording(j, layer.moe.route)
     try:
         drafter.draft(random_rounds(drafter, batch, 160, batch), want_probs=False)
     finally:
-        del model.route
-    gathered = {"embed.weight", model.markov_w1}
+        for layer in model.layers:
+            del layer.moe.route
+    gathered = {"embed.weight", markov_names(model.config)[0]}
     fixed = sum(b for n, b in sizes.items() if ".ffn.experts." not in n and n not in gathered)
     routed = sum(sizes[f"mtp.{j}.ffn.experts.{e}.{w}.weight"] for j, es in chosen.items()
                  for e in es for w in ("w1", "w3", "w2"))
@@ -179,7 +182,7 @@ def upstream_layer(model: Dsv41Model, j: int):
     c, dev = model.config, torch.device("cuda", torch.cuda.current_device())
 
     def wrap(name):
-        m = model.linears[name]
+        m = model.served[name]
         linear = Linear(None, name, m.in_stored, m.inner.trellis.shape[1] * 16, out_dtype=torch.half)
         linear.device, linear.inner, linear.quant_type = dev, m.inner, "exl3"
         return linear
@@ -232,8 +235,8 @@ def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
     for batch in batches:
         rows = batch * c.block_size
         x = torch.randn(rows, c.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-        weights, experts = model.route(j, x)
-        layer = model.fused[j]
+        weights, experts = model.layers[j].moe.route(x)
+        layer = model.layers[j].moe.experts
         mine = layer(x, weights, experts).clone()
         ours["rows"].append({"batch": batch, "rows": rows,
                              "p50_ms": timed(lambda f=layer, a=(x, weights, experts): f(*a))})
@@ -276,10 +279,12 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
                            "experts": graphed.experts,
                            "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
         save()
-        if drafter.model.grouped:
+        stacked = [layer.moe.experts for layer in drafter.model.layers]
+        if all(getattr(experts, "grouped", False) for experts in stacked):
             say("== bf16, CUDA graphs, every expert on every row (the grouped GEMMs' baseline)")
             grouped_drafts = greedy_drafts(graphed, batches)
-            drafter.model.grouped = False
+            for experts in stacked:
+                experts.grouped = False
             every = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
             b["rounds_every_expert"] = rounds_of(every, bsizes, batches, rounds, bandwidth, bfloors)
             b["grouped_vs_every_expert"] = agreement(greedy_drafts(every, batches), grouped_drafts)
@@ -297,7 +302,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
     tag = "random-flash-exl3"
     manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
     per_matrix = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, fuse_experts=False)
-    e = res["exl3_4"] = {"linear_bytes": sum(b for n, b in sizes.items() if n in model.linears),
+    e = res["exl3_4"] = {"linear_bytes": sum(b for n, b in sizes.items() if n in model.served),
                          "per_matrix_eager": rounds_of(per_matrix, sizes, batches, max(3, rounds // 4), bandwidth)}
     reference = greedy_drafts(per_matrix, batches)
     floors = [{k: r[k] for k in ("experts_chosen_per_layer", "routed_expert_bytes", "other_bytes",
@@ -307,7 +312,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
     say("== EXL3 4 bits, fused experts, eager")
     fused_eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False)
     e["experts"] = fused_eager.experts
-    if model.fused:
+    if model.experts_fused:
         e["fused_eager"] = rounds_of(fused_eager, sizes, batches, rounds, bandwidth, floors)
         eager_drafts = greedy_drafts(fused_eager, batches)
         e["fused_vs_per_matrix"] = agreement(reference, eager_drafts)
@@ -400,7 +405,8 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
     say(f"  as served: {res['as_served']}")
     model = drafter.model
     torch._dynamo.config.cache_size_limit = 64  # one graph per layer, sublayer and shape class
-    model.hc_pre, model.hc_post = torch.compile(model.hc_pre), torch.compile(model.hc_post)
+    for mix in (m for layer in model.layers for m in (layer.attn_mix, layer.ffn_mix)):
+        mix.pre, mix.post = torch.compile(mix.pre), torch.compile(mix.post)
     t0 = time.monotonic()
     compiled = Dsv41Drafter(model, drafter.manifest(), "cuda", cuda_graphs=False)  # stacked already
     compiled._forward.capture(GRAPH_BATCHES, compiled._blank)

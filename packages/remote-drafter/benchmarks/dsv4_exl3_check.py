@@ -269,11 +269,11 @@ def compare(drafter: Dsv41Drafter, passes: list[dict]) -> dict:
         valid[0, n - k:] = True
         hidden = m.block_hidden(ctx.view(1, n, c.n_mtp_layers, c.head_dim), valid,
                                 torch.tensor([rec["seed"]], device=dev), torch.tensor([p0], device=dev))
-        z = m.logits(hidden)
+        z = m.head(hidden)
         previous = [rec["seed"]] + rec["drafts"][:-1]
         for i in range(width):
-            emb = m.markov_embed(torch.tensor([previous[i]], device=dev))
-            mine_l = m.markov_logits(z[:, i], emb)[0].double().cpu().numpy()
+            emb = m.markov.embed(torch.tensor([previous[i]], device=dev))
+            mine_l = m.markov.logits(z[:, i], emb)[0].double().cpu().numpy()
             theirs_l = rec["logits"][i].astype(np.float64)
             logit_diff = max(logit_diff, float(np.abs(mine_l - theirs_l).max()))
             logit_scale = max(logit_scale, float(np.abs(mine_l).max()))
@@ -308,15 +308,15 @@ def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) 
     (k+1)-th expert flips the choice: the position's logits move by O(1), the others not at all."""
     from torch.nn import functional as F
 
-    from remote_drafter.models.dsv41.model import Dsv41Model
+    from remote_drafter.models.dsv41.modules.moe import MoE
     m, c, rng = drafter.model, drafter.config, np.random.default_rng(seed)
-    exact = Dsv41Model.route
+    exact = MoE.route
 
-    def route_half(self, j, x):
-        gate, bias = self._w(j, "ffn.gate.weight"), self._w(j, "ffn.gate.bias")
+    def route_half(self, x):
+        gate, bias = self.gate, self.bias
         scores = F.softplus(x.half().float() @ gate.half().float().T).sqrt()
         experts = (scores + (bias - bias.mean()).half().float()).topk(c.num_experts_per_tok, -1).indices
-        exact_scores = F.softplus((x @ gate.T).to(self.wide)).sqrt().gather(-1, experts)
+        exact_scores = F.softplus((x @ gate.T).to(self.numerics.wide)).sqrt().gather(-1, experts)
         weights = exact_scores / exact_scores.sum(-1, keepdim=True) * c.routed_scaling_factor
         return weights, experts
 
@@ -333,14 +333,14 @@ def routing_flip_study(drafter: Dsv41Drafter, passes: int = 160, seed: int = 0) 
             valid[0, n - k:] = True
             block = (ctx.view(1, n, c.n_mtp_layers, -1), valid,
                      torch.tensor([int(rng.integers(0, drafter.vocab_size))]), torch.tensor([p0]))
-            Dsv41Model.route = exact
-            ours = m.logits(m.block_hidden(*block))[0]
-            Dsv41Model.route = route_half
-            half = m.logits(m.block_hidden(*block))[0]
+            MoE.route = exact
+            ours = m.head(m.block_hidden(*block))[0]
+            MoE.route = route_half
+            half = m.head(m.block_hidden(*block))[0]
             diffs += (ours - half).abs().max(-1).values.tolist()
             flipped += int((ours.argmax(-1) != half.argmax(-1)).sum())
     finally:
-        Dsv41Model.route = exact
+        MoE.route = exact
     diffs = np.array(diffs)
     return {"passes": passes, "positions": len(diffs), "max_logit_diff": float(diffs.max()),
             "positions_moved_over_0.1": int((diffs > 0.1).sum()),
@@ -368,7 +368,7 @@ def check(label: str, model_dir: str, drafter_folder: str, token_prompts, new_to
     drafter = Dsv41Drafter.load(drafter_folder, device="cuda", dtype=torch.float32)
     assert drafter.config.variant == "v4"
     result.update({"exl3": ran["stats"], **compare(drafter, ran["passes"]),
-                   "served_exl3_linears": len(drafter.model.linears),
+                   "served_exl3_linears": len(drafter.model.served),
                    "seconds": round(time.time() - t0, 1)})
     del drafter
     torch.cuda.empty_cache()

@@ -17,6 +17,7 @@ from remote_drafter.engine.transport import RemoteTransport  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter, unpack_chain  # noqa: E402
+from remote_drafter.models.dsv41.modules.moe import StackedExperts  # noqa: E402
 from remote_drafter.models.llama import LlamaConfig, LlamaLM, random_llama  # noqa: E402
 from remote_drafter.models.pick import Picker, chain_arrays  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
@@ -135,14 +136,15 @@ def test_greedy_drafts_are_a_deterministic_markov_chain(either):
     valid[0, n - 29:] = True
     seed = torch.tensor([int(h.tokens[-1])])
     hidden = m.block_hidden(ctx.view(1, n, d.config.n_mtp_layers, -1), valid, seed, torch.tensor([29]))
-    z, previous = m.logits(hidden), seed
+    z, previous = m.head(hidden), seed
     for i, token in enumerate(a.tokens):
-        logits = m.markov_logits(z[:, i], m.markov_embed(previous))
+        logits = m.markov.logits(z[:, i], m.markov.embed(previous))
         assert int(logits.argmax()) == token
-        assert np.isclose(a.confidence[i], float(m.confidence(hidden[:, i], m.markov_embed(previous))),
+        assert np.isclose(a.confidence[i], float(m.confidence(hidden[:, i], m.markov.embed(previous))),
                           atol=1e-6)
         previous = torch.tensor([int(token)])
-    assert (m.markov_bias(m.markov_embed(seed)).abs().max()) > 0.1  # the head is not inert
+    bias = m.markov.logits(torch.zeros(1, d.vocab_size), m.markov.embed(seed))
+    assert bias.abs().max() > 0.1  # the head is not inert
 
 
 @pytest.mark.parametrize("path", ["grouped GEMMs", "every expert on every row"])
@@ -154,9 +156,12 @@ def test_stacked_experts_draft_as_the_chosen_experts_do(folders, path):
     eager."""
     chosen = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
     every = load_drafter("dsv41:" + folders["dsv41"], folders["target"])
-    assert every.model.stack_experts() is None and every.model.grouped  # torch's CPU build has them
-    every.model.grouped = path == "grouped GEMMs"
-    assert every.model.stacked and not any(".experts." in n for n in every.model.w)
+    assert every.model.stack_experts() is None  # torch's CPU build has grouped GEMMs
+    for layer in every.model.layers:
+        assert isinstance(layer.moe.experts, StackedExperts) and layer.moe.experts.grouped
+        layer.moe.experts.grouped = path == "grouped GEMMs"
+    names = [n for n, _ in every.model.named_tensors() if ".experts." in n]
+    assert names and all(n.endswith(".stacked") for n in names)  # the per-expert tensors dropped
     assert sum(t.numel() for t in every.model.parameters()) == sum(t.numel() for t in chosen.model.parameters())
     for seed in range(3):
         requests = [DraftRequest(history(chosen, 20 + 7 * i, 10 * seed + i), chosen.max_depth) for i in range(3)]
@@ -188,9 +193,9 @@ def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
     tokens, top_p, top_i, scores = unpack_chain(chain.numpy())
     pick, previous = Picker(requests, want_probs=False), inputs[2]
     for i in range(d.max_depth):
-        m = d.model.markov_embed(previous)
+        m = d.model.markov.embed(previous)
         assert np.array_equal(d.model.confidence(h[:, i], m).float().numpy(), scores[:, i])
-        previous = pick(d.model.markov_logits(z[:, i], m), [0] * 3)
+        previous = pick(d.model.markov.logits(z[:, i], m), [0] * 3)
     want = pick.finish()
     got = chain_arrays(tokens, top_p, top_i, top_p[..., 0], None, [True] * 3)
     for a, b in zip(want, got):
@@ -316,10 +321,10 @@ def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(fol
         valid[0, n - k:] = True
         hidden = m.block_hidden(ctx.view(1, n, c.n_mtp_layers, -1), valid, torch.tensor([seed]),
                                 torch.tensor([p0]))
-        z, embs = m.logits(hidden), [m.markov_embed(torch.tensor([t])) for t in [seed] + drafts[:-1]]
+        z, embs = m.head(hidden), [m.markov.embed(torch.tensor([t])) for t in [seed] + drafts[:-1]]
         passes.append({"job": 0, "p0": p0, "seed": seed, "drafts": drafts, "rows": rows,
                        "taps_complete": True,
-                       "logits": np.stack([m.markov_logits(z[:, i], e)[0].numpy() for i, e in enumerate(embs)]),
+                       "logits": np.stack([m.markov.logits(z[:, i], e)[0].numpy() for i, e in enumerate(embs)]),
                        "confidence": np.array([float(m.confidence(hidden[:, i], e)) for i, e in enumerate(embs)])})
     changed = {**passes[1], "drafts": passes[1]["drafts"][:2] + [(passes[1]["drafts"][2] + 1) % d.vocab_size]
                + passes[1]["drafts"][3:]}

@@ -1,5 +1,5 @@
 """The drafter round's Triton kernels (models/dsv41/kernels.py) against the torch code they
-replace (Dsv41Model.hc_pre / hc_post, pick.top_two), on the tiny V4.1 and V4 checkpoints:
+replace (the mix module's pre / post, the numerics' norm and RoPE, pick.top_two), on the tiny V4.1 and V4 checkpoints:
 every output within float32 rounding, and the drafter's greedy drafts unchanged. Without a
 GPU (CI) the kernels run in Triton's CPU interpreter; with one (the GPU tier, gpu.sh) they
 are compiled. Needs Triton: remote-drafter[test] installs it."""
@@ -37,13 +37,13 @@ def model(loaded, dtype=torch.float32, **config) -> Dsv41Model:
     return Dsv41Model(replace(loaded.config, **config), loaded.weights, DEVICE, dtype=dtype)
 
 
-def both(m: Dsv41Model, method: str, *args):
-    """(torch's result, the kernels' result) of m.<method>(*args)."""
-    assert m.use_kernels(False) == "not asked to" and m.kernels is None
-    want = getattr(m, method)(*args)
-    m.kernels = kernels  # as use_kernels sets it after its check (tested below)
-    got = getattr(m, method)(*args)
-    m.kernels = None
+def both(m: Dsv41Model, fn, *args):
+    """(torch's result, the kernels' result) of fn(*args), fn one of m's modules' methods."""
+    assert m.use_kernels(False) == "not asked to" and m.numerics.kernels is None
+    want = fn(*args)
+    m.numerics.kernels = kernels  # as use_kernels sets it after its check (tested below)
+    got = fn(*args)
+    m.numerics.kernels = None
     return want, got
 
 
@@ -63,9 +63,9 @@ def test_hc_pre_kernel_is_the_torch_mix(loaded, dtype, carried, iters):
     m = model(loaded, dtype, hc_sinkhorn_iters=iters)
     residual = stream(m)
     pre = None if carried == "none" else torch.rand(2, 3, m.config.hc_mult, device=DEVICE) + 0.5
-    for j in range(m.config.n_mtp_layers):
-        for mixer in ("attn", "ffn"):
-            want, got = both(m, "hc_pre", j, mixer, residual, pre)
+    for layer in m.layers:
+        for mix in (layer.attn_mix, layer.ffn_mix):
+            want, got = both(m, mix.pre, residual, pre)
             for name, a, b in zip(("x", "post", "comb", "pre"), want, got):
                 assert a.shape == b.shape and a.dtype == b.dtype, name
                 # float32: rounding; the collapse in bf16: one bf16 step of its largest values
@@ -79,9 +79,10 @@ def test_hc_pre_kernel_is_the_torch_mix(loaded, dtype, carried, iters):
 def test_hc_post_kernel_is_the_torch_mix(loaded, dtype):
     m = model(loaded, dtype)
     residual, c = stream(m), m.config
-    _, post, comb, _ = m.hc_pre(0, "attn", residual, None)
+    mix = m.layers[0].attn_mix
+    _, post, comb, _ = mix.pre(residual, None)
     out = torch.randn(2, 3, c.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    want, got = both(m, "hc_post", out, residual, post, comb)
+    want, got = both(m, mix.post, out, residual, post, comb)
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item())
@@ -101,9 +102,9 @@ def test_rope_and_norm_kernels_are_torchs(loaded, dtype):
     checks = [("rope", q, heads, False), ("rope", q, heads, True), ("rope", kv, rows, False),
               ("rope", q.transpose(1, 2).transpose(1, 2), heads, True),
               ("rope", q.permute(0, 2, 1, 3), torch.randint(0, 9, (2, c.num_attention_heads), generator=g).to(DEVICE), False),
-              ("norm", q, None), ("norm", kv, m._w(0, "attn.kv_norm.weight"))]
+              ("norm", q, None), ("norm", kv, m.layers[0].attention.kv_norm)]
     for method, *args in checks:
-        want, got = both(m, method, *args)
+        want, got = both(m, getattr(m.numerics, method), *args)
         assert got.shape == want.shape and got.dtype == want.dtype, method
         assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item()), method
 
@@ -140,16 +141,16 @@ def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
     random logits: they serve when they match, and a kernel that computes something else is
     refused by name (torch serves on)."""
     m = model(loaded, torch.bfloat16)
-    assert m.use_kernels() is None and m.kernels is kernels
+    assert m.use_kernels() is None and m.numerics.kernels is kernels
     right_post, right_top = kernels.hc_post, kernels.top_two
     monkeypatch.setattr(kernels, "hc_post", lambda *a: right_post(*a) * 1.05)
     why = m.use_kernels()
-    assert why.startswith("the kernels' stream differs from torch's") and m.kernels is None
+    assert why.startswith("the kernels' stream differs from torch's") and m.numerics.kernels is None
     monkeypatch.setattr(kernels, "hc_post", lambda *a: 1 / 0)
-    assert m.use_kernels() == "ZeroDivisionError: division by zero" and m.kernels is None
+    assert m.use_kernels() == "ZeroDivisionError: division by zero" and m.numerics.kernels is None
     monkeypatch.setattr(kernels, "hc_post", right_post)
     monkeypatch.setattr(kernels, "top_two", lambda x: (right_top(x)[0], right_top(x)[1].flip(-1)))
-    assert m.use_kernels().startswith("the kernels' top-two tokens") and m.kernels is None
+    assert m.use_kernels().startswith("the kernels' top-two tokens") and m.numerics.kernels is None
 
 
 @pytest.mark.parametrize("vocab", [129280, 1024, 4097, 3])

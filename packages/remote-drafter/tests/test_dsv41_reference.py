@@ -185,9 +185,9 @@ def compared(toy):
 def test_taps_projection_and_each_layers_context_rows_match(toy, compared, close):
     c, model, out, trace, window = compared
     _, weights, taps, positions = toy
-    close(model.project_taps(f32(taps)), out.main_x, "taps projection")
+    close(model.taps(f32(taps)), out.main_x, "taps projection")
     for j in range(ref.n_layers(c)):
-        got = model.context_rows(j, f32(out.main_x[-len(window):]), window)
+        got = model.layers[j].attention.context_rows(f32(out.main_x[-len(window):]), window)
         close(got, trace["layers"][j]["context_rows"], f"layer {j} context rows")
 
 
@@ -196,38 +196,38 @@ def test_each_layer_mixers_attention_routing_and_moe_match(compared, close):
     block_positions = out.block_positions[None]
     valid = torch.ones(1, len(window), dtype=torch.bool)
     for j, t in trace["layers"].items():
-        carried = t["state_in"].pre_mix
+        layer, carried = model.layers[j], t["state_in"].pre_mix
         for mixer, residual, hc, pre_in in (("attn", t["attn_residual"], t["attn_hc"], carried),
                                             ("ffn", t["ffn_residual"], t["ffn_hc"], t["attn_hc"].pre)):
-            got = model.hc_pre(j, mixer, f32(residual), f32(pre_in))
+            got = getattr(layer, f"{mixer}_mix").pre(f32(residual), f32(pre_in))
             for value, want, name in zip(got, (hc.layer_input, hc.post, hc.comb, hc.pre),
                                          ("input", "post", "comb", "pre")):
                 close(value, want, f"layer {j} hc_{mixer} {name}")
-        got = model.attention(j, f32(t["attn_hc"].layer_input)[None], block_positions,
+        got = layer.attention(f32(t["attn_hc"].layer_input)[None], block_positions,
                               f32(t["context_rows"])[None], valid)
         close(got, t["attn_out"], f"layer {j} attention")
-        got = model.hc_post(f32(t["attn_out"]), f32(t["attn_residual"]), f32(t["attn_hc"].post),
-                            f32(t["attn_hc"].comb))
+        got = layer.attn_mix.post(f32(t["attn_out"]), f32(t["attn_residual"]), f32(t["attn_hc"].post),
+                                  f32(t["attn_hc"].comb))
         close(got, t["ffn_residual"], f"layer {j} hc post after attention")
-        weights, experts = model.route(j, f32(t["ffn_hc"].layer_input))
+        weights, experts = layer.moe.route(f32(t["ffn_hc"].layer_input))
         want_ids, want_weights = t["route"]
         order, want_order = experts.argsort(-1), want_ids.argsort(-1)
         assert experts.gather(-1, order).tolist() == want_ids.gather(-1, want_order).tolist(), \
             f"layer {j}: other experts chosen"
         close(weights.gather(-1, order), want_weights.gather(-1, want_order), f"layer {j} routing weights")
-        close(model.moe(j, f32(t["ffn_hc"].layer_input)), t["ffn_out"], f"layer {j} MoE")
+        close(layer.moe(f32(t["ffn_hc"].layer_input)), t["ffn_out"], f"layer {j} MoE")
 
 
 def test_collapse_head_markov_and_confidence_match(toy, compared, close):
     c, model, out, trace, _ = compared
     if ref.is_v4(c):
-        close(model.head_pre(f32(trace["streams"])), trace["pre"], "hc_head's collapse weights")
-    close(model.collapse(f32(trace["streams"]), f32(trace["pre"])), out.head_hidden, "collapse")
-    close(model.logits(f32(out.head_hidden)), out.base_logits, "head logits")
+        close(model.output_collapse(f32(trace["streams"])), trace["pre"], "hc_head's collapse weights")
+    close(model.numerics.collapse(f32(trace["streams"]), f32(trace["pre"])), out.head_hidden, "collapse")
+    close(model.head(f32(out.head_hidden)), out.base_logits, "head logits")
     previous = torch.tensor([7] + out.drafts.tolist()[:-1])
-    embed = model.markov_embed(previous)
+    embed = model.markov.embed(previous)
     close(embed, ref.markov_embed(toy[1], previous), "Markov embedding")
-    close(model.markov_logits(f32(out.base_logits), embed), out.logits, "Markov logits")
+    close(model.markov.logits(f32(out.base_logits), embed), out.logits, "Markov logits")
     close(model.confidence(f32(out.head_hidden), embed), out.confidences, "confidence")
 
 
@@ -242,10 +242,10 @@ def test_the_whole_block_drafts_the_same_greedy_chain(toy, compared, close):
     valid = torch.cat((torch.zeros(3, dtype=torch.bool), torch.ones(len(window), dtype=torch.bool)))[None]
     h = model.block_hidden(ctx, valid, torch.tensor([7]), torch.tensor([P0]))[0]
     close(h, out.head_hidden, "the block's head hidden")
-    z = model.logits(h)
+    z = model.head(h)
     previous, drafts = torch.tensor([7]), []
     for i in range(len(out.drafts)):
-        previous = model.markov_logits(z[i:i + 1], model.markov_embed(previous)).argmax(-1)
+        previous = model.markov.logits(z[i:i + 1], model.markov.embed(previous)).argmax(-1)
         drafts.append(int(previous))
     assert drafts == out.drafts.tolist()
 
@@ -269,11 +269,11 @@ def test_in_float64_the_whole_block_agrees_with_the_reference_to_float64_roundin
     valid = torch.cat((torch.zeros(3, dtype=torch.bool), torch.ones(len(window), dtype=torch.bool)))[None]
     h = model.block_hidden(ctx, valid, torch.tensor([7]), torch.tensor([P0]))[0]
     previous = torch.tensor([7] + out.drafts.tolist()[:-1])
-    embed = model.markov_embed(previous)
+    embed = model.markov.embed(previous)
     errors = {}
     for name, got, want in (("head hidden", h, out.head_hidden),
-                            ("head logits", model.logits(h), out.base_logits),
-                            ("Markov logits", model.markov_logits(model.logits(h), embed), out.logits),
+                            ("head logits", model.head(h), out.base_logits),
+                            ("Markov logits", model.markov.logits(model.head(h), embed), out.logits),
                             ("confidence", model.confidence(h, embed), out.confidences)):
         assert got.dtype == torch.float64, name
         errors[name] = float((got - want).norm() / want.norm())
@@ -281,7 +281,7 @@ def test_in_float64_the_whole_block_agrees_with_the_reference_to_float64_roundin
     print(f"\n{c['model_type']} float64 model vs float64 reference, worst relative error "
           f"{errors[worst]:.1e} ({worst}); " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert errors[worst] < FLOAT64_TOLERANCE, f"{worst}: relative error {errors[worst]:.2e}"
-    assert model.markov_logits(model.logits(h), embed).argmax(-1).tolist() == out.drafts.tolist()
+    assert model.markov.logits(model.head(h), embed).argmax(-1).tolist() == out.drafts.tolist()
 
 
 # -- tools/check-vllm-hooks.py guards the transcription --------------------------------------

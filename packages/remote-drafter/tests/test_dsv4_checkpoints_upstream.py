@@ -126,7 +126,7 @@ def test_a_bf16_confidence_head_loads_upcast_and_drafts_as_the_float32_one(tmp_p
     assert all(torch.equal(narrow.weights[n], wide.weights[n]) for n in wide.weights)
     d_f32, by_f32 = drafts(f32)
     d_bf16, by_bf16 = drafts(str(bf16))
-    assert d_bf16.model.has_confidence
+    assert d_bf16.model.confidence is not None
     assert_same_drafts(by_bf16, by_f32)
     # the upcast is the confidence head's alone: a bf16 attention sink is still refused
     retype(bf16, "mtp.0.attn.attn_sink", torch.bfloat16)

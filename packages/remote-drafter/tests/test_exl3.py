@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 import remote_drafter.cli  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
-from remote_drafter.models.dsv41.config import markov_names  # noqa: E402
-from remote_drafter.models.dsv41.model import Dsv41Model, linear_names  # noqa: E402
+from remote_drafter.models.dsv41.config import linear_names, markov_names  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 
 
 def test_refusals_name_the_missing_piece(monkeypatch):
@@ -76,14 +76,14 @@ def test_served_linears_replace_dense_weights_exactly(tmp_path, variant):
         else:
             served[name] = lambda x, m=w[name]: x @ m.T
     other = Dsv41Model(c, {n: t for n, t in w.items() if n not in served}, linears=served)
-    assert not set(served) & set(other.w)
+    assert not set(served) & {n for n, _ in other.named_tensors()}
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randn(2, 16, c.n_mtp_layers, c.head_dim, generator=gen, dtype=torch.float64)
     valid = torch.ones(2, 16, dtype=torch.bool)
     seed, p0 = torch.tensor([3, 5]), torch.tensor([20, 40])
     h = dense.block_hidden(ctx, valid, seed, p0)
     assert torch.equal(h, other.block_hidden(ctx, valid, seed, p0))
-    assert torch.equal(dense.logits(h), other.logits(h))
+    assert torch.equal(dense.head(h), other.head(h))
     taps = torch.randn(4, c.feature_width, generator=gen, dtype=torch.float64)
     assert torch.equal(dense.encode_rows(taps, torch.arange(4)), other.encode_rows(taps, torch.arange(4)))
 
@@ -201,7 +201,7 @@ def test_every_expert_on_every_row_is_the_chosen_experts_sum(tmp_path, variant):
     block = (torch.randn(3, 16, c.n_mtp_layers, c.head_dim, generator=gen, dtype=torch.float64),
              torch.ones(3, 16, dtype=torch.bool), torch.tensor([3, 5, 7]), torch.tensor([20, 40, 9]))
     chosen = model.block_hidden(*block)
-    model.every_expert = True
+    model.every_expert_on_every_row()
     every = model.block_hidden(*block)
     assert not torch.equal(chosen, torch.zeros_like(chosen))
     torch.testing.assert_close(every, chosen, rtol=1e-12, atol=1e-12)

@@ -49,21 +49,20 @@ def test_fused_experts_give_the_per_matrix_sum_in_every_tier(pack):
     for rows in (1, c.block_size, coop_rows, coop_rows + 1, 2 * COOP_SLOTS + 3):
         for j in range(c.n_mtp_layers):
             x = torch.randn(rows, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
-            want, got = per_matrix.moe(j, x), fused.moe(j, x)
+            want, got = per_matrix.layers[j].moe(x), fused.layers[j].moe(x)
             assert got.shape == want.shape and got.dtype == want.dtype
             error = float((got.float() - want.float()).norm() / want.float().norm())
             assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
     # the coop tier's result is copied out: a second layer's call leaves the first's intact
     x = torch.randn(3, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
-    first = fused.moe(0, x)
+    first = fused.layers[0].moe(x)
     kept = first.clone()
-    fused.moe(1, x)
+    fused.layers[1].moe(x)
     assert torch.equal(first, kept)
 
 
 def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
     per_matrix, fused = two_models(pack)
-    fused.fused = {}  # the drafter fuses its model's experts itself
     manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
     eager = Dsv41Drafter(per_matrix, manifest, DEVICE, cuda_graphs=None, fuse_experts=False)
     graphed = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)  # auto: fused, so captured

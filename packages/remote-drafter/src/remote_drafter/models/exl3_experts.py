@@ -10,7 +10,7 @@ weights once per call:
   output the routed launch adds;
 * more rows: `exl3_moe` over the assignments sorted by expert, then `exl3_moe_gather` sums
   each row's slots in a fixed order (deterministic), the shared expert added after.
-The routing stays the model's (Dsv41Model.route); its weights go in as fp16, as exllamav3's
+The routing stays the model's (dsv41/modules/moe.py MoE.route); its weights go in as fp16, as exllamav3's
 routers hand them over. The activation is exllamav3's SiLU with a limit,
 min(silu(g), L) * clamp(u, -L, L): DeepSeek's silu(min(g, L)) * clamp(u, -L, L) differs only
 where g > L, by at most L / (1 + e^L).
@@ -187,11 +187,3 @@ class Exl3Experts:
         ext.exl3_moe_gather(out, scratch, flat, inverse, start[:e], start[:e], kind[:e], weight_sorted)
         return out
 
-
-def layer_experts(linears: dict, j: int, n_experts: int, top_k: int, shared: bool,
-                  limit: float | None, device) -> Exl3Experts:
-    """Layer j's Exl3Experts from the model's served linears ({weight name: Exl3Linear})."""
-    def three(prefix):
-        return tuple(linears[f"{prefix}.{n}.weight"] for n in ("w1", "w3", "w2"))
-    routed = [three(f"mtp.{j}.ffn.experts.{e}") for e in range(n_experts)]
-    return Exl3Experts(routed, three(f"mtp.{j}.ffn.shared_experts") if shared else None, top_k, limit, device)

@@ -422,6 +422,13 @@ def weight_table(config: Dsv41DrafterConfig) -> dict[str, tuple[tuple[int, ...],
     return table
 
 
+def linear_names(config: Dsv41DrafterConfig) -> list[str]:
+    """The drafter's own linears, which another weight back end may serve (exl3.py):
+    main_proj, the attention projections, experts and shared experts; not the router gate,
+    nor the embedding, head and Markov/confidence heads."""
+    return [n for n, (_, storage) in weight_table(config).items() if storage in ("fp8", "expert")]
+
+
 def layer_table(config: Dsv41DrafterConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """One DeepseekV4DecoderLayer (sliding-window attention, routed MoE) under `prefix`: a
     drafter stage's layer, or a trunk layer's with the same sizes (tiny.py)."""

@@ -33,8 +33,8 @@ from remote_drafter.models.pick import Picker, chain_arrays, split
 from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
-from .config import flatten
-from .model import Dsv41Model, linear_names
+from .config import flatten, linear_names
+from .model import Dsv41Model
 
 log = logging.getLogger(__name__)
 GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
@@ -52,7 +52,7 @@ class Dsv41Drafter(Drafter):
         hyper-connection mixes, RoPE, the norms and the greedy chain's top two in torch on
         CUDA too (the baseline of kernels.py)."""
         c = model.config
-        if confidence_cutoff > 0 and not model.has_confidence:
+        if confidence_cutoff > 0 and model.confidence is None:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
                              "which this one lacks")
         self.model, self.config, self._manifest, self.device = model, c, manifest, device
@@ -69,10 +69,10 @@ class Dsv41Drafter(Drafter):
             if why and round_kernels:
                 log.warning("the round's Triton kernels do not serve, torch does (slower rounds): %s", why)
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
-            why = None if model.kernels else "cpu"
+            why = None if model.numerics.kernels else "cpu"
         self._kernels_why = why
-        if model.linears and self._forward.cuda:
-            if model.fused and not fuse_experts:
+        if model.served and self._forward.cuda:
+            if model.experts_fused and not fuse_experts:
                 raise ValueError("this model's EXL3 experts are fused already (another drafter's "
                                  "CUDA graphs use their buffers): load it again for the per-matrix path")
             why = model.fuse_exl3_experts() if fuse_experts else "not asked to"
@@ -80,14 +80,14 @@ class Dsv41Drafter(Drafter):
                 log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
             self.experts = "exl3 fused" if why is None else f"exl3 per matrix ({why})"
         if cuda_graphs is None:
-            cuda_graphs = not model.linears or bool(model.fused)
+            cuda_graphs = not model.served or model.experts_fused
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
-            if not model.linears:
+            if not model.served:
                 why = model.stack_experts()
                 self.experts = ("dense, the chosen experts in grouped GEMMs" if why is None
                                 else f"dense, every expert on every row ({why})")
-            elif not model.fused:  # EXL3 experts per matrix: each on every row
-                model.every_expert = True
+            elif not model.experts_fused:  # EXL3 experts per matrix: each on every row
+                model.every_expert_on_every_row()
             self._forward.capture(GRAPH_BATCHES, self._blank)
 
     @classmethod
@@ -155,7 +155,7 @@ class Dsv41Drafter(Drafter):
     def round_kernels(self) -> str:
         """What runs the round's mixes, RoPE, norms and top two. The model's choice: a drafter
         built later over the same model with another choice changes it for this one too."""
-        if self.model.kernels is not None:
+        if self.model.numerics.kernels is not None:
             return "triton (mHC, RoPE, norms, top two)"
         return f"torch ({self._kernels_why or 'another drafter of this model chose it'})"
 
@@ -163,7 +163,7 @@ class Dsv41Drafter(Drafter):
         return self._manifest
 
     def describe(self) -> dict:
-        return {**super().describe(), "confidence_head": self.model.has_confidence,
+        return {**super().describe(), "confidence_head": self.model.confidence is not None,
                 "confidence_cutoff": self.confidence_cutoff,
                 "experts": self.experts, "round_kernels": self.round_kernels,
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
@@ -175,15 +175,16 @@ class Dsv41Drafter(Drafter):
         both tokens (the drafted one first), confidence. A greedy round reads this alone, so its Markov head runs
         inside the captured graph and one copy brings the round back."""
         model = self.model
+        markov, confidence = model.markov, model.confidence
         h = model.block_hidden(ctx, valid, seed, p0)
-        z = model.logits(h)
+        z = model.head(h)
         previous, chain = seed, []
         for i in range(self.max_depth):
-            m = model.markov_embed(previous)
-            p2, i2 = model.top_two(model.markov_logits(z[:, i], m))
+            m = markov.embed(previous)
+            p2, i2 = model.numerics.top_two(markov.logits(z[:, i], m))
             step = [p2, i2]
-            if model.has_confidence:
-                step.append(model.confidence(h[:, i], m)[:, None])
+            if confidence is not None:
+                step.append(confidence(h[:, i], m)[:, None])
             chain.append(torch.cat([t.double() for t in step], -1))
             previous = i2[:, 0]
         return h, z, torch.stack(chain, 1)
@@ -217,13 +218,13 @@ class Dsv41Drafter(Drafter):
         else:
             pick, previous, confidence = Picker(requests, want_probs), seed, []
             for i in range(depth):
-                m = model.markov_embed(previous)
-                if model.has_confidence:
+                m = model.markov.embed(previous)
+                if model.confidence is not None:
                     confidence.append(model.confidence(h[:, i], m))
-                previous = pick(model.markov_logits(z[:, i], m), [r.history.length + i for r in requests])
+                previous = pick(model.markov.logits(z[:, i], m), [r.history.length + i for r in requests])
             drafts = split(requests, *pick.finish())
             scores = torch.stack(confidence, 1).float().cpu().numpy() if confidence else None
-        if not model.has_confidence:
+        if model.confidence is None:
             return drafts
         return [self._cut(replace(d, confidence=s[:len(d.tokens)])) for d, s in zip(drafts, scores)]
 

@@ -1,0 +1,216 @@
+"""A drafter layer's FFN: routed experts (top-k of score + gate.bias) plus a shared expert,
+SwiGLU clamped. The routed experts have several implementations behind one call,
+experts(rows, routing weights, chosen experts) -> the weighted sum in `wide`:
+
+* PerMatrixExperts: each expert three linears, dense or EXL3; the chosen ones on the rows
+  that chose them (the routing read on the host), or every expert on every row (no host
+  read: a CUDA graph captures it);
+* StackedExperts: dense experts stacked [experts, out, in]; the chosen ones through grouped
+  GEMMs, or every expert on every row (shapes fixed by the batch: graphs capture both);
+* FusedExperts: EXL3 experts through exllamav3's fused multi-expert kernels, the shared
+  expert in the same launches (exl3_experts.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from .module import Dense, Module, Weights
+from .numerics import Numerics, relative_error, swiglu
+
+_SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid,
+           "softmax": lambda x: x.softmax(-1)}
+PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
+
+
+def dense_routing(num: Numerics, flat, weights, experts) -> torch.Tensor:
+    """[rows, experts]: each row's routing weight of every expert, zero where not chosen."""
+    share = torch.zeros(flat.shape[0], num.config.n_routed_experts, dtype=num.wide, device=flat.device)
+    return share.scatter_(1, experts, weights)
+
+
+class PerMatrixExperts(Module):
+    includes_shared = False
+
+    def __init__(self, numerics: Numerics, weights: Weights, prefix: str):
+        super().__init__(numerics)
+        self.experts = [tuple(self.linear(weights, f"{prefix}ffn.experts.{e}.{p}.weight") for p in PROJECTIONS)
+                        for e in range(numerics.config.n_routed_experts)]
+        self.every_row = False
+
+    @property
+    def dense(self) -> bool:
+        return all(isinstance(m, Dense) for three in self.experts for m in three)
+
+    def __call__(self, flat, weights, experts) -> torch.Tensor:
+        num = self.numerics
+        out = torch.zeros(flat.shape, dtype=num.wide, device=flat.device)
+        limit = num.config.swiglu_limit
+        if self.every_row:  # weighted by the routing, zero where not chosen
+            share = dense_routing(num, flat, weights, experts)
+            for e, (w1, w3, w2) in enumerate(self.experts):
+                out += swiglu(flat, w1, w3, w2, limit).to(num.wide) * share[:, e, None]
+            return out
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            y = swiglu(flat[rows], *self.experts[e], limit)
+            out[rows] += y.to(num.wide) * weights[rows, slot, None]  # a token picks e once
+        return out
+
+
+class StackedExperts(Module):
+    """The experts' dense weights moved into [experts, out, in] tensors (the per-expert ones
+    are dropped with the PerMatrixExperts they came from)."""
+    includes_shared = False
+
+    def __init__(self, per_matrix: PerMatrixExperts, prefix: str):
+        super().__init__(per_matrix.numerics)
+        if not per_matrix.dense:
+            raise ValueError("stacked experts need dense expert weights (another back end serves these)")
+        self.w1, self.w3, self.w2 = (
+            torch.stack([three[p].weight for three in per_matrix.experts]) for p in range(3))
+        self.own = {f"{prefix}ffn.experts.{p}.stacked": t for p, t in zip(PROJECTIONS, (self.w1, self.w3, self.w2))}
+        self.grouped = False
+
+    def __call__(self, flat, weights, experts) -> torch.Tensor:
+        return (self.chosen_grouped if self.grouped else self.every_expert)(flat, weights, experts)
+
+    def every_expert(self, flat, weights, experts) -> torch.Tensor:
+        """Every expert on every row, weighted by its routing weight (zero where not chosen)."""
+        share = dense_routing(self.numerics, flat, weights, experts)
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        y = swiglu(flat, lambda x: torch.einsum("th,eih->eti", x, w1),
+                   lambda x: torch.einsum("th,eih->eti", x, w3),
+                   lambda a: torch.einsum("eti,ehi->eth", a, w2), self.numerics.config.swiglu_limit)
+        return torch.einsum("eth,te->th", y.to(self.numerics.wide), share)
+
+    def chosen_grouped(self, flat, weights, experts) -> torch.Tensor:
+        """Each row through its chosen experts only: the (row, expert) slots sorted by expert
+        on the device, three grouped GEMMs over the stacked weights (group e: expert e's
+        rows), the results put back in slot order and summed per row in a fixed order."""
+        n, k = experts.shape
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.zeros(self.numerics.config.n_routed_experts, dtype=torch.int32, device=flat.device)
+        counts.index_add_(0, experts.flatten(), torch.ones_like(order, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+
+        def grouped(w):
+            return lambda x: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        y = swiglu(flat[order // k], grouped(self.w1), grouped(self.w3), grouped(self.w2),
+                   self.numerics.config.swiglu_limit)
+        slots = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
+        return torch.einsum("tkh,tk->th", slots.to(self.numerics.wide), weights)
+
+
+class FusedExperts(Module):
+    """EXL3 routed experts and the shared one through exllamav3's fused kernels. Its result
+    lives in the kernels' buffers until the next call: MoE copies it out."""
+    includes_shared = True
+
+    def __init__(self, per_matrix: PerMatrixExperts, shared, device):
+        super().__init__(per_matrix.numerics)
+        from remote_drafter.models.exl3_experts import Exl3Experts
+        c = self.numerics.config
+        self.per_matrix = per_matrix  # the kernels' pointer tables address these linears' tensors
+        self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device)
+
+    def __call__(self, flat, weights, experts) -> torch.Tensor:
+        return self.kernels(flat, weights, experts)
+
+
+class MoE(Module):
+    def __init__(self, numerics: Numerics, weights: Weights, prefix: str):
+        super().__init__(numerics)
+        c = numerics.config
+        self.prefix = prefix
+        self.gate = self.take(weights, f"{prefix}ffn.gate.weight")
+        self.bias = self.take(weights, f"{prefix}ffn.gate.bias") if c.gate_bias else None
+        self.experts: PerMatrixExperts | StackedExperts | FusedExperts = PerMatrixExperts(numerics, weights, prefix)
+        self.shared = tuple(self.linear(weights, f"{prefix}ffn.shared_experts.{p}.weight")
+                            for p in PROJECTIONS) if c.n_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k])."""
+        c = self.numerics.config
+        scores = _SCORES[c.scoring_func]((x @ self.gate.T).to(self.numerics.wide))
+        choose = scores + self.bias if self.bias is not None else scores
+        experts = choose.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * c.routed_scaling_factor, experts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        num = self.numerics
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.experts(flat, *self.route(flat))
+        if self.shared is not None and not self.experts.includes_shared:
+            out = out + swiglu(flat, *self.shared, num.config.swiglu_limit).to(num.wide)
+        return out.to(x.dtype, copy=True).view_as(x)  # a copy: fused results live in their buffers
+
+    # -- choosing the implementation -----------------------------------------------------
+    def every_expert_on_every_row(self) -> None:
+        """Per-matrix experts without a host read of the routing (what a graph captures)."""
+        if isinstance(self.experts, PerMatrixExperts):
+            self.experts.every_row = True
+
+    def fuse(self, device) -> str | None:
+        """EXL3 experts through exllamav3's fused kernels. None when done, else why not (the
+        per-matrix path stays). Fused experts stay fused, with the same buffers: CUDA graphs
+        another drafter captured over this model point into them."""
+        if isinstance(self.experts, FusedExperts):
+            return None
+        try:
+            self.experts = FusedExperts(self.experts, self.shared, device)
+        except (KeyError, ValueError, ImportError, AttributeError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def stack(self) -> str | None:
+        """Dense experts stacked (moved, not copied), so they run with shapes fixed by the
+        batch: what a CUDA graph can capture. The chosen experts then run as grouped GEMMs
+        (torch._grouped_mm: only their weights read) once those have matched every expert on
+        every row here (and, on CUDA, inside a captured graph); else every expert on every
+        row. None when grouped, else why not."""
+        if not isinstance(self.experts, StackedExperts):
+            self.experts = StackedExperts(self.experts, self.prefix)
+        why = self._grouped_refusal()
+        self.experts.grouped = why is None
+        return why
+
+    @torch.inference_mode()
+    def _grouped_refusal(self) -> str | None:
+        num, stacked = self.numerics, self.experts
+        if num.device.type == "cuda" and num.dtype != torch.bfloat16:
+            # torch's grouped GEMM serves other dtypes by a path that reads the groups on the
+            # host, which a CUDA graph cannot hold
+            return f"grouped GEMMs on CUDA take bf16, this model is {num.dtype}"
+        c = num.config
+        rows = torch.randn(2 * c.block_size, c.hidden_size, generator=torch.Generator().manual_seed(0))
+        flat = rows.to(num.device, num.dtype)
+        weights, experts = self.route(flat)
+        try:
+            want = stacked.every_expert(flat, weights, experts)
+            got = stacked.chosen_grouped(flat, weights, experts)
+            if num.device.type == "cuda":  # and inside a graph, as a round runs them
+                got = captured(lambda: stacked.chosen_grouped(flat, weights, experts), num.device)
+        except Exception as exc:  # noqa: BLE001 - a torch or device without grouped GEMMs
+            return f"{type(exc).__name__}: {exc}"
+        err = relative_error(want, got)
+        if not err <= num.rounding:
+            return f"grouped GEMMs differ from every expert on every row by {err:.2e}"
+        return None
+
+
+def captured(fn, device) -> torch.Tensor:
+    """fn() captured in a CUDA graph on a side stream and replayed: its output then."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return out.clone()
