@@ -5,7 +5,8 @@ weights drawn on the card) on one GPU, every variant side by side in one run
   exl3_4   EXL3 4-bit linears (random trellis): the experts per matrix, eager (the path
            before the fused kernels); the experts through exllamav3's fused kernels, eager;
            fused with the round captured as CUDA graphs (the worker's default), with the
-           round's Triton kernels (mixes, top two: the default) and with torch's
+           round's Triton kernels (mixes, top two: the default) and with torch's; and with
+           a 6-bit EXL3 head in place of the bf16 one
   bf16     the same width in bf16, CUDA graphs: each row's chosen experts in grouped GEMMs
            (torch._grouped_mm), and every expert on every row (its baseline)
 
@@ -53,6 +54,7 @@ GIB = 1 << 30
 CARD_3090 = 24 * 10**9
 BANDWIDTH_3090 = 936e9  # bytes/s, the card's datasheet figure
 BITS = 4
+HEAD_BITS = 6  # exllamav3's default for heads
 GOALS = {"exl3_4": {1: 3.0, 4: 3.0, 16: 2.0}, "bf16": {1: 3.0, 4: 3.0, 16: 3.0}}  # x floor
 
 
@@ -107,6 +109,19 @@ def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
     for name, m in linears.items():
         sizes[name] = sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
     return Dsv41Model(config, weights, "cuda", linears=linears), sizes
+
+
+def exl3_head_rounds(model: Dsv41Model, manifest, sizes, batches, rounds, bandwidth) -> list[dict]:
+    """Rounds with the head module's linear replaced by a random HEAD_BITS EXL3 one (its
+    bytes in the floor), in graphs; the bf16 head put back after."""
+    dense_head = model.head.proj
+    shape = weight_table(model.config)["head.weight"][0]
+    model.head.proj = random_exl3(shape, HEAD_BITS, torch.Generator(device="cuda").manual_seed(2), "cuda")
+    try:
+        drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
+        return rounds_of(drafter, {**sizes, "head.weight": model.head.proj.stored_bytes}, batches, rounds, bandwidth)
+    finally:
+        model.head.proj = dense_head
 
 
 def dense_sizes(model: Dsv41Model) -> dict[str, int]:
@@ -342,6 +357,10 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         say("== the worker over tcp loopback (fused, graphs)")
         res["worker_tcp"] = {"rounds": measure(graphed, batches, rounds)}
         save()
+        say(f"== the same round with a {HEAD_BITS}-bit EXL3 head (exl3 convert --head-bits)")
+        e["rounds_exl3_head"] = exl3_head_rounds(model, manifest, sizes, batches, rounds, bandwidth)
+        e["exl3_head_bits"] = HEAD_BITS
+        save()
         del graphed
     del per_matrix, fused_eager, model
     torch.cuda.empty_cache()
@@ -352,17 +371,18 @@ def print_table(res: dict) -> None:
     print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: "
           f"{e.get('experts')}; round kernels: {e.get('round_kernels')}")
     print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
-          "| graphs, torch's | bf16 graphs | bf16 floor | x floor")
+          "| graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
     def cell(rows, i, key, fmt="{:.2f}"):
         return fmt.format(rows[i][key]) if rows and i < len(rows) and key in rows[i] else "-"
     for i, b in enumerate(res["batches"]):
         def at(rows, key, fmt="{:.2f}", i=i):
             return cell(rows, i, key, fmt)
-        g, bf = e.get("rounds"), res.get("bf16", {}).get("rounds")
+        g, bf, hd = e.get("rounds"), res.get("bf16", {}).get("rounds"), e.get("rounds_exl3_head")
         print(f"{b:5d} | {at(e.get('per_matrix_eager'), 'p50_ms'):>15} | {at(e.get('fused_eager'), 'p50_ms'):>16} | "
               f"{at(g, 'p50_ms'):>13} / {at(g, 'p99_ms'):<12} | {at(g, 'floor_ms', '{:.3f}')} "
               f"({at(g, 'rtx3090_floor_ms_estimate', '{:.2f}')}) | {at(g, 'p50_over_floor', '{}'):>7} | "
-              f"{at(e.get('rounds_torch_kernels'), 'p50_ms'):>15} | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
+              f"{at(e.get('rounds_torch_kernels'), 'p50_ms'):>15} | "
+              f"{at(hd, 'p50_ms'):>14} ({at(hd, 'p50_over_floor', '{}')}) | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
 
 
 def profile(batches: list[int], out: str) -> None:

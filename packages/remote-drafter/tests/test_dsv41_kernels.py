@@ -20,6 +20,9 @@ from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, kernels, tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.dsv41.modules.mix import HyperMix  # noqa: E402
+from remote_drafter.models.dsv41.modules.module import Weights  # noqa: E402
+from remote_drafter.models.dsv41.modules.numerics import Numerics  # noqa: E402
 from remote_drafter.models.pick import top_two  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +76,30 @@ def test_hc_pre_kernel_is_the_torch_mix(loaded, dtype, carried, iters):
                 assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item()), name
             if iters == 20:  # doubly stochastic by then
                 assert torch.allclose(got[2].sum(-1), torch.ones_like(got[2].sum(-1)), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_kernel_adds_the_slices_of_a_wide_stream(loaded, dtype):
+    """A stream several of the mixes' slices wide, the last one partial (the tiny model's
+    fits in one): the same mix as torch's."""
+    width = 1100
+    c = replace(loaded.config, hidden_size=width)
+    k, g = c.hc_mult, torch.Generator().manual_seed(5)
+    assert k * width > kernels.MIX_SLICE * 4 and (k * width) % kernels.MIX_SLICE
+    tensors = {"mtp.0.hc_attn_fn": torch.randn(c.mix_hc, k * width, generator=g) * 0.02,
+               "mtp.0.hc_attn_scale": torch.rand(3, generator=g) + 0.5,
+               "mtp.0.hc_attn_base": torch.randn(c.mix_hc, generator=g),
+               "mtp.0.attn_norm.weight": (torch.rand(width, generator=g) + 0.5).to(dtype)}
+    numerics = Numerics(c, dtype, torch.device(DEVICE))
+    mix = HyperMix(numerics, Weights({n: t.to(DEVICE) for n, t in tensors.items()}, {}), "mtp.0.", "attn")
+    residual = torch.randn(3, k, width, generator=g).to(DEVICE, dtype)
+    carried = torch.rand(3, k, generator=g).to(DEVICE) + 0.5
+    want = mix.pre(residual, carried)
+    numerics.kernels = kernels
+    got = mix.pre(residual, carried)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for name, a, b in zip(("x", "post", "comb", "pre"), want, got):
+        assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * a.abs().max().item()), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

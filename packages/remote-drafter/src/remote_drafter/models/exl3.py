@@ -199,11 +199,14 @@ class Exl3Linear(nn.Module):
         self.stored_bytes = sum(v.numel() * v.element_size() for v in t.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).half()
+        y = self.half_rows(x.reshape(-1, x.shape[-1]).half())
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def half_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp16 rows [N, in] -> fp16 [N, out] (no casts: the caller's)."""
         if self.in_stored != self.in_features:
             rows = F.pad(rows, (0, self.in_stored - self.in_features))
-        y = self.inner.forward(rows.contiguous(), {})[:, :self.out_features]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self.inner.forward(rows.contiguous(), {})[:, :self.out_features]
 
     def dense(self) -> torch.Tensor:
         """W [out, in] as exllamav3 reconstructs it (fp16)."""
@@ -219,7 +222,11 @@ class Exl3Groups(nn.Module):
         self.groups = nn.ModuleList(groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([g(x[..., i, :].contiguous()) for i, g in enumerate(self.groups)], -2)
+        """One cast to fp16 in and one back for all groups (not one each way per group)."""
+        x16 = x.half()
+        y = torch.stack([g.half_rows(x16[..., i, :].reshape(-1, x.shape[-1]))
+                         for i, g in enumerate(self.groups)], -2)
+        return y.to(x.dtype).reshape(*x.shape[:-2], len(self.groups), -1)
 
 
 def linear_from(state: dict[str, torch.Tensor], module: str, shape: tuple[int, int],

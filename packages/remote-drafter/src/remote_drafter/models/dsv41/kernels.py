@@ -1,11 +1,13 @@
 """The drafter round's Triton kernels, in place of torch launches that each do little:
 
-* hc_pre / hc_post: the hyper-connection mix (mHC) of one sublayer, one kernel each side,
-  for the many small launches of Dsv41Model.hc_pre / hc_post (most of them the Sinkhorn
-  iterations). hc_pre runs one program per row: the stream's mean square, then the pre and
-  post weights and the K x K mix normalised by Sinkhorn in registers, then the collapse and
-  its RMS norm (the K*H-wide product with hc_*_fn stays one torch GEMM for all rows);
-  hc_post one program per (row, slice of H): residual = comb^T residual + post x out.
+* hc_pre / hc_post: the hyper-connection mix (mHC) of one sublayer (modules/mix.py), for
+  the many small launches of the torch code (most of them the Sinkhorn iterations). hc_pre
+  is two kernels: the stream's products with hc_*_fn and its sum of squares, split over
+  slices of K*H so that a batch of one row still fills the GPU (each slice's partial sums
+  written apart, no atomics: the same result every run); then one program per row adds the
+  slices' partials in a fixed order, computes the pre and post weights and the K x K mix
+  normalised by Sinkhorn in registers, the collapse and its RMS norm. hc_post is one
+  program per (row, slice of H): residual = comb^T residual + post x out.
 * rope and rms_norm: a row's GPT-J rotation (cos/sin from the model's own inv_freq table)
   and its RMS norm, one program a row, for a dozen and half a dozen launches in torch.
 * top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
@@ -28,34 +30,57 @@ COLLAPSE_CARRIED, COLLAPSE_OWN, COLLAPSE_FIRST = 0, 1, 2  # which weights collap
 
 
 @triton.jit
-def _hc_pre_kernel(res_ptr, raw_ptr, scale_ptr, base_ptr, carried_ptr, norm_ptr,
+def _hc_mix_part_kernel(res_ptr, fn_ptr, part_ptr, KH: tl.constexpr, MIX: tl.constexpr,
+                        MIXP: tl.constexpr, SLICE: tl.constexpr, SLICES: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (row, slice): the slice's products with every row of fn [MIX, K*H] and its
+    sum of squares -> part[row, slice, :MIX] and part[row, slice, MIX]."""
+    r, s = tl.program_id(0), tl.program_id(1)
+    m = tl.arange(0, MIXP)
+    mm = m < MIX
+    dots = tl.zeros([MIXP, BLOCK], tl.float32)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for start in range(s * SLICE, s * SLICE + SLICE, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        om = offs < KH
+        v = tl.load(res_ptr + r * KH + offs, mask=om, other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + m[:, None] * KH + offs[None, :], mask=mm[:, None] & om[None, :], other=0.0)
+        dots += f * v[None, :]
+        sq += v * v
+    out = part_ptr + (r * SLICES + s) * (MIX + 1)
+    tl.store(out + m, tl.sum(dots, 1), mask=mm)
+    tl.store(out + MIX, tl.sum(sq, 0))
+
+
+@triton.jit
+def _hc_pre_kernel(res_ptr, part_ptr, scale_ptr, base_ptr, carried_ptr, norm_ptr,
                    x_ptr, post_ptr, comb_ptr, pre_ptr, eps, hc_eps, alpha,
                    H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MIX: tl.constexpr,
-                   ITERS: tl.constexpr, COLLAPSE: tl.constexpr, BLOCK: tl.constexpr):
+                   SLICES: tl.constexpr, SP: tl.constexpr, ITERS: tl.constexpr,
+                   COLLAPSE: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     row = res_ptr + r * K * H
-    # the whole stream's mean square: the mixes are (x . fn) / rms(x)
-    sq = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, K * H, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(row + offs, mask=offs < K * H, other=0.0).to(tl.float32)
-        sq += v * v
-    inv = tl.rsqrt(tl.sum(sq, 0) / (K * H) + eps)
+    # the slices' partials, added in slice order: the mixes are (x . fn) / rms(x)
+    sl = tl.arange(0, SP)
+    slm = sl < SLICES
+    parts = part_ptr + (r * SLICES + sl) * (MIX + 1)
+    inv = tl.rsqrt(tl.sum(tl.load(parts + MIX, mask=slm, other=0.0), 0) / (K * H) + eps)
     k = tl.arange(0, KP)
     km = k < K
     s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    raw = raw_ptr + r * MIX
-    pre = tl.sigmoid((tl.load(raw + k, mask=km, other=0.0) * inv) * s0
-                     + tl.load(base_ptr + k, mask=km, other=0.0)) + hc_eps
-    post = tl.sigmoid((tl.load(raw + K + k, mask=km, other=0.0) * inv) * s1
-                      + tl.load(base_ptr + K + k, mask=km, other=0.0)) * alpha
+    both = slm[:, None] & km[None, :]
+    pre_raw = tl.sum(tl.load(parts[:, None] + k[None, :], mask=both, other=0.0), 0)
+    post_raw = tl.sum(tl.load(parts[:, None] + K + k[None, :], mask=both, other=0.0), 0)
+    pre = tl.sigmoid((pre_raw * inv) * s0 + tl.load(base_ptr + k, mask=km, other=0.0)) + hc_eps
+    post = tl.sigmoid((post_raw * inv) * s1 + tl.load(base_ptr + K + k, mask=km, other=0.0)) * alpha
     tl.store(pre_ptr + r * K + k, pre, mask=km)
     tl.store(post_ptr + r * K + k, post, mask=km)
     # comb: softmax over each row of the K x K mix, then Sinkhorn (columns, then rows/columns)
     ij = k[:, None] * K + k[None, :]
     ijm = km[:, None] & km[None, :]
-    logit = (tl.load(raw + 2 * K + ij, mask=ijm, other=0.0) * inv) * s2 \
-        + tl.load(base_ptr + 2 * K + ij, mask=ijm, other=0.0)
+    comb_raw = tl.sum(tl.load(parts[:, None, None] + 2 * K + ij[None, :, :],
+                              mask=slm[:, None, None] & ijm[None, :, :], other=0.0), 0)
+    logit = (comb_raw * inv) * s2 + tl.load(base_ptr + 2 * K + ij, mask=ijm, other=0.0)
     logit = tl.where(ijm, logit, float("-inf"))
     e = tl.exp(logit - tl.max(logit, 1)[:, None])
     comb = tl.where(ijm, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
@@ -105,21 +130,32 @@ def _hc_post_kernel(res_ptr, out_ptr, post_ptr, comb_ptr, new_ptr,
     tl.store(new_ptr + r * K * H + k[:, None] * H + h[None, :], new.to(new_ptr.dtype.element_ty), mask=both)
 
 
-def hc_pre(residual: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+MIX_SLICE = 1024  # stream values per program of the mixes' products
+MIX_BLOCK = 128  # of them at a time: [MIX, MIX_BLOCK] of fn in registers
+
+
+def hc_pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            carried: torch.Tensor | None, collapse: int, norm: torch.Tensor, eps: float,
            hc_eps: float, alpha: float, iters: int):
-    """residual [..., K, H], raw = flat(residual) @ fn^T [..., (2 + K) K] (float32) ->
-    (normed collapse [..., H] in residual's dtype, post [..., K], comb [..., K, K], pre [..., K])."""
+    """residual [..., K, H], fn [(2 + K) K, K*H] (float32) -> (normed collapse [..., H] in
+    residual's dtype, post [..., K], comb [..., K, K], pre [..., K])."""
     *lead, k, h = residual.shape
     rows = residual.reshape(-1, k, h).contiguous()
     n, dev, f32 = rows.shape[0], residual.device, torch.float32
+    mix, slice_ = fn.shape[0], min(MIX_SLICE, triton.next_power_of_2(k * h))
+    slices = triton.cdiv(k * h, slice_)
+    parts = torch.empty(n, slices, mix + 1, dtype=f32, device=dev)
+    _hc_mix_part_kernel[(n, slices)](rows, fn.contiguous(), parts, KH=k * h, MIX=mix,
+                                     MIXP=triton.next_power_of_2(mix), SLICE=slice_, SLICES=slices,
+                                     BLOCK=min(MIX_BLOCK, slice_))
     x = torch.empty(n, h, dtype=residual.dtype, device=dev)
     post, pre = torch.empty(n, k, dtype=f32, device=dev), torch.empty(n, k, dtype=f32, device=dev)
     comb = torch.empty(n, k, k, dtype=f32, device=dev)
     carried = pre if carried is None else carried.reshape(n, k).to(f32).contiguous()
-    _hc_pre_kernel[(n,)](rows, raw.reshape(n, -1).to(f32).contiguous(), scale, base, carried, norm,
+    _hc_pre_kernel[(n,)](rows, parts, scale, base, carried, norm,
                          x, post, comb, pre, eps, hc_eps, alpha, H=h, K=k,
-                         KP=triton.next_power_of_2(k), MIX=raw.shape[-1], ITERS=iters,
+                         KP=triton.next_power_of_2(k), MIX=mix, SLICES=slices,
+                         SP=triton.next_power_of_2(slices), ITERS=iters,
                          COLLAPSE=collapse, BLOCK=min(1024, triton.next_power_of_2(h)))
     return (x.view(*lead, h), post.view(*lead, k), comb.view(*lead, k, k), pre.view(*lead, k))
 

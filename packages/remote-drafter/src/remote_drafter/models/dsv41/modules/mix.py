@@ -32,8 +32,7 @@ class HyperMix(Module):
             kernels = num.kernels
             collapse = (kernels.COLLAPSE_OWN if not c.delayed_mhc else
                         kernels.COLLAPSE_FIRST if carried_pre is None else kernels.COLLAPSE_CARRIED)
-            raw = residual.flatten(-2).to(num.wide) @ self.fn.T
-            return kernels.hc_pre(residual, raw, self.scale, self.base, carried_pre, collapse, self.norm_weight,
+            return kernels.hc_pre(residual, self.fn, self.scale, self.base, carried_pre, collapse, self.norm_weight,
                                   c.rms_norm_eps, c.hc_eps, HC_POST_ALPHA, c.hc_sinkhorn_iters)
         mixes, scale, base = num.mixes(self.fn, residual), self.scale, self.base
         pre = torch.sigmoid(mixes[..., :k] * scale[0] + base[:k]) + c.hc_eps
