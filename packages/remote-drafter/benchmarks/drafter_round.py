@@ -111,15 +111,19 @@ def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
     return Dsv41Model(config, weights, "cuda", linears=linears), sizes
 
 
-def exl3_head_rounds(model: Dsv41Model, manifest, sizes, batches, rounds, bandwidth) -> list[dict]:
-    """Rounds with the head module's linear replaced by a random HEAD_BITS EXL3 one (its
-    bytes in the floor), in graphs; the bf16 head put back after."""
+def exl3_head_rounds(model: Dsv41Model, manifest, sizes, floors, batches, rounds, bandwidth) -> list[dict]:
+    """Rounds with the head module's linear replaced by a random HEAD_BITS EXL3 one, in
+    graphs, against the same rounds' floors with the EXL3 head's bytes for the bf16 head's
+    (a captured round runs no Python router to record); the bf16 head put back after."""
     dense_head = model.head.proj
     shape = weight_table(model.config)["head.weight"][0]
     model.head.proj = random_exl3(shape, HEAD_BITS, torch.Generator(device="cuda").manual_seed(2), "cuda")
+    change = model.head.proj.stored_bytes - sizes["head.weight"]
+    head_floors = [floor_entry(f["experts_chosen_per_layer"], f["routed_expert_bytes"], f["other_bytes"] + change,
+                               bandwidth) for f in floors]
     try:
         drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
-        return rounds_of(drafter, {**sizes, "head.weight": model.head.proj.stored_bytes}, batches, rounds, bandwidth)
+        return rounds_of(drafter, sizes, batches, rounds, bandwidth, head_floors)
     finally:
         model.head.proj = dense_head
 
@@ -152,8 +156,12 @@ def round_floor(drafter: Dsv41Drafter, sizes: dict[str, int], batch: int, bandwi
     fixed = sum(b for n, b in sizes.items() if ".ffn.experts." not in n and n not in gathered)
     routed = sum(sizes[f"mtp.{j}.ffn.experts.{e}.{w}.weight"] for j, es in chosen.items()
                  for e in es for w in ("w1", "w3", "w2"))
+    return floor_entry([len(chosen[j]) for j in sorted(chosen)], routed, fixed, bandwidth)
+
+
+def floor_entry(experts_chosen: list[int], routed: int, fixed: int, bandwidth: float) -> dict:
     total = routed + fixed
-    return {"experts_chosen_per_layer": [len(chosen[j]) for j in sorted(chosen)],
+    return {"experts_chosen_per_layer": experts_chosen,
             "routed_expert_bytes": routed, "other_bytes": fixed, "round_bytes": total,
             "floor_ms": round(1e3 * total / bandwidth, 3),
             "rtx3090_floor_ms_estimate": round(1e3 * total / BANDWIDTH_3090, 3)}
@@ -358,7 +366,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         res["worker_tcp"] = {"rounds": measure(graphed, batches, rounds)}
         save()
         say(f"== the same round with a {HEAD_BITS}-bit EXL3 head (exl3 convert --head-bits)")
-        e["rounds_exl3_head"] = exl3_head_rounds(model, manifest, sizes, batches, rounds, bandwidth)
+        e["rounds_exl3_head"] = exl3_head_rounds(model, manifest, sizes, floors, batches, rounds, bandwidth)
         e["exl3_head_bits"] = HEAD_BITS
         save()
         del graphed
