@@ -160,6 +160,7 @@ def test_stacked_experts_draft_as_the_chosen_experts_do(folders, path):
     for layer in every.model.layers:
         assert isinstance(layer.moe.experts, StackedExperts) and layer.moe.experts.grouped
         layer.moe.experts.grouped = path == "grouped GEMMs"
+    assert every.model.stack_experts() == (None if path == "grouped GEMMs" else "grouped GEMMs switched off")
     names = [n for n, _ in every.model.named_tensors() if ".experts." in n]
     assert names and all(n.endswith(".stacked") for n in names)  # the per-expert tensors dropped
     assert sum(t.numel() for t in every.model.parameters()) == sum(t.numel() for t in chosen.model.parameters())

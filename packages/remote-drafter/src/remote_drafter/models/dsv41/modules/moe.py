@@ -70,7 +70,7 @@ class StackedExperts(Module):
         self.w1, self.w3, self.w2 = (
             torch.stack([three[p].weight for three in per_matrix.experts]) for p in range(3))
         self.own = {f"{prefix}ffn.experts.{p}.stacked": t for p, t in zip(PROJECTIONS, (self.w1, self.w3, self.w2))}
-        self.grouped = False
+        self.grouped, self.refusal = False, "not checked"  # refusal: why grouped GEMMs may not serve
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
         return (self.chosen_grouped if self.grouped else self.every_expert)(flat, weights, experts)
@@ -171,12 +171,15 @@ class MoE(Module):
         batch: what a CUDA graph can capture. The chosen experts then run as grouped GEMMs
         (torch._grouped_mm: only their weights read) once those have matched every expert on
         every row here (and, on CUDA, inside a captured graph); else every expert on every
-        row. None when grouped, else why not."""
-        if not isinstance(self.experts, StackedExperts):
-            self.experts = StackedExperts(self.experts, self.prefix)
-        why = self._grouped_refusal()
-        self.experts.grouped = why is None
-        return why
+        row. None when grouped, else why not. Checked once: stacking again keeps the choice
+        (a baseline may have switched grouped GEMMs off)."""
+        if isinstance(self.experts, StackedExperts):
+            stacked = self.experts
+            return None if stacked.grouped else stacked.refusal or "grouped GEMMs switched off"
+        self.experts = StackedExperts(self.experts, self.prefix)
+        self.experts.refusal = self._grouped_refusal()
+        self.experts.grouped = self.experts.refusal is None
+        return self.experts.refusal
 
     @torch.inference_mode()
     def _grouped_refusal(self) -> str | None:
