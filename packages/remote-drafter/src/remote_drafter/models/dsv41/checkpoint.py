@@ -13,6 +13,7 @@ their `.scale` tensors consumed; a checkpoint without a quantization_config stor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from contextlib import ExitStack
@@ -25,7 +26,7 @@ from remote_drafter.engine.identity import digest_tensors
 from remote_drafter.models.tensors import tensor_bytes
 
 from . import quant
-from .config import Dsv41DrafterConfig, expected_tensors, weight_table
+from .config import Dsv41DrafterConfig, expected_tensors, in_slice, weight_table
 
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 # The safetensors dtypes each kind of config.expected_tensors may be stored as.
@@ -83,6 +84,8 @@ class DrafterCheckpoint:
     scales: tuple[str, ...]            # the `.scale` tensors dequantisation consumed
     drafter_digest: str                # config and every tensor read but the Markov head's
     markov_digest: str                 # the Markov head's tensors
+    tensor_digests: dict[str, str]     # every tensor read: sha256 of its stored bytes
+    experts: range | None = None       # the routed experts read (an expert-parallel slice; None: all)
 
 
 def read_config(folder: str) -> dict:
@@ -104,11 +107,12 @@ def tensor_files(folder: str) -> dict[str, str]:
         return {name: single for name in f.keys()}
 
 
-def stored_drafter_tensors(folder: str) -> dict[str, StoredTensor]:
-    """The drafter's tensors as their headers describe them (no tensor data read)."""
+def stored_drafter_tensors(folder: str, experts: range | None = None) -> dict[str, StoredTensor]:
+    """The drafter's tensors as their headers describe them (no tensor data read); of the
+    routed experts only `experts` (None: all)."""
     by_file: dict[str, list[str]] = {}
     for name, file in tensor_files(folder).items():
-        if is_drafter_tensor(name):
+        if is_drafter_tensor(name) and in_slice(name, experts):
             by_file.setdefault(file, []).append(name)
     found = {}
     for file, names in by_file.items():
@@ -130,9 +134,11 @@ def with_optional_heads(config: Dsv41DrafterConfig, stored: dict) -> Dsv41Drafte
     return config
 
 
-def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor]) -> list[str]:
-    """What differs from DeepSeek's table, one line per tensor, by name."""
-    expected = expected_tensors(config)
+def problems(config: Dsv41DrafterConfig, stored: dict[str, StoredTensor],
+             experts: range | None = None) -> list[str]:
+    """What differs from DeepSeek's table (of the routed experts only `experts`), one line
+    per tensor, by name."""
+    expected = expected_tensors(config, experts)
     found = [f"{n}: missing" for n in sorted(set(expected) - set(stored))]
     found += [f"{n}: extra (not a tensor of this drafter)" for n in sorted(set(stored) - set(expected))]
     for name in sorted(set(stored) & set(expected)):
@@ -152,29 +158,39 @@ def refuse(folder: str, found: list[str], name: str) -> None:
                          f"describes it: {'; '.join(found[:REFUSALS_SHOWN])}{more}")
 
 
-def digests(config: Dsv41DrafterConfig, stored: dict[str, torch.Tensor]) -> tuple[str, str]:
-    """(drafter, Markov head) digests over the config and the stored tensors' bytes, the
-    Markov head's apart (a checkpoint's, or an EXL3 pack's)."""
+def tensor_digests(stored: dict[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of each tensor's stored bytes, by name: what the drafter's digests combine, so
+    the ranks of an expert-parallel pair, each reading a slice, combine into the one-card
+    worker's digests."""
+    return {n: hashlib.sha256(tensor_bytes(t)).hexdigest() for n, t in stored.items()}
+
+
+def digests(config: Dsv41DrafterConfig, hashes: dict[str, str]) -> tuple[str, str]:
+    """(drafter, Markov head) digests over the config and the stored tensors' digests
+    (tensor_digests), the Markov head's apart (a checkpoint's, or an EXL3 pack's)."""
     drafter = digest_tensors([("config", json.dumps(asdict(config), sort_keys=True).encode())]
-                             + [(n, tensor_bytes(stored[n])) for n in sorted(stored)
+                             + [(n, bytes.fromhex(hashes[n])) for n in sorted(hashes)
                                 if not is_markov_tensor(n)])
-    markov = digest_tensors([(n, tensor_bytes(stored[n])) for n in sorted(stored) if is_markov_tensor(n)])
+    markov = digest_tensors([(n, bytes.fromhex(hashes[n])) for n in sorted(hashes) if is_markov_tensor(n)])
     return drafter, markov
 
 
-def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DrafterCheckpoint:
+def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+         experts: range | None = None) -> DrafterCheckpoint:
     """The drafter's weights, dequantised to `dtype` on `device` (float32 tensors stay
     float32, and those stored narrower are upcast to float32), with digests over exactly the
-    stored bytes read."""
+    stored bytes read. experts: read only these routed experts (an expert-parallel rank's
+    slice: the others are never read, and may be missing; the digests are then the slice's)."""
     config = Dsv41DrafterConfig.from_json(read_config(folder))
-    stored = stored_drafter_tensors(folder)
+    stored = stored_drafter_tensors(folder, experts)
     config = with_optional_heads(config, stored)
-    refuse(folder, problems(config, stored), config.name)
+    refuse(folder, problems(config, stored, experts), config.name)
     raw = read_tensors(stored)
-    drafter_digest, markov_digest = digests(config, raw)
-    kinds = expected_tensors(config)
+    hashes = tensor_digests(raw)
+    drafter_digest, markov_digest = digests(config, hashes)
+    kinds = expected_tensors(config, experts)
     weights, scales = {}, []
-    for name in weight_table(config):
+    for name in weight_table(config, experts):
         kind, weight = kinds[name].kind, raw.pop(name).to(device)
         if kind == "fp8":
             scales.append(scale_of(name))
@@ -185,7 +201,7 @@ def load(folder: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") 
             weights[name] = quant.dequantize_fp4(weight, raw.pop(scale_of(name)).to(device), dtype)
         else:
             weights[name] = weight.to(torch.float32 if kind in KEPT_FLOAT32 else dtype)
-    return DrafterCheckpoint(config, weights, tuple(scales), drafter_digest, markov_digest)
+    return DrafterCheckpoint(config, weights, tuple(scales), drafter_digest, markov_digest, hashes, experts)
 
 
 def read_tensors(stored: dict[str, StoredTensor]) -> dict[str, torch.Tensor]:

@@ -397,10 +397,26 @@ def hc_head_names(config: Dsv41DrafterConfig) -> tuple[str, str, str]:
     return tuple(f"{last_stage(config)}.hc_head_{p}" for p in ("fn", "base", "scale"))
 
 
-def weight_table(config: Dsv41DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+def routed_expert(name: str) -> int | None:
+    """The routed expert a tensor belongs to (`mtp.<j>.ffn.experts.<e>.*`), else None."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[0] == "mtp" and parts[2:4] == ["ffn", "experts"] and parts[4].isdigit():
+        return int(parts[4])
+    return None
+
+
+def in_slice(name: str, experts: range | None) -> bool:
+    """Whether a rank holding `experts` (None: all) holds tensor `name`."""
+    e = routed_expert(name)
+    return experts is None or e is None or e in experts
+
+
+def weight_table(config: Dsv41DrafterConfig,
+                 experts: range | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (dequantised shape, storage)}: what the model receives after dequantisation
     (no scale tensors); storage is "bf16", "f32", "fp8" (block-scaled linear) or "expert"
-    (fp4 or fp8 per expert_dtype)."""
+    (fp4 or fp8 per expert_dtype). experts: only these routed experts (an expert-parallel
+    rank's slice; None: all)."""
     c = config
     h = c.hidden_size
     embed, head = markov_names(c)
@@ -419,7 +435,7 @@ def weight_table(config: Dsv41DrafterConfig) -> dict[str, tuple[tuple[int, ...],
         table[f"{last_stage(c)}.confidence_head.proj.weight"] = ((1, h + c.markov_rank), "f32")
     for j in range(c.n_mtp_layers):
         table.update(layer_table(c, f"mtp.{j}."))
-    return table
+    return {n: v for n, v in table.items() if in_slice(n, experts)}
 
 
 def linear_names(config: Dsv41DrafterConfig) -> list[str]:
@@ -469,12 +485,12 @@ def layer_table(config: Dsv41DrafterConfig, prefix: str) -> dict[str, tuple[tupl
     return table
 
 
-def expected_tensors(config: Dsv41DrafterConfig) -> dict[str, TensorSpec]:
+def expected_tensors(config: Dsv41DrafterConfig, experts: range | None = None) -> dict[str, TensorSpec]:
     """Every tensor of the drafter as DeepSeek's checkpoint stores it: {name: (shape, kind)},
     `.scale` tensors included (`<module>.weight` is scaled by `<module>.scale`): fp8 linears
     one scale per weight_block_size block, fp4 experts one e8m0 scale per 32 inputs. Without
-    a quantization_config every linear is stored bf16, unscaled."""
-    return stored_tensors(config, weight_table(config))
+    a quantization_config every linear is stored bf16, unscaled. experts: as weight_table."""
+    return stored_tensors(config, weight_table(config, experts))
 
 
 def stored_tensors(config: Dsv41DrafterConfig, table: dict) -> dict[str, TensorSpec]:

@@ -13,20 +13,21 @@ from . import checkpoint
 from .config import Dsv41DrafterConfig, weight_table
 
 
-def load(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
+def load(folder: str, dtype: torch.dtype, device: str, experts: range | None = None) -> SimpleNamespace:
     """EXL3 weights: a pack of ours (convert_exl3) or a DeepSeek-V4 / V4.1 model converted by
     exllamav3's own convert_model, whose `mtp.*` names are DeepSeek's. A weight stored as
     `<module>.trellis` (...) runs as an exl3.Exl3Linear (wo_a: its group slices,
     `wo_a.slice.<g>`); any other weight is used as stored, in any float dtype (exllamav3 keeps
     fp16), at the shape DeepSeek's table gives; a missing or mis-shaped one is refused by name.
-    Digests as checkpoint.load computes them, over exactly the stored bytes read."""
+    Digests as checkpoint.load computes them, over exactly the stored bytes read; experts:
+    only these routed experts, as checkpoint.load reads them."""
     exl3.require(device)
     config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
-    stored = checkpoint.stored_drafter_tensors(folder)  # exllamav3's trunk is never read
+    stored = checkpoint.stored_drafter_tensors(folder, experts)  # exllamav3's trunk is never read
     config = checkpoint.with_optional_heads(config, stored)
     state = checkpoint.read_tensors(stored)
     linears, weights, problems, used = {}, {}, [], set()
-    for name, (shape, storage) in weight_table(config).items():
+    for name, (shape, storage) in weight_table(config, experts).items():
         module = name.removesuffix(".weight")
         grouped = name.endswith(".attn.wo_a.weight")
         slices = [f"{module}.slice.{g}" for g in range(config.o_groups)] if grouped else []
@@ -51,7 +52,8 @@ def load(folder: str, dtype: torch.dtype, device: str) -> SimpleNamespace:
         else:
             problems.append(f"{name}: missing")
     checkpoint.refuse(folder, problems, config.name)
-    drafter_digest, markov_digest = checkpoint.digests(config, state)
-    return SimpleNamespace(config=config, weights=weights, linears=linears,
-                           drafter_digest=drafter_digest, markov_digest=markov_digest,
+    hashes = checkpoint.tensor_digests(state)
+    drafter_digest, markov_digest = checkpoint.digests(config, hashes)
+    return SimpleNamespace(config=config, weights=weights, linears=linears, experts=experts,
+                           drafter_digest=drafter_digest, markov_digest=markov_digest, tensor_digests=hashes,
                            not_read=sorted(set(state) - used))

@@ -38,13 +38,13 @@ from .modules.numerics import Numerics, relative_error
 class DecoderLayer(Module):
     """One drafter layer: the mix around attention, then around the MoE."""
 
-    def __init__(self, numerics: Numerics, weights: Weights, j: int):
+    def __init__(self, numerics: Numerics, weights: Weights, j: int, experts: range):
         super().__init__(numerics)
         prefix = f"mtp.{j}."
         self.attn_mix = HyperMix(numerics, weights, prefix, "attn")
         self.attention = Attention(numerics, weights, prefix)
         self.ffn_mix = HyperMix(numerics, weights, prefix, "ffn")
-        self.moe = MoE(numerics, weights, prefix)
+        self.moe = MoE(numerics, weights, prefix, experts)
 
     def __call__(self, residual, carried_pre, positions, ctx, ctx_valid):
         """-> (residual, its FFN's pre weight: the next layer's carried_pre)."""
@@ -60,12 +60,14 @@ class Dsv41Model(Module):
     bias, confidence head) stay float32, or become float64 with a float64 model."""
 
     def __init__(self, config: Dsv41DrafterConfig, weights: dict[str, torch.Tensor],
-                 device="cpu", dtype: torch.dtype | None = None, linears: dict[str, Linear] | None = None):
+                 device="cpu", dtype: torch.dtype | None = None, linears: dict[str, Linear] | None = None,
+                 experts: range | None = None):
         """linears: {weight name: x -> x @ W.T} for weights another back end serves (EXL3:
         exl3.py; wo_a's maps [..., groups, in] -> [..., groups, o_lora_rank]), in place of
-        their dense tensors."""
+        their dense tensors. experts: the routed experts held (an expert-parallel rank's
+        slice, whose MoE layers drafter_tp2 joins; None: all)."""
         served = dict(linears or {})
-        table = {n: v for n, v in weight_table(config).items() if n not in served}
+        table = {n: v for n, v in weight_table(config, experts).items() if n not in served}
         confidence = f"{last_stage(config)}.confidence_head.proj.weight"
         if confidence in table and confidence not in weights:  # vLLM drops a missing head
             del table[confidence]
@@ -85,7 +87,8 @@ class Dsv41Model(Module):
         self.config, self.served = config, served
         self.embedding = BlockEmbedding(numerics, source)  # first: describe() reads the dtype of the first tensor
         self.taps = TapProjection(numerics, source, first_stage(config))
-        self.layers = [DecoderLayer(numerics, source, j) for j in range(config.n_mtp_layers)]
+        held = experts if experts is not None else range(config.n_routed_experts)
+        self.layers = [DecoderLayer(numerics, source, j, held) for j in range(config.n_mtp_layers)]
         self.output_collapse = OutputCollapse(numerics, source, hc_head_names(config)) if config.hc_head else None
         self.head = Head(numerics, source, last_stage(config))
         self.markov = MarkovHead(numerics, source, markov_names(config))

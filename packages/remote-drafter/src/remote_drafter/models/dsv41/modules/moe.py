@@ -8,7 +8,11 @@ experts(rows, routing weights, chosen experts) -> the weighted sum in `wide`:
 * StackedExperts: dense experts stacked [experts, out, in]; the chosen ones through grouped
   GEMMs, or every expert on every row (shapes fixed by the batch: graphs capture both);
 * FusedExperts: EXL3 experts through exllamav3's fused multi-expert kernels, the shared
-  expert in the same launches (exl3_experts.py)."""
+  expert in the same launches (exl3_experts.py).
+
+Expert parallel (drafter_tp2): a module may hold a slice of the routed experts. It routes
+over all of them as one card does, runs the chosen ones it holds (the others weigh zero),
+adds the shared expert on one rank only, and `sum_over_ranks` adds every rank's partial sum."""
 
 from __future__ import annotations
 
@@ -23,19 +27,19 @@ _SCORES = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigm
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 
 
-def dense_routing(num: Numerics, flat, weights, experts) -> torch.Tensor:
-    """[rows, experts]: each row's routing weight of every expert, zero where not chosen."""
-    share = torch.zeros(flat.shape[0], num.config.n_routed_experts, dtype=num.wide, device=flat.device)
+def dense_routing(num: Numerics, flat, weights, experts, count: int) -> torch.Tensor:
+    """[rows, count]: each row's routing weight of every expert, zero where not chosen."""
+    share = torch.zeros(flat.shape[0], count, dtype=num.wide, device=flat.device)
     return share.scatter_(1, experts, weights)
 
 
 class PerMatrixExperts(Module):
     includes_shared = False
 
-    def __init__(self, numerics: Numerics, weights: Weights, prefix: str):
+    def __init__(self, numerics: Numerics, weights: Weights, prefix: str, held: range):
         super().__init__(numerics)
         self.experts = [tuple(self.linear(weights, f"{prefix}ffn.experts.{e}.{p}.weight") for p in PROJECTIONS)
-                        for e in range(numerics.config.n_routed_experts)]
+                        for e in held]
         self.every_row = False
 
     @property
@@ -47,14 +51,15 @@ class PerMatrixExperts(Module):
         out = torch.zeros(flat.shape, dtype=num.wide, device=flat.device)
         limit = num.config.swiglu_limit
         if self.every_row:  # weighted by the routing, zero where not chosen
-            share = dense_routing(num, flat, weights, experts)
+            share = dense_routing(num, flat, weights, experts, len(self.experts))
             for e, (w1, w3, w2) in enumerate(self.experts):
                 out += swiglu(flat, w1, w3, w2, limit).to(num.wide) * share[:, e, None]
             return out
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
             y = swiglu(flat[rows], *self.experts[e], limit)
-            out[rows] += y.to(num.wide) * weights[rows, slot, None]  # a token picks e once
+            # index_add_: a row may hold e twice (an expert-parallel slice's zero-weight slots)
+            out.index_add_(0, rows, y.to(num.wide) * weights[rows, slot, None])
         return out
 
 
@@ -77,7 +82,7 @@ class StackedExperts(Module):
 
     def every_expert(self, flat, weights, experts) -> torch.Tensor:
         """Every expert on every row, weighted by its routing weight (zero where not chosen)."""
-        share = dense_routing(self.numerics, flat, weights, experts)
+        share = dense_routing(self.numerics, flat, weights, experts, len(self.w1))
         w1, w3, w2 = self.w1, self.w3, self.w2
         y = swiglu(flat, lambda x: torch.einsum("th,eih->eti", x, w1),
                    lambda x: torch.einsum("th,eih->eti", x, w3),
@@ -90,7 +95,7 @@ class StackedExperts(Module):
         rows), the results put back in slot order and summed per row in a fixed order."""
         n, k = experts.shape
         order = experts.flatten().argsort(stable=True)
-        counts = torch.zeros(self.numerics.config.n_routed_experts, dtype=torch.int32, device=flat.device)
+        counts = torch.zeros(len(self.w1), dtype=torch.int32, device=flat.device)
         counts.index_add_(0, experts.flatten(), torch.ones_like(order, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
 
@@ -119,15 +124,19 @@ class FusedExperts(Module):
 
 
 class MoE(Module):
-    def __init__(self, numerics: Numerics, weights: Weights, prefix: str):
+    """held: the routed experts this module holds (all of them on one card)."""
+
+    def __init__(self, numerics: Numerics, weights: Weights, prefix: str, held: range):
         super().__init__(numerics)
         c = numerics.config
-        self.prefix = prefix
+        self.prefix, self.held = prefix, held
         self.gate = self.take(weights, f"{prefix}ffn.gate.weight")
         self.bias = self.take(weights, f"{prefix}ffn.gate.bias") if c.gate_bias else None
-        self.experts: PerMatrixExperts | StackedExperts | FusedExperts = PerMatrixExperts(numerics, weights, prefix)
+        self.experts: PerMatrixExperts | StackedExperts | FusedExperts = PerMatrixExperts(numerics, weights, prefix, held)
         self.shared = tuple(self.linear(weights, f"{prefix}ffn.shared_experts.{p}.weight")
                             for p in PROJECTIONS) if c.n_shared_experts else None
+        self.adds_shared = True  # expert parallel: one rank adds the shared expert, the others not
+        self.sum_over_ranks = None  # expert parallel: x -> every rank's x added (drafter_tp2)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k])."""
@@ -140,12 +149,24 @@ class MoE(Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * c.routed_scaling_factor, experts
 
+    def held_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(x) in this module's own expert numbering: a chosen expert it does not hold
+        weighs zero (at its first expert, which then adds exact zeros)."""
+        weights, experts = self.route(x)
+        if len(self.held) == self.numerics.config.n_routed_experts:
+            return weights, experts
+        local = experts - self.held.start
+        mine = (local >= 0) & (local < len(self.held))
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num = self.numerics
         flat = x.reshape(-1, x.shape[-1])
-        out = self.experts(flat, *self.route(flat))
-        if self.shared is not None and not self.experts.includes_shared:
+        out = self.experts(flat, *self.held_routing(flat))
+        if self.shared is not None and self.adds_shared and not self.experts.includes_shared:
             out = out + swiglu(flat, *self.shared, num.config.swiglu_limit).to(num.wide)
+        if self.sum_over_ranks is not None:
+            out = self.sum_over_ranks(out)
         return out.to(x.dtype, copy=True).view_as(x)  # a copy: fused results live in their buffers
 
     # -- choosing the implementation -----------------------------------------------------
@@ -161,7 +182,7 @@ class MoE(Module):
         if isinstance(self.experts, FusedExperts):
             return None
         try:
-            self.experts = FusedExperts(self.experts, self.shared, device)
+            self.experts = FusedExperts(self.experts, self.shared if self.adds_shared else None, device)
         except (KeyError, ValueError, ImportError, AttributeError, RuntimeError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
@@ -191,7 +212,7 @@ class MoE(Module):
         c = num.config
         rows = torch.randn(2 * c.block_size, c.hidden_size, generator=torch.Generator().manual_seed(0))
         flat = rows.to(num.device, num.dtype)
-        weights, experts = self.route(flat)
+        weights, experts = self.held_routing(flat)
         try:
             want = stacked.every_expert(flat, weights, experts)
             got = stacked.chosen_grouped(flat, weights, experts)
