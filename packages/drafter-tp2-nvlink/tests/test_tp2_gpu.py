@@ -73,8 +73,12 @@ def test_rounds_captured_on_an_owned_stream_replay_the_eager_round(models):
     the eager round's logits, and rounds above the largest bucket run eagerly."""
     from drafter_tp2.capture import Rounds
     drafter = load_drafter(models["dspark"], models["target"], "cuda:0")
-    rounds = Rounds(drafter.model, "cuda:0", True, [1, 2, 4])
-    rounds.capture(drafter.window, drafter.feature)
+
+    def blank(b):
+        return tuple(torch.zeros_like(t, device="cuda:0") for t in random_round(
+            b, drafter.window, drafter.feature, drafter.vocab_size, torch.Generator()))
+    rounds = Rounds(drafter.model.block_logits, "cuda:0", True, [1, 2, 4], blank)
+    rounds.capture()
     assert rounds.describe()["stream"] == "owned" and sorted(rounds.graphs) == [1, 2, 4]
     assert rounds.stream != torch.cuda.default_stream("cuda:0")
     g = torch.Generator().manual_seed(5)

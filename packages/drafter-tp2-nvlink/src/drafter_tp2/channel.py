@@ -18,7 +18,7 @@ import torch.distributed as dist
 log = logging.getLogger("drafter_tp2.channel")
 
 ROUND, PING, STOP = 1, 2, 3
-HEADER = 5  # cmd, batch, context positions, feature (0: token ids), reserved
+HEADER = 5  # cmd, batch, context positions, reserved x 2
 
 
 class PairBroken(RuntimeError):
@@ -26,9 +26,12 @@ class PairBroken(RuntimeError):
 
 
 class Channel:
-    def __init__(self, rank: int, ctrl, data, device: str, on_broken=None):
+    """blank(b, c) -> zero tensors shaped and typed as a round's inputs for b requests over c
+    context positions (the drafter kind's: rank 1 receives into them)."""
+
+    def __init__(self, rank: int, ctrl, data, device: str, blank, on_broken=None):
         self.rank, self.ctrl, self.data, self.device = rank, ctrl, data, device
-        self.on_broken = on_broken
+        self.blank, self.on_broken = blank, on_broken
         self.broken: str | None = None
         self._lock = threading.Lock()  # a heartbeat and a round never interleave collectives
 
@@ -51,14 +54,12 @@ class Channel:
 
     # -- rank 0 -------------------------------------------------------------------------------
     def send_round(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Broadcast (ctx_in, ctx_valid, ctx_pos, anchor, anchor_pos); the caller then runs
-        the round's collectives (the model's all-reduces) under `self.round()`."""
-        ctx_in, valid, pos, anchor, anchor_pos = inputs
-        b, c = valid.shape
-        feature = ctx_in.shape[-1] if ctx_in.dim() == 3 else 0
-        self._header([ROUND, b, c, feature, 0])
-        for t in (ctx_in, valid.to(torch.uint8), pos, anchor, anchor_pos):
-            dist.broadcast(t.contiguous(), 0, group=self.data)
+        """Broadcast the round's inputs (their second, the context's validity, is [b, c]);
+        the caller then runs the round's collectives (the model's) under `self.round()`."""
+        b, c = inputs[1].shape
+        self._header([ROUND, b, c, 0, 0])
+        for t in inputs:
+            dist.broadcast(_sendable(t).contiguous(), 0, group=self.data)
 
     def round(self, inputs, run):
         """Rank 0: one round, both ranks: send, then run(inputs) (the sharded forward)."""
@@ -99,7 +100,7 @@ class Channel:
         Returns why it ended ('stopped' or the failure)."""
         while True:
             try:
-                cmd, b, c, feature, _ = self._header()
+                cmd, b, c, _, _ = self._header()
                 if cmd == STOP:
                     return "stopped"
                 if cmd == PING:
@@ -107,19 +108,20 @@ class Channel:
                     continue
                 if cmd != ROUND:
                     raise RuntimeError(f"unknown command {cmd} from rank 0")
-                inputs = self.receive_round(b, c, feature)
+                inputs = self.receive_round(b, c)
                 run(inputs)
             except Exception as exc:  # noqa: BLE001 - rank 0 gone, hung or the round failed
                 return str(self._fail("following rank 0", exc))
 
-    def receive_round(self, b: int, c: int, feature: int) -> tuple[torch.Tensor, ...]:
-        dev = self.device
-        ctx_in = (torch.empty(b, c, feature, device=dev) if feature
-                  else torch.empty(b, c, dtype=torch.int64, device=dev))
-        valid = torch.empty(b, c, dtype=torch.uint8, device=dev)
-        pos = torch.empty(b, c, dtype=torch.int64, device=dev)
-        anchor = torch.empty(b, dtype=torch.int64, device=dev)
-        anchor_pos = torch.empty(b, dtype=torch.int64, device=dev)
-        for t in (ctx_in, valid, pos, anchor, anchor_pos):
-            dist.broadcast(t, 0, group=self.data)
-        return ctx_in, valid.bool(), pos, anchor, anchor_pos
+    def receive_round(self, b: int, c: int) -> tuple[torch.Tensor, ...]:
+        inputs = []
+        for t in self.blank(b, c):
+            buf = _sendable(t)
+            dist.broadcast(buf, 0, group=self.data)
+            inputs.append(buf.bool() if t.dtype == torch.bool else buf)
+        return tuple(inputs)
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """Booleans travel as bytes (not every backend broadcasts bool)."""
+    return t.to(torch.uint8) if t.dtype == torch.bool else t

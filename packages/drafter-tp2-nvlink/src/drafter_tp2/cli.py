@@ -1,4 +1,5 @@
-"""drafter-tp2: the two-card tensor-parallel DSpark drafter worker (the one-card protocol).
+"""drafter-tp2: the drafter worker on two cards (the one-card protocol): the DSpark drafter in
+tensor parallel, or DeepSeek's own drafter (dsv41:DIR) with its experts split.
 
   drafter-tp2 worker    --drafter DIR --target DIR [--devices cuda:0,cuda:1] [--listen HOST:PORT [--insecure]]
   drafter-tp2 supervise [--restarts N --window-s S] -- WORKER ARGS
@@ -25,7 +26,10 @@ from . import env
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", required=True, help="a DSpark checkpoint folder (remote-drafter init)")
+    p.add_argument("--drafter", required=True,
+                   help="a DSpark checkpoint folder (remote-drafter init; tensor parallel), or "
+                   "dsv41:DIR, DeepSeek-V4.1's (or V4's) own drafter in checkpoint or EXL3 pack DIR "
+                   "(its routed experts split over the two ranks, each reading only its half)")
     p.add_argument("--target", required=True, help="the target folder (embedding, head, identity)")
     p.add_argument("--devices", default="cuda:0,cuda:1",
                    help="the two devices, rank 0's first (CPU tests: cpu:0,cpu:1)")

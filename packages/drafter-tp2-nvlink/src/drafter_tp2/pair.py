@@ -46,11 +46,15 @@ def peer_link(mine: str, other: str) -> dict:
 
 
 def describe_rank(rank: int, devices: list[str], fingerprint: str, source: str,
-                  config: dict) -> dict:
+                  config: dict, tensors: dict | None = None, cannot: str | None = None) -> dict:
+    """tensors: {name: digest} of what this rank read, where the ranks read different
+    parts of one checkpoint (the others compare what both read); cannot: why this rank
+    could not load its part."""
     mine, other = devices[rank], devices[1 - rank]
     info = {"rank": rank, "device": mine, "key": device_key(mine), "host": socket.gethostname(),
             "fingerprint": fingerprint, "source": source, "config": config,
-            "peer": peer_link(mine, other), "torch": torch.__version__}
+            "peer": peer_link(mine, other), "torch": torch.__version__,
+            "tensors": tensors, "cannot": cannot}
     if torch.device(mine).type == "cuda":
         info["name"] = torch.cuda.get_device_name(torch.device(mine))
     return info
@@ -59,10 +63,21 @@ def describe_rank(rank: int, devices: list[str], fingerprint: str, source: str,
 def refusals(infos: list[dict], require_p2p: bool) -> list[str]:
     """Why this pair must not serve (empty: it may)."""
     a, b = infos
+    cannot = [f"rank {i['rank']} cannot load its part of {i['source']}: {i['cannot']}"
+              for i in infos if i.get("cannot")]
+    if cannot:  # nothing else to compare
+        return cannot
     why = []
     if a["key"] == b["key"]:
         why.append(f"the same device twice: both ranks are on {a['key']} ({a['device']}, {b['device']})")
-    if a["fingerprint"] != b["fingerprint"]:
+    if a.get("tensors") is not None and b.get("tensors") is not None:
+        differ = sorted(n for n in a["tensors"].keys() & b["tensors"].keys()
+                        if a["tensors"][n] != b["tensors"][n])
+        if differ:
+            more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+            why.append(f"different weights: rank 0 ({a['source']}) and rank 1 ({b['source']}) hold "
+                       f"different {', '.join(differ[:8])}{more}")
+    elif a["fingerprint"] != b["fingerprint"]:
         why.append(f"different weights: rank 0 loaded {a['fingerprint'][:16]} from {a['source']}, "
                    f"rank 1 {b['fingerprint'][:16]} from {b['source']}")
     differ = sorted(k for k in a["config"].keys() | b["config"].keys()

@@ -1,6 +1,6 @@
-"""One rank of the pair, start to finish: device lock, rendezvous, pair safety, load and
-shard, capture, then serve (rank 0: the ofl endpoint, remote_drafter's Worker and
-DraftService as they are) or follow (rank 1: run each round rank 0 broadcasts)."""
+"""One rank of the pair, start to finish: device lock, rendezvous, load (its part: kinds/),
+pair safety, shard, capture, then serve (rank 0: the ofl endpoint, remote_drafter's Worker
+and DraftService as they are) or follow (rank 1: run each round rank 0 broadcasts)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,20 @@ import logging
 import signal
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from remote_drafter.models.dspark import DSparkDrafter
+from remote_drafter.models.base import Drafter
 from remote_drafter.worker.device_lock import DeviceBusy, DeviceLock, device_key, lock_dir
 from remote_drafter.worker.server import Worker
 from remote_drafter.worker.service import ServiceConfig
 
-from .capture import Rounds
 from .channel import Channel
+from .kinds import kind_for
 from .pair import describe_rank, refusals, torch_device
-from .sharding import move, shard_model
 
 log = logging.getLogger("drafter_tp2.rank")
 REFUSED, BROKEN = 2, 3  # exit codes: refused to start (do not restart) / stopped serving
@@ -48,35 +46,11 @@ class RankConfig:
     start_timeout_s: float = 120.0
     require_p2p: bool = True
 
-    def agreed(self, drafter: DSparkDrafter) -> dict:
+    def agreed(self, drafter_config: dict) -> dict:
         """What both ranks must agree on (the pair check compares it key by key)."""
-        return {"drafter_config": asdict(drafter.config), "dtype": self.dtype,
+        return {"drafter_config": drafter_config, "dtype": self.dtype,
                 "devices": self.devices, "graphs": self.graphs,
                 "graph_batches": self.graph_batches, "timeout_s": self.timeout_s}
-
-
-class TP2Drafter(DSparkDrafter):
-    """Rank 0's drafter: DSparkDrafter.draft as it is, over the sharded model; its
-    description adds the topology (the only thing a client sees differ)."""
-
-    def __init__(self, base: DSparkDrafter, model: nn.Module, device: str, topology: dict):
-        super().__init__(base.config, model, base.manifest(), device)
-        self.topology = topology
-
-    def describe(self) -> dict:
-        return {**super().describe(), "topology": self.topology}
-
-
-class LeaderModel(nn.Module):
-    """What TP2Drafter.draft calls: each block_logits is a round of the pair."""
-
-    def __init__(self, shard: nn.Module, channel: Channel, rounds: Rounds):
-        super().__init__()
-        self.shard, self.markov = shard, shard.markov
-        self.channel, self.rounds = channel, rounds
-
-    def block_logits(self, *inputs) -> torch.Tensor:
-        return self.channel.round(inputs, self.rounds)
 
 
 def _say(rank: int, text: str) -> None:
@@ -112,20 +86,24 @@ def run(cfg: RankConfig) -> int:
         # Rounds' tensors: NCCL with the round deadline on GPUs (its watchdog ends a rank
         # whose collective passes it), the control group itself on CPU.
         data = dist.new_group(backend="nccl", timeout=timedelta(seconds=cfg.timeout_s)) if cuda else ctrl
-        drafter = DSparkDrafter.load(cfg.drafter, cfg.target, "cpu")  # full, then sharded
-        info = describe_rank(cfg.rank, cfg.devices, drafter.manifest().fingerprint.hex(),
-                             cfg.drafter, cfg.agreed(drafter))
+        try:  # this rank's part: a failure is told to the other rank, and both refuse
+            kind = kind_for(cfg.drafter)(cfg, cfg.rank, tdev)
+            said, cannot = kind.hello(), None
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            said, cannot = {"fingerprint": "", "config": {}}, str(exc)
+        info = describe_rank(cfg.rank, cfg.devices, said["fingerprint"], cfg.drafter,
+                             cfg.agreed(said["config"]), tensors=said.get("tensors"), cannot=cannot)
         infos = [None, None]
         dist.all_gather_object(infos, info, group=hello)
         why = refusals(infos, cfg.require_p2p)
         if why:
             _say(cfg.rank, "refusing to serve: " + "; ".join(why))
             return REFUSED
-        model = move(shard_model(drafter.model, cfg.rank, data), tdev, getattr(torch, cfg.dtype))
-        rounds = Rounds(model, tdev, cfg.graphs, cfg.graph_batches)
-        rounds.capture(drafter.window, drafter.feature)
+        kind.shard(infos, data)
+        rounds = kind.rounds(cfg.graphs, cfg.graph_batches)
+        rounds.capture()
         broken = threading.Event()
-        channel = Channel(cfg.rank, ctrl, data, tdev, on_broken=lambda why: broken.set())
+        channel = Channel(cfg.rank, ctrl, data, tdev, kind.blank, on_broken=lambda why: broken.set())
         if cfg.rank == 1:
             ended = channel.follow(rounds)
             stopped_cleanly = ended == "stopped"
@@ -135,10 +113,8 @@ def run(cfg: RankConfig) -> int:
         topology = {"tp": 2, "devices": [i["device"] for i in infos],
                     "names": [i.get("name", "cpu") for i in infos],
                     "peer": infos[0]["peer"]["text"], "rounds": rounds.describe(),
-                    "sharding": "q/k/v, gate/up column-parallel; o, down row-parallel; "
-                                "embedding/head vocab-parallel; Markov head on rank 0"}
-        code = serve(cfg, TP2Drafter(drafter, LeaderModel(model, channel, rounds), tdev, topology),
-                     channel, broken)
+                    "sharding": kind.sharding}
+        code = serve(cfg, kind.leader(channel, rounds, topology), channel, broken)
         stopped_cleanly = code != BROKEN
         return code
     finally:
@@ -154,7 +130,7 @@ def _visible(device: str) -> bool:
     return d.type == "cpu" or (d.index or 0) < torch.cuda.device_count()
 
 
-def serve(cfg: RankConfig, drafter: TP2Drafter, channel: Channel, broken: threading.Event) -> int:
+def serve(cfg: RankConfig, drafter: Drafter, channel: Channel, broken: threading.Event) -> int:
     """Rank 0: serve until SIGTERM (0) or until the pair breaks (BROKEN); REFUSED, with
     both ranks stopped, when --listen is exposed without admission."""
     from ofl.errors import ConfigurationError

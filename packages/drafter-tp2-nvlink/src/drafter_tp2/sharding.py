@@ -1,4 +1,5 @@
-"""Megatron-style sharding of a loaded DSpark drafter over two ranks.
+"""Megatron-style sharding of a loaded DSpark drafter over two ranks, and the pieces the
+DeepSeek drafter's expert-parallel split shares with it (bounds, Reducer, VocabParallel).
 
 Per layer: q/k/v column-parallel by whole key/value-head groups (rank 0 takes the first
 ceil(kv/2) kv heads and their query heads), o row-parallel; gate/up column-parallel, down
@@ -47,15 +48,33 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
+class Tally:
+    """The collectives a rank has run, by name: calls and bytes (a round's are the totals'
+    change over that round)."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + t.numel() * t.element_size()
+
+    def snapshot(self) -> dict:
+        return {name: {"calls": self.calls[name], "bytes": self.bytes[name]} for name in sorted(self.calls)}
+
+
 class Reducer:
     """Sums a partial result over the two ranks (in place; the data-plane group)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, tally: Tally | None = None, name: str = "all-reduce"):
+        self.group, self.tally, self.name = group, tally, name
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         dist.all_reduce(t, group=self.group)
+        if self.tally is not None:
+            self.tally.add(self.name, t)
         return t
 
 
@@ -90,11 +109,12 @@ class ShardedMLP(MLP):
 
 
 class VocabParallel:
-    """This rank's rows of a [vocab, hidden] matrix, used as the embedding (`w[ids]`) and,
-    through `.T`, as the output head (`x @ w.T`), both returning full, replicated results."""
+    """This rank's rows of a [vocab, hidden] matrix, used as the embedding (`w[ids]`) and as
+    the output head (`x @ w.T`, or called: x -> x @ W.T), both returning full, replicated
+    results."""
 
-    def __init__(self, full: torch.Tensor, rank: int, group):
-        self.vocab, self.group = full.shape[0], group
+    def __init__(self, full: torch.Tensor, rank: int, group, tally: Tally | None = None):
+        self.vocab, self.group, self.tally = full.shape[0], group, tally
         self.lo, self.hi = bounds(self.vocab, rank)
         self.rows = (self.vocab + 1) // 2  # both shards padded to this: all_gather wants equal sizes
         shard = full.new_zeros(self.rows, full.shape[1])
@@ -114,7 +134,12 @@ class VocabParallel:
         local = self.weight[(ids - self.lo).clamp(0, self.rows - 1)]
         out = torch.where(mine[..., None], local, torch.zeros_like(local))
         dist.all_reduce(out, group=self.group)  # the other rank adds exact zeros
+        if self.tally is not None:
+            self.tally.add("embedding all-reduce", out)
         return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.T
 
     @property
     def T(self) -> _Head:  # noqa: N802 - mirrors Tensor.T, which block_logits calls
@@ -130,6 +155,8 @@ class _Head:
         local = (x @ s.weight.T).contiguous()
         parts = [torch.empty_like(local) for _ in range(WORLD)]
         dist.all_gather(parts, local, group=s.group)
+        if s.tally is not None:
+            s.tally.add("head all-gather", local)
         return torch.cat([parts[0][..., : s.rows], parts[1][..., : s.vocab - s.rows]], -1)
 
 

@@ -82,13 +82,19 @@ class Dsv41Drafter(Drafter):
         if cuda_graphs is None:
             cuda_graphs = not model.served or model.experts_fused
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
-            if not model.served:
-                why = model.stack_experts()
-                self.experts = ("dense, the chosen experts in grouped GEMMs" if why is None
-                                else f"dense, every expert on every row ({why})")
-            elif not model.experts_fused:  # EXL3 experts per matrix: each on every row
-                model.every_expert_on_every_row()
+            self.prepare_graphs()
             self._forward.capture(GRAPH_BATCHES, self._blank)
+
+    def prepare_graphs(self) -> None:
+        """Experts whose round a CUDA graph can hold (no host read of the routing): dense
+        ones stacked (grouped GEMMs where they match), EXL3 ones fused or else each on every row."""
+        model = self.model
+        if not model.served:
+            why = model.stack_experts()
+            self.experts = ("dense, the chosen experts in grouped GEMMs" if why is None
+                            else f"dense, every expert on every row ({why})")
+        elif not model.experts_fused:
+            model.every_expert_on_every_row()
 
     @classmethod
     def load(cls, folder: str, target: str | None = None, device: str = "cpu",
@@ -98,13 +104,7 @@ class Dsv41Drafter(Drafter):
         whose vocabulary it must share. Float32 unless `dtype` says otherwise."""
         loaded = (exl3_pack.load if exl3.is_pack(folder) else checkpoint.load)(
             folder, dtype or torch.float32, device)
-        served = target or folder
-        vocab = flatten(checkpoint.read_config(served)).get("vocab_size")
-        if vocab != loaded.config.vocab_size:
-            raise ValueError(f"{folder}'s drafter has a vocabulary of {loaded.config.vocab_size}, "
-                             f"the target {served} of {vocab}")
-        manifest = Manifest(target_digest(served), tokenizer_digest(served),
-                            loaded.drafter_digest, loaded.markov_digest, cls.kind)
+        manifest = cls.manifest_for(folder, target, loaded.config, loaded.drafter_digest, loaded.markov_digest)
         if confidence_cutoff is None:
             confidence_cutoff = float(env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.get() or 0)
         linears = getattr(loaded, "linears", None)
@@ -115,6 +115,18 @@ class Dsv41Drafter(Drafter):
         graphs = {"1": True, "0": False}.get(setting)  # auto: see __init__
         return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
                    manifest, device, confidence_cutoff, graphs)
+
+    @classmethod
+    def manifest_for(cls, folder: str, target: str | None, config, drafter_digest: str,
+                     markov_digest: str) -> Manifest:
+        """The identity of the drafter in `folder` serving `target` (default: `folder`),
+        whose vocabulary it must share."""
+        served = target or folder
+        vocab = flatten(checkpoint.read_config(served)).get("vocab_size")
+        if vocab != config.vocab_size:
+            raise ValueError(f"{folder}'s drafter has a vocabulary of {config.vocab_size}, "
+                             f"the target {served} of {vocab}")
+        return Manifest(target_digest(served), tokenizer_digest(served), drafter_digest, markov_digest, cls.kind)
 
     @staticmethod
     def convert_exl3(folder: str, out: str, bits: float, head_bits: float | None, device: str,
