@@ -17,6 +17,11 @@ export PYTHONUNBUFFERED=1
 source tools/gpu-env.sh .whl
 nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | tee "$OUT/topo.txt"
+if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1 (one GPU): DeepSeek's drafter split by
+  # experts, each rank's shard alone at the Flash width (dsv41_rank_gpu.py)
+  python3 packages/drafter-tp2-nvlink/benchmarks/dsv41_rank_gpu.py --out "$OUT/dsv41-rank.json" 2>&1 | tee "$OUT/dsv41-rank.txt"
+  exit
+fi
 # SKIP_TESTS=1: only the measurements; TESTS=PATHS: those tests only
 if [[ -z ${SKIP_TESTS:-} ]]; then
   echo "== drafter-tp2 tests under this torch (CPU tiers + the GPU tests)"

@@ -153,3 +153,36 @@ def test_rank_1_killed_mid_serve_stops_the_pair_and_clients_get_no_drafts(folder
     assert answered == [0, 1, 2], answered  # drafts, then none: fail closed
     assert client.counters()["rounds_failed"] + client.counters()["entries_failed"] > 0
     assert code0 == 3 and "drafter-tp2 rank 0: stopped serving:" in err0, err0
+
+
+def test_the_rank_shard_benchmark_runs_in_its_smoke_form(tmp_path):
+    """benchmarks/dsv41_rank_gpu.py (the GPU tier's per-rank measurement) at the tiny width
+    on the CPU: both ranks' shards hold their halves, each round has a floor."""
+    import subprocess
+    import sys
+    out = tmp_path / "rank.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dsv41_rank_gpu.py")
+    done = subprocess.run([sys.executable, script, "--smoke", "--rounds", "2", "--batches", "1,4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["experts"] for r in ranks] == [[0, 2], [2, 4]]
+    for r in ranks:
+        assert [x["batch"] for x in r["rounds"]] == [1, 4] and all(x["floor_ms"] > 0 for x in r["rounds"])
+        assert all(x["routed_expert_bytes"] > 0 for x in r["rounds"])
+
+
+def test_an_ungated_exl3_pack_is_refused_on_both_ranks_before_loading(folder, tmp_path, lock_dir):
+    """A pack (exl3.json) without a passed fidelity gate: refused before anything loads, as
+    the one-card worker refuses it (the pair has no --ungated)."""
+    from remote_drafter.models import exl3
+    pack = shutil.copytree(folder, tmp_path / "pack")
+    exl3.write_pack(str(pack), {"kind": "dsv41", "bits": 4, "linears": []})
+    pair = RankPair(args_for(str(pack)), free_master("127.0.0.1:0"), tp2_env())
+    try:
+        (c0, e0), (c1, e1) = pair.wait(timeout=120)
+    finally:
+        pair.kill()
+    assert (c0, c1) == (2, 2), (e0, e1)
+    for text in (e0, e1):
+        assert "cannot load its part" in text and "has no fidelity gate record" in text, text

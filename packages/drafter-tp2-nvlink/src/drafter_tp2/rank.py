@@ -96,6 +96,8 @@ def run(cfg: RankConfig) -> int:
         infos = [None, None]
         dist.all_gather_object(infos, info, group=hello)
         why = refusals(infos, cfg.require_p2p)
+        if not why and (both := kind.check(infos)):
+            why = [both]
         if why:
             _say(cfg.rank, "refusing to serve: " + "; ".join(why))
             return REFUSED

@@ -6,8 +6,9 @@
 
 A kind loads its rank's part on the CPU (its constructor: bad input raises ValueError or
 FileNotFoundError, which the pair refuses on both ranks), says what both ranks must agree on
-(`hello`: fingerprint, config, and per-tensor digests where a rank reads a slice), builds its
-shard on the device once both agree (`shard`), gives the round (`rounds`) and what rank 1
+(`hello`: fingerprint, config, and per-tensor digests where a rank reads a slice), checks
+what only both ranks' parts together tell (`check`, on both ranks: the same verdict), builds
+its shard on the device once both agree (`shard`), gives the round (`rounds`) and what rank 1
 receives a round's inputs into (`blank`), and on rank 0 the drafter the one-card Worker
 serves (`leader`)."""
 

@@ -51,6 +51,9 @@ class DSparkKind:
         return {"fingerprint": self.drafter.manifest().fingerprint.hex(),
                 "config": asdict(self.drafter.config)}
 
+    def check(self, infos: list[dict]) -> str | None:
+        return None  # both ranks loaded the whole checkpoint: pair.refusals compared them
+
     def shard(self, infos: list[dict], data) -> None:
         self.model = move(shard_model(self.drafter.model, self.rank, data), self.device,
                           getattr(torch, self.cfg.dtype))

@@ -8,7 +8,9 @@ replicated, so both ranks compute the round's greedy chain and rank 0's is retur
 
 The ranks' per-tensor digests, exchanged before anything is built, give the pair the same
 identity as a one-card worker on that checkpoint; tensors both ranks read but hold
-differently are refused by name."""
+differently are refused by name. An EXL3 pack is served only once its fidelity gate passed
+for exactly those weights (remote-drafter's exl3_admission, as the one-card worker checks it;
+there is no --ungated here)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, routed_expert
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter
 from remote_drafter.models.dsv41.model import Dsv41Model
 from remote_drafter.models.dsv41.modules.module import Dense
+from remote_drafter.models.fidelity_gate import weights_of
+from remote_drafter.worker import exl3_admission
 
 from ..capture import Rounds
 from ..channel import Channel
@@ -60,6 +64,23 @@ class LeaderRounds:
         return self.channel.round(inputs, self.rounds)
 
 
+def split(model: Dsv41Model, rank: int, group, tally: Tally) -> Dsv41Model:
+    """A model holding rank's experts (Dsv41Model(..., experts=...)) made rank's shard: its
+    MoE layers' partial sums added over the ranks (the shared expert rank 0's), the
+    embedding and a dense head cut to rank's half of the vocabulary (an EXL3 head stays
+    whole on both ranks)."""
+    for layer in model.layers:
+        layer.moe.adds_shared = rank == 0
+        layer.moe.sum_over_ranks = Reducer(group, tally, "MoE all-reduce")
+    embed = model.embedding
+    embed.weight = VocabParallel(embed.weight, rank, group, tally)
+    embed.own["embed.weight"] = embed.weight.weight
+    if isinstance(model.head.proj, Dense):
+        model.head.proj = VocabParallel(model.head.proj.weight, rank, group, tally)
+        model.head.own["head.weight"] = model.head.proj.weight
+    return model
+
+
 class Dsv41Kind:
     sharding = ("routed experts split (each rank its contiguous half, read from the checkpoint "
                 "alone), one all-reduce per MoE layer; the shared expert on rank 0; embedding "
@@ -72,6 +93,9 @@ class Dsv41Kind:
         config = Dsv41DrafterConfig.from_json(checkpoint.read_config(self.folder))
         self.held = range(*bounds(config.n_routed_experts, rank))
         pack = exl3.is_pack(self.folder)  # exllamav3's linears load onto the device itself
+        if pack and (why := exl3_admission.refusal(self.folder, None)):  # before loading
+            raise ValueError(why)
+        self.pack = pack
         self.loaded = (exl3_pack.load if pack else checkpoint.load)(
             self.folder, getattr(torch, cfg.dtype), device if pack else "cpu", experts=self.held)
         self.tally = Tally()
@@ -84,23 +108,27 @@ class Dsv41Kind:
                            "weights": "exl3" if getattr(self.loaded, "linears", None) else "dense"},
                 "tensors": hashes, "experts": [self.held.start, self.held.stop]}
 
-    def shard(self, infos: list[dict], data) -> None:
-        """This rank's shard on its device, with the pair's identity (both ranks' digests)."""
-        c, loaded = self.loaded.config, self.loaded
+    def check(self, infos: list[dict]) -> str | None:
+        """Both ranks, once they agree: the pair's identity from both ranks' digests (the
+        one-card worker's), and an EXL3 pack's fidelity gate for exactly those weights."""
+        c = self.loaded.config
         hashes = {**infos[0]["tensors"], **infos[1]["tensors"]}
-        manifest = Dsv41Drafter.manifest_for(self.folder, self.cfg.target, c, *checkpoint.digests(c, hashes))
+        try:
+            self.manifest = Dsv41Drafter.manifest_for(self.folder, self.cfg.target, c,
+                                                      *checkpoint.digests(c, hashes))
+        except ValueError as exc:
+            return str(exc)
+        if self.pack:
+            return exl3_admission.refusal(self.folder, weights_of(self.manifest), self.manifest.target)
+        return None
+
+    def shard(self, infos: list[dict], data) -> None:
+        """This rank's shard on its device."""
+        c, loaded, manifest = self.loaded.config, self.loaded, self.manifest
         model = Dsv41Model(c, loaded.weights, self.device, linears=getattr(loaded, "linears", None),
                            experts=self.held)
         del self.loaded
-        for layer in model.layers:
-            layer.moe.adds_shared = self.rank == 0
-            layer.moe.sum_over_ranks = Reducer(data, self.tally, "MoE all-reduce")
-        embed = model.embedding
-        embed.weight = VocabParallel(embed.weight, self.rank, data, self.tally)
-        embed.own["embed.weight"] = embed.weight.weight
-        if isinstance(model.head.proj, Dense):  # an EXL3 head stays whole on both ranks
-            model.head.proj = VocabParallel(model.head.proj.weight, self.rank, data, self.tally)
-            model.head.own["head.weight"] = model.head.proj.weight
+        split(model, self.rank, data, self.tally)
         self.drafter = PairDrafter(model, manifest, self.device, cuda_graphs=False)
         self.drafter.tally = self.tally
 
