@@ -176,14 +176,20 @@ def test_both_kinds_of_worker_get_their_quotas_and_cut_off_from_the_env_file(tmp
         assert setting in out
 
 
-def test_an_exl3_pack_is_served_by_the_one_card_worker_only(tmp_path, capsys):
+def test_an_exl3_pack_is_served_by_one_card_or_by_deepseeks_pair(tmp_path, capsys):
     env = ["--env", str(filled(tmp_path, "production-D"))]
     assert main(["args", *env, "--env", delta(tmp_path, "STACK_DRAFTER_WEIGHTS=exl3\n"),
                  "--role", "drafter-worker"]) == 0
     line = worker_line(capsys.readouterr().out)
     assert line.endswith(" --weights exl3") and "--ungated" not in line  # the gate is never skipped
-    for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\n", "one-card worker's"),
-                      ("STACK_DRAFTER_WEIGHTS=dense\nSTACK_DRAFTER_TP2=1\n", "DSpark checkpoints only"),
+    for weights in ("exl3", "dense"):  # DeepSeek's drafter, split by experts over the pair
+        assert main(["args", *env, "--env", delta(tmp_path, f"STACK_DRAFTER_WEIGHTS={weights}\n"
+                                                  "STACK_DRAFTER_TP2=1\n"), "--role", "drafter-worker"]) == 0
+        line = worker_line(capsys.readouterr().out)
+        assert "drafter_tp2.cli supervise" in line and " --drafter dsv41:" in line, line
+        assert "--ungated" not in line and "--weights" not in line  # the pair gates every pack
+    for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\nSTACK_DRAFTER=/models/dspark\n",
+                       "is for DeepSeek's drafter (dsv41:)"),
                       ("STACK_DRAFTER_WEIGHTS=int4\n", "dense or exl3, not 'int4'")):
         assert main(["args", *env, "--env", delta(tmp_path, text), "--role", "drafter-worker"]) == 2
         assert why in capsys.readouterr().err

@@ -188,6 +188,35 @@ def test_the_two_card_worker_on_one_card_twice_fails(ready, monkeypatch, uuids, 
         assert "the pair needs two distinct cards" in checks["drafter tp2 devices"].detail
 
 
+def test_deepseeks_pair_is_held_against_each_cards_memory(ready, tmp_path, monkeypatch):
+    """STACK_DRAFTER_TP2=1 with DeepSeek's drafter: each rank's weights (its half of the
+    experts, half the embedding and head, from the checkpoint's headers) plus the pair's
+    working allowance against its card (nvidia-smi, faked): a 24 GiB card fits the tiny
+    drafter, a 1 MiB one fails naming the rank; a CPU pair has no card to hold them against."""
+    from drafter_tp2.kinds.dsv41 import card_bytes
+    from remote_drafter.models.dsv41 import tiny
+    folder = str(tmp_path / "dsv41")
+    tiny.write_tiny(folder)
+    cfg = ready[0].with_values(STACK_DRAFTER=f"dsv41:{folder}", STACK_DRAFTER_TP2="1",
+                               STACK_DRAFTER_DEVICES="cpu:0,cpu:1", STACK_DRAFTER_DTYPE="bfloat16")
+    ranks = card_bytes(folder, 2)
+    assert len(ranks) == 2 and all(b > 0 for b in ranks)
+    check = {c.name: c for c in preflight.run(cfg, "offload-host")}["drafter tp2 memory per card"]
+    assert check.ok and "a CPU pair" in check.detail and f"rank 0 {ranks[0] / 2**30:.1f} GiB" in check.detail
+    for mib, ok in ((24576, True), (1, False)):
+        def nvidia_smi(cmd, mib=mib, **kw):
+            if "--query-gpu=index,memory.total" in cmd:
+                return subprocess.CompletedProcess(cmd, 0, f"0, {mib}\n1, {mib}\n", "")
+            text = "0, GPU-a\n1, GPU-b\n" if "--query-gpu=index,uuid" in cmd else "RTX 3090, 0, 10\n"
+            return subprocess.CompletedProcess(cmd, 0, text, "")
+        monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+        monkeypatch.setattr(subprocess, "run", nvidia_smi)
+        on_cards = cfg.with_values(STACK_DRAFTER_DEVICES="cuda:0,cuda:1")
+        check = {c.name: c for c in preflight.run(on_cards, "offload-host")}["drafter tp2 memory per card"]
+        assert check.ok is ok, check.detail
+        assert ok or "cuda:1 holds 0.0 GiB, rank 1 needs" in check.detail
+
+
 def test_an_engine_across_two_hosts(ready, tmp_path, capsys):
     """Rank 1 checks its own link only, and rank 0 not up yet is a WARN there (it starts
     first); rank 0 needs the master port free (it opens the rendezvous)."""

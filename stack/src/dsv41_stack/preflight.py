@@ -31,6 +31,7 @@ from remote_engram import env as engram_env
 from .config import StackConfig
 from .roles import Role, admitted_peers, engine_nodes, own_peers, roles, tp2_devices
 
+GIB = 1 << 30
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
 ROUND_BATCH, ROUND_SAMPLES = 4, 5  # drafter rounds timed: four sequences, the production batch
 
@@ -257,6 +258,32 @@ def check_tp2_pair(devices: list[str]) -> Check:
                  + ("" if ok else " (the pair needs two distinct cards)"))
 
 
+def check_tp2_fits(folder: str, dtype: str, devices: list[str]) -> Check:
+    """DeepSeek's drafter split by experts: each rank's weights (from the checkpoint's
+    headers) plus drafter-tp2's working allowance against its card's memory."""
+    name = "drafter tp2 memory per card"
+    try:
+        from drafter_tp2.kinds.dsv41 import WORKING_BYTES, card_bytes
+        need = card_bytes(folder, 4 if dtype == "float32" else 2)
+    except (ImportError, OSError, ValueError, KeyError) as exc:
+        return Check(name, False, f"{folder}: {type(exc).__name__}: {exc}")
+    said = ", ".join(f"rank {r} {b / GIB:.1f} GiB" for r, b in enumerate(need))
+    if not all(d.startswith("cuda") for d in devices):
+        return Check(name, True, f"{said} of weights (a CPU pair: no card to hold them against)")
+    if not shutil.which("nvidia-smi"):
+        return Check(name, True, f"{said} of weights; no nvidia-smi to read the cards' memory", warn=True)
+    indices = [d.partition(":")[2] or "0" for d in devices]
+    query = subprocess.run(["nvidia-smi", "-i", ",".join(indices), "--query-gpu=index,memory.total",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    if query.returncode:
+        return Check(name, False, query.stderr.strip() or "nvidia-smi failed")
+    total = {i: int(m) << 20 for i, m in (line.split(", ") for line in query.stdout.strip().splitlines())}
+    short = [f"{d} holds {total.get(i, 0) / GIB:.1f} GiB, rank {r} needs {(need[r] + WORKING_BYTES) / GIB:.1f}"
+             for r, (d, i) in enumerate(zip(devices, indices)) if need[r] + WORKING_BYTES > total.get(i, 0)]
+    return Check(name, not short, f"{said} of weights, {WORKING_BYTES / GIB:.0f} GiB beside each"
+                 + (": " + "; ".join(short) if short else ": fits"))
+
+
 def drafter_transport(address: str, cfg: StackConfig):
     """A link to the worker expecting the identities this engine expects
     (REMOTE_DRAFTER_TARGET / _MANIFEST), as the engine's client makes it."""
@@ -341,8 +368,8 @@ def mem_available() -> int:
 
 def check_memory(need: int, what: str) -> Check:
     have = mem_available()
-    return Check(f"memory {what}", have >= need, f"MemAvailable {have / 2**30:.1f} GiB, "
-                 f"needs {need / 2**30:.2f} GiB")
+    return Check(f"memory {what}", have >= need, f"MemAvailable {have / GIB:.1f} GiB, "
+                 f"needs {need / GIB:.2f} GiB")
 
 
 def check_mlock(need: int) -> Check:
@@ -404,6 +431,9 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
         devices = tp2_devices(cfg) if tp2 else [cfg["STACK_DRAFTER_DEVICE"]]
         if tp2:
             checks.append(check_tp2_pair(devices))
+            if cfg["STACK_DRAFTER"].startswith("dsv41:"):
+                checks.append(check_tp2_fits(cfg["STACK_DRAFTER"].removeprefix("dsv41:"),
+                                             cfg["STACK_DRAFTER_DTYPE"], devices))
         checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
         if cfg["STACK_DRAFTER_WEIGHTS"] == "exl3":
             checks.append(check_exl3_gate(cfg["STACK_DRAFTER"]))

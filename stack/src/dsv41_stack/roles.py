@@ -135,12 +135,10 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
             "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
     backend = ["--backend", cfg[drafter_env.REMOTE_DRAFTER_BACKEND]]
     if cfg["STACK_DRAFTER_TP2"] == "1":
-        if weights == "exl3":
-            raise ConfigError("STACK_DRAFTER_WEIGHTS=exl3 is the one-card worker's (drafter-tp2 "
-                              "shards dense weights): set STACK_DRAFTER_TP2=0 for an EXL3 pack")
-        if cfg["STACK_DRAFTER"].startswith("dsv41:"):
-            raise ConfigError("drafter-tp2 shards DSpark checkpoints only; DeepSeek-V4.1's drafter "
-                              "(dsv41:) runs on the one-card worker: set STACK_DRAFTER_TP2=0")
+        if weights == "exl3" and not cfg["STACK_DRAFTER"].startswith("dsv41:"):
+            raise ConfigError("STACK_DRAFTER_WEIGHTS=exl3 with STACK_DRAFTER_TP2=1 is for DeepSeek's "
+                              "drafter (dsv41:), whose pair splits a pack's experts; a DSpark "
+                              "drafter's pair shards dense weights: set STACK_DRAFTER_WEIGHTS=dense")
         if cfg.int("STACK_INJECT_DELAY_MS"):
             raise ConfigError("STACK_INJECT_DELAY_MS is the one-card worker's (the miniature's "
                               "slow link); drafter-tp2 has none: set it to 0 with STACK_DRAFTER_TP2=1")

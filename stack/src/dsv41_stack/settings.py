@@ -62,9 +62,10 @@ SETTINGS = [
            "24 GB card. The worker serves a pack only once `remote-drafter exl3 gate` recorded a "
            "pass for its weights (<pack>/exl3-gate.json); the stack never passes --ungated."),
     EnvVar("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
-           "tensor-parallel worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise "
-           "-- worker ...`; DSpark checkpoints only), same listener, drafter and target as the "
-           "one-card worker; 0 = the one-card worker on STACK_DRAFTER_DEVICE. Rollback: "
+           "worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise -- worker ...`; "
+           "DeepSeek's drafter split by experts, dense or an EXL3 pack; a DSpark drafter "
+           "tensor-parallel, dense), same listener, drafter and target as the one-card worker; "
+           "0 = the one-card worker on STACK_DRAFTER_DEVICE. Rollback: "
            "`dsv41-stack rollback tp2-worker`, at the worker's restart."),
     EnvVar("STACK_DRAFTER_DEVICES", "cuda:0,cuda:1", "Offload host, STACK_DRAFTER_TP2=1: the "
            "pair's two distinct devices, rank 0's first (cpu:0,cpu:1 runs it on CPU, gloo)."),

@@ -21,7 +21,7 @@ import torch
 from remote_drafter.engine.identity import digest_tensors
 from remote_drafter.models import exl3
 from remote_drafter.models.dsv41 import checkpoint, exl3_pack
-from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, routed_expert
+from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, routed_expert, weight_table
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter
 from remote_drafter.models.dsv41.model import Dsv41Model
 from remote_drafter.models.dsv41.modules.module import Dense
@@ -62,6 +62,36 @@ class LeaderRounds:
     def __call__(self, *inputs):
         self.drafter.rounds_run += 1
         return self.channel.round(inputs, self.rounds)
+
+
+WORKING_BYTES = 2 << 30  # beside the weights: the CUDA context, windows, graphs' pools, activations
+
+
+def card_bytes(folder: str, dtype_bytes: int) -> list[int]:
+    """Each rank's weight bytes on its card, from the checkpoint's headers alone (nothing
+    read): its slice at `dtype_bytes` a value (float32 tensors at 4; an EXL3 pack's tensors
+    as stored), the embedding and a dense head halved. What the stack's preflight holds
+    against each card, with WORKING_BYTES beside."""
+    config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
+    pack = exl3.is_pack(folder)
+    out = []
+    for rank in (0, 1):
+        held = range(*bounds(config.n_routed_experts, rank))
+        if pack:
+            sizes = {n: s.nbytes for n, s in checkpoint.stored_drafter_tensors(folder, held).items()}
+        else:
+            sizes = {n: _numel(shape) * (4 if storage == "f32" else dtype_bytes)
+                     for n, (shape, storage) in weight_table(config, held).items()}
+        halved = sum(sizes.get(n, 0) for n in ("embed.weight", "head.weight")) // 2
+        out.append(sum(sizes.values()) - halved)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def split(model: Dsv41Model, rank: int, group, tally: Tally) -> Dsv41Model:

@@ -72,10 +72,21 @@ class StackedExperts(Module):
         super().__init__(per_matrix.numerics)
         if not per_matrix.dense:
             raise ValueError("stacked experts need dense expert weights (another back end serves these)")
-        self.w1, self.w3, self.w2 = (
-            torch.stack([three[p].weight for three in per_matrix.experts]) for p in range(3))
+        per_matrix.own.clear()
+        self.w1, self.w3, self.w2 = (self._moved(per_matrix.experts, p) for p in range(3))
         self.own = {f"{prefix}ffn.experts.{p}.stacked": t for p, t in zip(PROJECTIONS, (self.w1, self.w3, self.w2))}
         self.grouped, self.refusal = False, "not checked"  # refusal: why grouped GEMMs may not serve
+
+    @staticmethod
+    def _moved(experts: list[tuple[Dense, ...]], p: int) -> torch.Tensor:
+        """Projection p of every expert in one [experts, out, in] tensor, each expert's own
+        tensor let go as soon as it is copied: no transient second copy of the layer."""
+        first = experts[0][p].weight
+        out = torch.empty((len(experts), *first.shape), dtype=first.dtype, device=first.device)
+        for e, three in enumerate(experts):
+            out[e].copy_(three[p].weight)
+            three[p].weight = None
+        return out
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
         return (self.chosen_grouped if self.grouped else self.every_expert)(flat, weights, experts)
