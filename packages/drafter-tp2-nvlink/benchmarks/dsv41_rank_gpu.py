@@ -71,7 +71,7 @@ def read_bandwidth(device: str, gib: float) -> float:
     return x.numel() * x.element_size() / sorted(times[2:])[len(times[2:]) // 2]
 
 
-def rank_shard(rank: int, width: str, device: str) -> tuple[Dsv41Model, range]:
+def rank_shard(rank: int, width: str, device: str) -> tuple[Dsv41Model, range, Tally]:
     config = width_config(width)
     held = range(*bounds(config.n_routed_experts, rank))
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -79,11 +79,15 @@ def rank_shard(rank: int, width: str, device: str) -> tuple[Dsv41Model, range]:
                for n, (s, _) in weight_table(config, held).items()}
     model = Dsv41Model(config, weights, device, experts=held)
     del weights
-    return split(model, rank, None, Tally()), held
+    tally = Tally()
+    return split(model, rank, None, tally), held, tally
 
 
-def floor_of(drafter: Dsv41Drafter, sizes: dict, held: range, batch: int, bandwidth: float) -> dict:
-    """The bytes the rank's round reads, its chosen experts found by recording one eager round."""
+def floor_of(drafter: Dsv41Drafter, sizes: dict, held: range, batch: int, bandwidth: float,
+             tally: Tally) -> dict:
+    """The bytes the rank's round reads, its chosen experts found by recording one eager round
+    (and the collectives that round ran: a graph's replays run them unseen)."""
+    before = tally.snapshot()
     chosen: dict[int, set] = {}
     model = drafter.model
     for j, layer in enumerate(model.layers):
@@ -97,10 +101,13 @@ def floor_of(drafter: Dsv41Drafter, sizes: dict, held: range, batch: int, bandwi
     finally:
         for layer in model.layers:
             del layer.moe.route
+    after = tally.snapshot()
+    collectives = {n: {k: v[k] - before.get(n, {}).get(k, 0) for k in ("calls", "bytes")} for n, v in after.items()}
     gathered = {"embed.weight", markov_names(model.config)[0]}
     fixed = sum(b for n, b in sizes.items() if routed_expert(n) is None and n not in gathered)
     routed = sum(sizes[f"mtp.{j}.ffn.experts.{e}.{w}.weight"] for j, es in chosen.items() for e in es for w in W)
     return {"routed_expert_bytes": routed, "other_bytes": fixed, "floor_ms": round(1e3 * (routed + fixed) / bandwidth, 3),
+            "collectives_per_round": collectives,
             "experts_chosen_per_layer": [len(chosen.get(j, ())) for j in range(model.config.n_mtp_layers)]}
 
 
@@ -118,12 +125,12 @@ def run(batches: list[int], rounds: int, width: str = "flash", device: str = "cu
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        model, held = rank_shard(rank, width, device)
+        model, held, tally = rank_shard(rank, width, device)
         sizes = {n: t.numel() * t.element_size() for n, t in model.named_tensors()}
         entry = {"rank": rank, "experts": [held.start, held.stop], "weight_bytes": sum(sizes.values())}
         say(f"== rank {rank}: experts {held.start}..{held.stop - 1}, weights {entry['weight_bytes'] / GIB:.2f} GiB")
         eager = Dsv41Drafter(model, manifest, device, cuda_graphs=False)
-        floors = [floor_of(eager, sizes, held, b, bandwidth) for b in batches]
+        floors = [floor_of(eager, sizes, held, b, bandwidth, tally) for b in batches]
         graphed = Dsv41Drafter(model, manifest, device, cuda_graphs=True)  # the CPU: eager
         entry["experts_path"], entry["round_kernels"] = graphed.experts, graphed.round_kernels
         entry["rounds"] = []

@@ -128,9 +128,11 @@ def test_ranks_holding_other_weights_are_refused_on_both_ranks_by_name(folder, t
                 f"(dsv41:{other}) hold different {name}\n") in text, text
 
 
-def test_rank_1_killed_mid_serve_stops_the_pair_and_clients_get_no_drafts(folder, lock_dir):
-    """After three answered rounds rank 1 is killed: the next round gets no drafts (the
-    engine decodes target-only), and rank 0 stops serving, saying why."""
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_rank_1_killed_or_hung_mid_serve_stops_the_pair_and_clients_get_no_drafts(folder, lock_dir, fault):
+    """After three answered rounds rank 1 is killed (or stopped: a hang, found by the pair's
+    deadline): the next round gets no drafts (the engine decodes target-only), and rank 0
+    stops serving, saying why."""
     import numpy as np
     pair = RankPair(args_for(folder), free_master("127.0.0.1:0"))
     try:
@@ -139,7 +141,7 @@ def test_rank_1_killed_mid_serve_stops_the_pair_and_clients_get_no_drafts(folder
         feature = Dsv41Drafter.load(folder).feature
         for rid in range(6):
             if len(answered) == 3:
-                os.kill(pair.procs[1].pid, signal.SIGKILL)
+                os.kill(pair.procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             client.add_request(rid, rng.integers(0, 100, 12).astype(np.int32),
                                rng.standard_normal((11, feature)).astype(np.float32))
             drafts = client.propose().get(rid)
@@ -170,6 +172,9 @@ def test_the_rank_shard_benchmark_runs_in_its_smoke_form(tmp_path):
     for r in ranks:
         assert [x["batch"] for x in r["rounds"]] == [1, 4] and all(x["floor_ms"] > 0 for x in r["rounds"])
         assert all(x["routed_expert_bytes"] > 0 for x in r["rounds"])
+        for x in r["rounds"]:  # one all-reduce per MoE layer, the embedding's, the head's gather
+            calls = {n: v["calls"] for n, v in x["collectives_per_round"].items()}
+            assert calls == {"MoE all-reduce": 3, "embedding all-reduce": 1, "head all-gather": 1}, calls
 
 
 def test_an_ungated_exl3_pack_is_refused_on_both_ranks_before_loading(folder, tmp_path, lock_dir):

@@ -35,7 +35,8 @@ from ..sharding import Reducer, Tally, VocabParallel, bounds
 
 class PairDrafter(Dsv41Drafter):
     """A rank's Dsv41Drafter over its shard; rank 0's description adds the topology and the
-    collectives its rounds ran."""
+    collectives its rounds ran, as counted where Python runs them (eager rounds: a CUDA
+    graph's replays run the collectives it captured unseen)."""
 
     topology: dict | None = None
     tally: Tally | None = None
