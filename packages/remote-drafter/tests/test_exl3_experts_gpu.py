@@ -91,3 +91,33 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
           f"they part: {gaps}")
     assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
     assert same >= 0.8 * total
+
+
+def test_two_slices_of_a_pack_each_read_their_experts_and_sum_to_the_whole(pack):
+    """An expert-parallel pair's halves of a pack (drafter_tp2's dsv41 kind): each load reads
+    only its routed experts; each half's MoE layers, fused (the shared expert in the first
+    half's launches only), sum to the whole pack's, in every tier."""
+    from remote_drafter.models.dsv41.config import routed_expert
+    whole = exl3_pack.load(pack, torch.bfloat16, DEVICE)
+    one = Dsv41Model(whole.config, whole.weights, DEVICE, linears=whole.linears)
+    assert one.fuse_exl3_experts() is None
+    c = whole.config
+    halves = (range(0, c.n_routed_experts // 2), range(c.n_routed_experts // 2, c.n_routed_experts))
+    ranks = []
+    for r, held in enumerate(halves):
+        part = exl3_pack.load(pack, torch.bfloat16, DEVICE, experts=held)
+        assert {routed_expert(n) for n in part.tensor_digests} - {None} == set(held)
+        model = Dsv41Model(part.config, part.weights, DEVICE, linears=part.linears, experts=held)
+        for layer in model.layers:
+            layer.moe.adds_shared = r == 0
+        assert model.fuse_exl3_experts() is None and model.experts_fused
+        ranks.append(model)
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    coop_rows = COOP_SLOTS // c.num_experts_per_tok
+    for rows in (1, c.block_size, coop_rows + 1):
+        for j in range(c.n_mtp_layers):
+            x = torch.randn(rows, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
+            want = one.layers[j].moe(x).float()
+            got = ranks[0].layers[j].moe(x).float() + ranks[1].layers[j].moe(x).float()
+            error = float((got - want).norm() / want.norm())
+            assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
