@@ -92,7 +92,10 @@ class Exl3Experts:
 
     def __init__(self, routed: list[tuple[Exl3Linear, Exl3Linear, Exl3Linear]],
                  shared: tuple[Exl3Linear, Exl3Linear, Exl3Linear] | None, top_k: int,
-                 limit: float | None, device):
+                 limit: float | None, device, sorted_tier: bool = True):
+        """sorted_tier False: above COOP_SLOTS slots, the coop tier in chunks (an
+        expert-parallel slice: the exl3_moe tier summed a slice's rows wrongly on the GPU
+        tier, cause not found yet, while the coop tier summed them right)."""
         self.device = torch.device(device)
         self.gate, self.up, self.down = (_Projection.of([e[p] for e in routed], self.device) for p in range(3))
         self.top_k, self.experts = top_k, len(routed)
@@ -110,7 +113,7 @@ class Exl3Experts:
             self.one_expert = (torch.zeros(COOP_SLOTS, 1, dtype=torch.long, device=self.device),
                                torch.ones(COOP_SLOTS, 1, dtype=torch.half, device=self.device))
         # the exl3_moe tier reads rows unpadded: every expert dimension exact
-        self.fused_tier = self.gate.in_stored == self.width == self.down.out_stored and \
+        self.fused_tier = sorted_tier and self.gate.in_stored == self.width == self.down.out_stored and \
             routed[0][0].out_features == self.gate.out_stored
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.concurrency = _ext().exl3_moe_max_concurrency(index)

@@ -123,12 +123,13 @@ class FusedExperts(Module):
     lives in the kernels' buffers until the next call: MoE copies it out."""
     includes_shared = True
 
-    def __init__(self, per_matrix: PerMatrixExperts, shared, device):
+    def __init__(self, per_matrix: PerMatrixExperts, shared, device, whole: bool = True):
         super().__init__(per_matrix.numerics)
         from remote_drafter.models.exl3_experts import Exl3Experts
         c = self.numerics.config
         self.per_matrix = per_matrix  # the kernels' pointer tables address these linears' tensors
-        self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device)
+        self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device,
+                                   sorted_tier=whole)
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
         return self.kernels(flat, weights, experts)
@@ -193,7 +194,8 @@ class MoE(Module):
         if isinstance(self.experts, FusedExperts):
             return None
         try:
-            self.experts = FusedExperts(self.experts, self.shared if self.adds_shared else None, device)
+            self.experts = FusedExperts(self.experts, self.shared if self.adds_shared else None, device,
+                                        whole=len(self.held) == self.numerics.config.n_routed_experts)
         except (KeyError, ValueError, ImportError, AttributeError, RuntimeError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
