@@ -269,6 +269,27 @@ def test_a_proxy_that_imports_torch_is_refused():
         worker.stop()
 
 
+def test_the_proxy_runs_on_the_cpus_it_is_given_and_refuses_ones_it_cannot_use():
+    cpu = max(os.sched_getaffinity(0))  # any CPU this machine allows: here, its last
+    worker = Worker()
+    h = start(worker, proxy_cpus=str(cpu))
+    try:
+        assert h.enabled and h.proxy_status["cpus"] == [cpu]
+        assert os.sched_getaffinity(h.proc.pid) == {cpu}
+        missed, took = rounds(h, 20)
+        check_rounds(h, 20, missed, took, f"proxy on CPU {cpu}")
+    finally:
+        h.close()
+    missing = str(os.cpu_count() + 7)
+    h = start(worker, proxy_cpus=missing, respawn_max=0)
+    try:
+        assert not h.enabled
+        assert f"cannot run on CPUs '{missing}'" in h.proxy_status["error"], h.proxy_status
+    finally:
+        h.close()
+        worker.stop()
+
+
 def test_garbage_in_slots_never_becomes_a_reply():
     worker = Worker()
     h = start(worker)

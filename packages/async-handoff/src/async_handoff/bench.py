@@ -177,9 +177,10 @@ def bench_ipc(n: int, blocks: int) -> dict:
 
 def _sleepy_worker(round_ms: float, ready) -> None:
     from ofl import Server
+    from ofl.testing import link_delay
 
     def handler(payload: bytes, peer: str) -> bytes:
-        time.sleep(round_ms / 1000)
+        link_delay(round_ms / 1000)
         return payload
 
     server = Server("tcp", handler=handler).start()

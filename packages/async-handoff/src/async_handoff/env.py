@@ -40,6 +40,11 @@ ASYNC_HANDOFF_RESPAWN_WINDOW_S = EnvVar(
     "ASYNC_HANDOFF_RESPAWN_WINDOW_S", "300", "The respawn window (seconds).")
 ASYNC_HANDOFF_STARTUP_TIMEOUT_S = EnvVar(
     "ASYNC_HANDOFF_STARTUP_TIMEOUT_S", "30", "How long a new proxy may take to pass its self-test.")
+ASYNC_HANDOFF_PROXY_CPUS = EnvVar(
+    "ASYNC_HANDOFF_PROXY_CPUS", "",
+    "CPUs the proxy runs on, as a list like 3 or 2,5-6 (it pins itself at start); keep it off "
+    "the cores the engine's threads busy, so a round moves while the engine works. Empty = "
+    "the engine's own CPUs.")
 ASYNC_HANDOFF_METRICS_LISTEN = EnvVar(
     "ASYNC_HANDOFF_METRICS_LISTEN", "",
     "HOST:PORT where the engine process serves its Handoff's counters (GET /metrics: rounds "
@@ -49,7 +54,8 @@ ASYNC_HANDOFF_METRICS_LISTEN = EnvVar(
 ALL = [VLLM_DSPARK_REMOTE_ASYNC, ASYNC_HANDOFF_WAIT_MODE, ASYNC_HANDOFF_SPIN_US,
        ASYNC_HANDOFF_SLOTS, ASYNC_HANDOFF_SLOT_BYTES, ASYNC_HANDOFF_ROUND_DEADLINE_MS,
        ASYNC_HANDOFF_MAX_WAIT_MS, ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS, ASYNC_HANDOFF_RESPAWN_MAX,
-       ASYNC_HANDOFF_RESPAWN_WINDOW_S, ASYNC_HANDOFF_STARTUP_TIMEOUT_S, ASYNC_HANDOFF_METRICS_LISTEN]
+       ASYNC_HANDOFF_RESPAWN_WINDOW_S, ASYNC_HANDOFF_STARTUP_TIMEOUT_S, ASYNC_HANDOFF_PROXY_CPUS,
+       ASYNC_HANDOFF_METRICS_LISTEN]
 
 
 def async_enabled(values: Mapping[str, str] | None = None) -> bool:

@@ -51,6 +51,7 @@ class HandoffConfig:
     respawn_max: int = env_field(env.ASYNC_HANDOFF_RESPAWN_MAX, int)
     respawn_window_s: float = env_field(env.ASYNC_HANDOFF_RESPAWN_WINDOW_S, float)
     startup_timeout_s: float = env_field(env.ASYNC_HANDOFF_STARTUP_TIMEOUT_S, float)
+    proxy_cpus: str = env_field(env.ASYNC_HANDOFF_PROXY_CPUS)
     watchdog_interval_s: float = 0.05
     proxy_env: dict = field(default_factory=dict)  # extra environment for the proxy
     # HOST:PORT serving the counters to other processes (exposition)
@@ -153,6 +154,7 @@ class Handoff:
                "--adapter-config", json.dumps(self.adapter_config), "--mode", c.mode,
                "--spin-us", str(c.spin_us), "--round-deadline-ms", str(c.round_deadline_ms),
                "--heartbeat-ms", str(min(100.0, c.heartbeat_timeout_ms / 4))]
+        cmd += ["--cpus", c.proxy_cpus] if c.proxy_cpus else []
         self.proc = subprocess.Popen(cmd, env={**os.environ, **c.proxy_env},
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + c.startup_timeout_s

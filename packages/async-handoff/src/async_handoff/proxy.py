@@ -30,6 +30,31 @@ def imports() -> list[str]:
     return sorted({name.partition(".")[0] for name in sys.modules} - set(sys.stdlib_module_names))
 
 
+def cpu_list(spec: str) -> set[int]:
+    """'2,5-6' -> {2, 5, 6}."""
+    cpus = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            cpus.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"CPU list {spec!r}: expected numbers and ranges like 2,5-6") from None
+    if not cpus:
+        raise ValueError(f"CPU list {spec!r} names no CPU")
+    return cpus
+
+
+def pin(spec: str) -> list[int]:
+    """Run this process on the CPUs `spec` lists; the CPUs it runs on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        os.sched_setaffinity(0, cpu_list(spec))
+    except OSError as exc:
+        raise ValueError(f"cannot run on CPUs {spec!r} ({exc.strerror}); this process may use "
+                         f"{allowed}") from None
+    return sorted(os.sched_getaffinity(0))
+
+
 def self_test(flags, generation: int) -> dict:
     """Flags round trip and slot layout, before any round is taken."""
     from ._hostflags import ffi, lib
@@ -55,6 +80,8 @@ def run(args) -> int:
     status = {"pid": pid, "generation": args.generation, "adapter": args.adapter,
               "mode": args.mode, "mlock": flags.lock()}
     try:
+        if args.cpus:  # before the adapter connects: its threads inherit the CPUs
+            status["cpus"] = pin(args.cpus)
         status["layout"] = self_test(flags, args.generation)
         adapter = load_adapter(args.adapter, json.loads(args.adapter_config))
         status["peer"] = adapter.connect()
@@ -112,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--spin-us", type=float, default=50)
     p.add_argument("--round-deadline-ms", type=float, default=100)
     p.add_argument("--heartbeat-ms", type=float, default=100)
+    p.add_argument("--cpus", default="", help="CPUs to run on, like 3 or 2,5-6 (default: the "
+                   "engine's)")
     return run(p.parse_args(argv))
 
 

@@ -141,6 +141,17 @@ class ServeProcess(ChildProcess):
             time.sleep(0.1)
 
 
+def link_delay(seconds: float, spin_s: float = 1e-3) -> None:
+    """A simulated link's delay, exact to a few microseconds: sleep most of it, spin the
+    rest (a plain sleep overshoots by a wake-up, a tenth of a millisecond or more on a
+    busy VM, which a benchmark would count as the link's)."""
+    end = time.perf_counter() + seconds
+    if seconds > spin_s:
+        time.sleep(seconds - spin_s)
+    while time.perf_counter() < end:
+        pass
+
+
 def wait_until(read, until=bool, what: str = "the awaited event", timeout_s: float = 10.0,
                interval_s: float = 0.005):
     """Poll `read()` until `until(value)` holds and return that value: tests and fault drills

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ofl.testing import link_delay
 from remote_drafter.engine import protocol as P
 from remote_drafter.engine.history import History
 from remote_drafter.engine.metrics import Metrics
@@ -205,7 +206,7 @@ class DraftService:
         self.metrics.inc("rounds")
         started = time.perf_counter()
         if self.config.inject_delay_s:
-            time.sleep(self.config.inject_delay_s)
+            link_delay(self.config.inject_delay_s)
         replies: dict[int, P.Reply] = {}
         batch: list[tuple[P.Entry, DraftRequest]] = []
         # The cache serves small rounds only: they draft each request alone, which is what
