@@ -108,6 +108,25 @@ def test_one_engram_entry_serves_and_is_checked_for_every_rank(ready):
     assert set(failed(cfg, "engine")) == {"link engram rank 0", "link engram rank 1"}
 
 
+def test_every_engram_host_is_checked_and_qualified(ready, tmp_path):
+    """ENGRAM_HOSTS: each offload host's link and rows, by name; one with other tables fails
+    its qualification, the other passes."""
+    servers = [EngramServer(sorted(str(p) for p in (tmp_path / tables).glob("*.bin")), backend="tcp",
+                            listen=["127.0.0.1:0"], mlock=False).start() for tables in ("shards", "other")]
+    try:
+        hosts = ";".join(s.health()["links"][0] for s in servers)
+        cfg = ready[0].with_values(ENGRAM_HOSTS=hosts, ENGRAM_REMOTE=None, REMOTE_DRAFTER_ADDRESS="")
+        checks = {c.name: c for c in preflight.run(cfg, "engine")}
+    finally:
+        for s in servers:
+            s.stop()
+    assert checks["link engram rank 0 host 0"].ok and checks["link engram rank 0 host 1"].ok
+    assert checks["qualify rank 0 host 0"].ok
+    assert not checks["qualify rank 0 host 1"].ok and "differ" in checks["qualify rank 0 host 1"].detail
+    both = ready[0].with_values(ENGRAM_HOSTS=hosts, ENGRAM_REMOTE=hosts.split(";")[0])
+    assert "both ENGRAM_REMOTE and ENGRAM_HOSTS" in failed(both, "engine")["engram hosts"]
+
+
 def test_the_drafter_workers_identity(ready, tmp_path):
     """The worker serves target A; an engine of target A passes, an engine of B fails."""
     from remote_drafter.engine.transport import worker_stats

@@ -54,7 +54,7 @@ def test_env_cli_lists_every_variable(capsys):
     assert main(["env"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" ", 1)[0] for line in lines] == [v.name for v in env.ALL]
-    assert "ENGRAM_BACKEND (default 'verbs'): ofl backend" in lines[1]
+    assert "ENGRAM_BACKEND (default 'verbs'): ofl backend" in lines[2]
 
 
 def test_backend_flags_default_to_engram_backend(monkeypatch):

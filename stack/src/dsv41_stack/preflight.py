@@ -93,17 +93,20 @@ def check_reachable(address: str, what: str, timeout_s: float = 2.0) -> Check:
         return Check(f"link {what}", False, f"{address} unreachable ({exc.strerror or exc})")
 
 
-def check_qualify(address: str, shard_dir: str, rank: int, backend: str) -> Check:
+def check_qualify(address: str, shard_dir: str, rank: int, backend: str, host: str = "") -> Check:
+    """Rank `rank`'s rows on the offload host at `address` (`host`: which, when there are
+    several) equal its local shards (a sample)."""
     from remote_engram.qualify import qualify_link
+    name = f"qualify rank {rank}{host}"
     paths = sorted(str(p) for p in Path(shard_dir).glob(f"*-r{rank}of*.bin"))
     try:
         report = qualify_link(address, backend, paths, sample=QUALIFY_SAMPLE, link=f"rank{rank}")
     except Exception as exc:  # noqa: BLE001 - any failure to qualify is a FAIL with its reason
-        return Check(f"qualify rank {rank}", False, f"{address}: {type(exc).__name__}: {exc}")
+        return Check(name, False, f"{address}: {type(exc).__name__}: {exc}")
     bad = [s["shard"] for s in report["shards"] if s["mismatched_rows"] or not s["digest_equal"]
            or "error" in s]
     rows = sum(s["rows_compared"] for s in report["shards"])
-    return Check(f"qualify rank {rank}", report["ok"] and bool(paths),
+    return Check(name, report["ok"] and bool(paths),
                  f"{address}: {rows:,} rows compared over {len(paths)} shards"
                  + (f", differ: {bad}" if bad else "") + ("" if paths else ", no local shards"))
 
@@ -452,6 +455,11 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
     return checks
 
 
+def host_name(index: int, hosts: int) -> str:
+    """' host I' in a check's name when ENGRAM_HOSTS lists several offload hosts."""
+    return f" host {index}" if hosts > 1 else ""
+
+
 def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
     """What an engine needs of the offload host before it starts: each Engram link of this
     host's ranks (all of them on one host; with STACK_ENGINE_NODES > 1 rank `rank`'s only)
@@ -462,9 +470,15 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
     per_host = cfg.int("STACK_TP") // engine_nodes(cfg)  # with more hosts, this host's ranks only
     ranks = range(cfg.int("STACK_TP")) if engine_nodes(cfg) == 1 else \
         range(rank * per_host, (rank + 1) * per_host)
-    remote = cfg[engram_env.ENGRAM_REMOTE]
-    links = [(f"engram rank {r}", engram_env.remote_for_rank(r, remote), r)
-             for r in ranks if remote]  # each rank's own entry, as the engine picks it
+    remote, hosts = cfg[engram_env.ENGRAM_REMOTE], cfg[engram_env.ENGRAM_HOSTS]
+    links = []
+    for r in ranks:  # each rank's own entry on every offload host, as the engine picks it
+        try:
+            addresses = engram_env.hosts_for_rank(r, remote, hosts)
+        except ValueError as exc:
+            checks.append(Check("engram hosts", False, str(exc)))
+            break
+        links += [(f"engram rank {r}{host_name(i, len(addresses))}", a, r) for i, a in enumerate(addresses)]
     if address := cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]:
         links.append(("drafter worker", address, None))
     with cfg.link_client():  # the offload host may ask for the key
@@ -479,7 +493,8 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
                 if identity.ok:
                     checks.append(check_drafter_round(address, cfg))
             elif shard_dir := cfg[engram_env.ENGRAM_SHARD_DIR]:
-                checks.append(check_qualify(address, shard_dir, link_rank, backend))
+                checks.append(check_qualify(address, shard_dir, link_rank, backend,
+                                            what.removeprefix(f"engram rank {link_rank}")))
     return checks
 
 

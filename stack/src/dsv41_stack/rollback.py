@@ -19,7 +19,7 @@ LEVERS = {
     "async": "synchronous remote rounds (VLLM_DSPARK_REMOTE_ASYNC unset)",
     "remote-drafter": "the drafter inside the engine (REMOTE_DRAFTER_DRAFTER), the remote "
                       "settings removed, the baseline KV budget restored",
-    "remote-engram": "the local shard reader (ENGRAM_REMOTE unset, ENGRAM_SHARD_DIR kept)",
+    "remote-engram": "the local shard reader (ENGRAM_REMOTE and ENGRAM_HOSTS unset, ENGRAM_SHARD_DIR kept)",
     "tp2-worker": "the known-good one-card worker (STACK_DRAFTER_TP2=0) on STACK_DRAFTER_DEVICE, "
                   "with the same drafter, target and listener, hence the same identities",
 }
@@ -51,7 +51,7 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
         if not cfg[engram_env.ENGRAM_SHARD_DIR]:
             raise ValueError("rollback remote-engram needs ENGRAM_SHARD_DIR: the local shards "
                              "that will serve the rows")
-        return cfg.with_values(**{engram_env.ENGRAM_REMOTE.name: None})
+        return cfg.with_values(**{engram_env.ENGRAM_REMOTE.name: None, engram_env.ENGRAM_HOSTS.name: None})
     if lever == "tp2-worker":
         if cfg["STACK_DRAFTER_TP2"] != "1":
             raise ValueError("rollback tp2-worker: STACK_DRAFTER_TP2 is not 1 in these env files; "

@@ -1,24 +1,23 @@
-"""EngramClient: this rank's Engram rows, from the offload host when it can, from the
+"""EngramClient: this rank's Engram rows, from an offload host when it can, from the
 local shard when it cannot - the same bytes either way.
 
 Per step: row ids (known from token ids alone, before the forward reaches layer 1 or 14)
 are deduplicated and fetched with one batched gather per layer. Every remote gather has a
-deadline; on any failure the rows come from the local shard, the fallback is counted, and
-the link is left alone for a back-off before it is tried again. The server's manifest is
-checked on every (re)connect: a server holding other tables is refused.
+deadline; a host that fails is set aside and the read goes to the next healthy host within
+the same deadline (replicas.py: failover, readmission, quarantine); only when no host
+answers do the rows come from the local shard, counted. Each server's manifest is checked on
+every (re)connect: a server holding other tables is refused.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ofl import Connection, OflError, Region
+from ofl import Connection, Region
 from ofl.http import read_counters
 from ofl.stats import Stats
 from ofl.wire import decode_json
@@ -26,33 +25,30 @@ from ofl.wire import decode_json
 from . import env
 from .geometry import ROW_BYTES, EngramGeometry
 from .hashing import row_ids
+from .replicas import Hosts
 from .shard import ShardReader, shard_name
-
-log = logging.getLogger("remote_engram.client")
 
 
 class EngramUnavailable(RuntimeError):
     """Neither the remote table nor a local shard can serve these rows."""
 
 
-class ManifestMismatch(ValueError):
-    """The server holds other tables than this rank expects."""
-
-
 class EngramClient:
     """Rows of `rank`'s shards for each layer of `geometry`.
 
     >>> c = EngramClient(geometry=V41, rank=0, shard_dir="/nvme/engram",
-    ...                  remote="10.0.0.1:7480", backend="verbs")
+    ...                  remote=["10.0.0.1:7480", "10.0.0.2:7480"], backend="verbs")
     >>> h = c.prefetch(token_ids)          # at forward entry
     >>> rows = c.wait(h)                   # {layer: [B, T, 12, 264] uint8} at layer 1 / 14
     """
 
     def __init__(self, *, geometry: EngramGeometry, rank: int, nranks: int = 2,
-                 shard_dir: str | None = None, remote: str | None = None,
+                 shard_dir: str | None = None, remote: str | list[str] | None = None,
                  backend: str | None = None, token_map: np.ndarray | None = None,
                  deadline_s: float | None = None, backoff_s: float | None = None,
                  prefetch_depth: int | None = None):
+        """`remote`: this rank's offload hosts (HOST:PORT, or a list of hosts serving the same
+        rows); default ENGRAM_HOSTS / ENGRAM_REMOTE."""
         self.geometry, self.rank, self.nranks = geometry, rank, nranks
         self.columns = geometry.rank_columns(rank, nranks)
         self.ranges = {layer: geometry.rank_rows(layer, rank, nranks) for layer in geometry.layers}
@@ -65,18 +61,16 @@ class EngramClient:
         if shard_dir:
             for layer in geometry.layers:
                 self.local[layer] = self._open_local(shard_dir, layer)
-        self.local_digests = {layer: r.digest() for layer, r in self.local.items()}
-        remote = remote if remote is not None else env.remote_for_rank(rank)
-        if not remote and not self.local:
+        if remote is None:
+            remote = env.hosts_for_rank(rank)
+        addresses = [remote] if isinstance(remote, str) else list(remote)
+        addresses = [a for a in addresses if a]
+        if not addresses and not self.local:
             raise ValueError("EngramClient needs a remote endpoint, local shards, or both")
-        self.conn: Connection | None = None
-        self.regions: dict[int, str] = {}
-        if remote:
-            self.conn = Connection(remote, backend=backend or env.ENGRAM_BACKEND.get(),
-                                   identity=f"engram-client-r{rank}", link=f"rank{rank}",
-                                   deadline_s=self.deadline_s, connect=False,
-                                   verify_peer=self._verify_manifest)
-        self._backoff_until = 0.0
+        self.hosts = Hosts(addresses, backend=backend or env.ENGRAM_BACKEND.get(), rank=rank,
+                           ranges=self.ranges, total_rows={k: geometry.rows(k) for k in geometry.layers},
+                           local=self.local, deadline_s=self.deadline_s, recheck_s=self.backoff_s,
+                           stats=self.stats) if addresses else None
         self._scratch: Region | None = None
         self._lock = threading.Lock()
         depth = prefetch_depth or env.ENGRAM_PREFETCH_DEPTH.get_int()
@@ -93,23 +87,6 @@ class EngramClient:
                              f"of {reader.header.total_rows}; the geometry wants layer {layer} "
                              f"[{lo}, {hi}) of {self.geometry.rows(layer)}")
         return reader
-
-    def _verify_manifest(self, manifest: dict) -> None:
-        regions = {}
-        for layer, (lo, hi) in self.ranges.items():
-            match = [s for s in manifest.get("shards", []) if s.get("layer") == layer
-                     and s.get("lo") == lo and s.get("hi") == hi
-                     and s.get("total_rows") == self.geometry.rows(layer)]
-            if not match:
-                self.stats.add("manifest_rejections")
-                raise ManifestMismatch(f"server has no shard of layer {layer} rows [{lo}, {hi})")
-            want = self.local_digests.get(layer)
-            if want and match[0].get("digest") != want:
-                self.stats.add("manifest_rejections")
-                raise ManifestMismatch(f"layer {layer}: server digest {match[0].get('digest')} "
-                                       f"!= local shard {want}")
-            regions[layer] = match[0]["region"]
-        self.regions = regions
 
     # -- fetching ------------------------------------------------------------------------
     def fetch(self, layer: int, ids) -> np.ndarray:
@@ -133,27 +110,13 @@ class EngramClient:
         return out.reshape(ids.shape + (ROW_BYTES,))
 
     def _remote_rows(self, layer: int, uniq: np.ndarray) -> np.ndarray | None:
-        if self.conn is None:
+        if self.hosts is None:
             return None
-        if time.monotonic() < self._backoff_until:
-            self.stats.add("backoff_skips")
-            return None
-        lo = self.ranges[layer][0]
         scratch = self._scratch_for(uniq.size * ROW_BYTES)
-        try:
-            if layer not in self.regions:
-                self.conn.request(b'{"op":"manifest"}')  # connects; verify_peer fills regions
-            self.conn.gather(self.regions[layer], (uniq - lo).astype(np.uint64) * ROW_BYTES,
-                             ROW_BYTES, into=scratch)
-        except OflError as exc:
-            # At most one failure per back-off period reaches here, so this log is bounded.
-            self.stats.add("remote_failures")
-            self.stats.add("fallbacks")
-            log.warning("Engram rank %d: remote fetch failed (%s); reading local shards for "
-                        "%.1f s", self.rank, exc, self.backoff_s)
-            self._backoff_until = time.monotonic() + self.backoff_s
+        if not self.hosts.gather(layer, uniq, scratch):
             if not self.local:
-                raise EngramUnavailable(f"remote fetch failed and no local shard: {exc}") from exc
+                raise EngramUnavailable(f"layer {layer}: no offload host answered and there is "
+                                        f"no local shard ({self.hosts.status()})")
             return None
         self.stats.add("remote_rows", uniq.size)
         return scratch.array[:uniq.size * ROW_BYTES].reshape(uniq.size, ROW_BYTES)
@@ -161,8 +124,8 @@ class EngramClient:
     def _local_rows(self, layer: int, uniq: np.ndarray) -> np.ndarray:
         reader = self.local.get(layer)
         if reader is None:
-            raise EngramUnavailable(f"layer {layer}: the remote is in back-off and there is no "
-                                    "local shard")
+            raise EngramUnavailable(f"layer {layer}: no offload host serves it now and there is "
+                                    "no local shard")
         self.stats.add("local_rows", uniq.size)
         return reader.rows(uniq)
 
@@ -198,10 +161,15 @@ class EngramClient:
     def wait(self, handle: Future, timeout: float | None = None) -> dict[int, np.ndarray]:
         return handle.result(timeout)
 
+    def host_status(self) -> list[dict]:
+        """Each offload host: address, state (healthy, failed, quarantined) and why, since
+        when, rows it served, layers it serves."""
+        return self.hosts.status() if self.hosts is not None else []
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self.conn is not None:
-            self.conn.close()
+        if self.hosts is not None:
+            self.hosts.close()
         for reader in self.local.values():
             reader.close()
 

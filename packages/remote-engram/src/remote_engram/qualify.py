@@ -15,6 +15,21 @@ from .shard import ShardReader
 CHUNK = 1 << 14  # rows per gather when comparing everything
 
 
+def mismatched_rows(conn: Connection, region: str, local: ShardReader, ids: np.ndarray,
+                    dest: Region, deadline_s: float | None = None) -> np.ndarray:
+    """The ids among `ids` (global, of `local`'s range) whose rows on the server's `region`
+    differ from the local shard's; `dest` holds a chunk of rows."""
+    bad = []
+    chunk = dest.length // ROW_BYTES
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        conn.gather(region, (part - local.lo).astype(np.uint64) * ROW_BYTES, ROW_BYTES, into=dest,
+                    deadline_s=deadline_s)
+        got = dest.array[:len(part) * ROW_BYTES].reshape(len(part), ROW_BYTES)
+        bad.append(part[(got != local.rows(part)).any(axis=1)])
+    return np.concatenate(bad) if bad else np.empty(0, np.int64)
+
+
 def qualify_link(address: str, backend: str, shard_paths: list[str], *, sample: int = 100_000,
                  all_rows: bool = False, seed: int = 0, link: str = "") -> dict:
     """Compare rows of each local shard with the server's copy over one link."""
@@ -42,16 +57,10 @@ def qualify_link(address: str, backend: str, shard_paths: list[str], *, sample: 
                 else:
                     ids = np.unique(np.concatenate([
                         [h.lo, h.hi - 1], rng.integers(h.lo, h.hi, min(sample, h.rows))]))
-                for start in range(0, len(ids), CHUNK):
-                    part = ids[start:start + CHUNK]
-                    conn.gather(entry["region"], (part - h.lo).astype(np.uint64) * ROW_BYTES,
-                                ROW_BYTES, into=dest)
-                    got = dest.array[:len(part) * ROW_BYTES].reshape(len(part), ROW_BYTES)
-                    bad = np.flatnonzero((got != local.rows(part)).any(axis=1))
-                    res["rows_compared"] += len(part)
-                    res["mismatched_rows"] += int(bad.size)
-                    if bad.size and res["first_mismatch"] is None:
-                        res["first_mismatch"] = int(part[bad[0]])
+                bad = mismatched_rows(conn, entry["region"], local, ids, dest)
+                res["rows_compared"] = len(ids)
+                res["mismatched_rows"] = int(bad.size)
+                res["first_mismatch"] = int(bad[0]) if bad.size else None
                 if res["mismatched_rows"] or not res["digest_equal"]:
                     report["ok"] = False
                 report["shards"].append(res)

@@ -32,7 +32,7 @@ _MARK = "_remote_engram_overlay"
 
 
 def enabled() -> bool:
-    return bool(env.ENGRAM_REMOTE.get() or env.ENGRAM_SHARD_DIR.get())
+    return bool(env.ENGRAM_REMOTE.get() or env.ENGRAM_HOSTS.get() or env.ENGRAM_SHARD_DIR.get())
 
 
 def geometry_of(layout) -> EngramGeometry:
@@ -98,8 +98,8 @@ class _Rank:
         with cls.lock:
             if cls.client is None:
                 cls.client = EngramClient(geometry=geometry_of(layout), rank=rank, nranks=nranks)
-                log.info("remote Engram overlay: rank %d of %d, remote %r, shards %r", rank,
-                         nranks, env.remote_for_rank(rank), env.ENGRAM_SHARD_DIR.get())
+                log.info("remote Engram overlay: rank %d of %d, offload hosts %s, shards %r", rank,
+                         nranks, env.hosts_for_rank(rank), env.ENGRAM_SHARD_DIR.get())
                 if listen := env.ENGRAM_METRICS_LISTEN.get():
                     cls.http = _serve_metrics(cls.client, listen, rank)
             return cls.client
@@ -111,7 +111,8 @@ def _serve_metrics(client: EngramClient, listen: str, rank: int):
 
     host, port = parse_address(listen, 9490)
     return MetricsServer(host, port + rank, client.stats.prometheus,
-                         lambda: {"rank": rank, "counters": client.stats.snapshot()},
+                         lambda: {"rank": rank, "counters": client.stats.snapshot(),
+                                  "hosts": client.host_status()},
                          name=f"engram-client-r{rank}")
 
 
