@@ -48,6 +48,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         assert handoff["rounds_ok"] > 0 and handoff["enabled"] == 1, handoff
         assert handoff["rounds_failed"] == handoff["watchdog_fires"] == handoff["respawns"] == 0, handoff
         assert status["engram-server"]["health"]["resident_bytes"] > 0
+        host, = status["engine"]["engram_hosts"]  # the offload host as the engine's client sees it
+        assert host["state"] == "healthy" and host["rows"] > 0, host
         assert "error" not in status["drafter-worker"], status["drafter-worker"]
         for lever in ("async", "remote-engram", "remote-drafter"):
             rolled = tmp_path / f"{lever}.env"
@@ -70,6 +72,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         # no round answered through the proxy: no drafts, whatever placeholders vLLM counted
         assert "canary: output ok" in out and "DEGRADED: no drafts made; Engram fallbacks" in out, out
         assert main(["status", *env]) == 1  # ... and the degradation shows
+        host, = Deployment(StackConfig.load(env[1::2])).status("engine")["engine"]["engram_hosts"]
+        assert host["state"] == "failed" and host["reason"], host
         with __import__("urllib.request").request.urlopen("http://127.0.0.1:17495/metrics") as r:
             assert "engram_client_fallbacks_total" in r.read().decode()
     finally:

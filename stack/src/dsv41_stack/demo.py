@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 from async_handoff import env as handoff_env
 from longctx_bench.launch import free_port
+from ofl.http import read_health
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 from remote_engram.geometry import ROW_BYTES
@@ -80,8 +80,7 @@ def drafting(cfg: StackConfig) -> dict:
     listen = cfg[drafter_env.REMOTE_DRAFTER_METRICS_LISTEN]
     if not listen:
         return {}
-    with urllib.request.urlopen(f"http://{listen}/health", timeout=10) as r:
-        proposer = json.loads(r.read())["proposer"]
+    proposer = read_health(listen, timeout_s=10)["proposer"]
     return {"blocked_p50_ms": proposer.get("engine_blocked_p50_ms"),
             "deferred_rounds": proposer["rounds_deferred"],
             "host_gap_p50_ms": proposer.get("host_gap_p50_ms")}

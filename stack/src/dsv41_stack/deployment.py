@@ -154,9 +154,11 @@ class Deployment:
     def health(self, role: Role) -> dict:
         if role.rank is not None:
             out = {"counters": self.counters()} if role.rank == 0 else {}
-            if role.rank and (listen := self.cfg[engram_env.ENGRAM_METRICS_LISTEN]):
-                from remote_engram.client import served_counters
-                out["engram"] = served_counters(rank_address(listen, role.rank), timeout_s=5)
+            if listen := self.cfg[engram_env.ENGRAM_METRICS_LISTEN]:
+                from remote_engram.client import served_counters, served_hosts
+                if role.rank:
+                    out["engram"] = served_counters(rank_address(listen, role.rank), timeout_s=5)
+                out["engram_hosts"] = served_hosts(rank_address(listen, role.rank), timeout_s=5)
             if self.async_on():
                 out["handoff"] = self.handoff_counters(role.rank)
             return out

@@ -195,3 +195,9 @@ def read_counters(address: str, prefix: str, timeout_s: float = 5) -> dict[str, 
     """parse_counters of GET http://HOST:PORT/metrics (OSError when nothing answers there)."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as r:
         return parse_counters(r.read().decode(), prefix)
+
+
+def read_health(address: str, timeout_s: float = 5) -> dict:
+    """GET http://HOST:PORT/health as JSON (OSError when nothing answers there)."""
+    with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as r:
+        return json.loads(r.read())

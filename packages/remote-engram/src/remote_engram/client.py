@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ofl import Connection, Region
-from ofl.http import read_counters
+from ofl.http import read_counters, read_health
 from ofl.stats import Stats
 from ofl.wire import decode_json
 
@@ -186,3 +186,9 @@ def served_counters(listen: str, timeout_s: float = 10) -> dict[str, float]:
     """An engine rank's EngramClient counters, read from its /metrics (ENGRAM_METRICS_LISTEN,
     HOST:PORT): {name: value} without the engram_client_ prefix and _total suffix."""
     return read_counters(listen, "engram_client_", timeout_s)
+
+
+def served_hosts(listen: str, timeout_s: float = 10) -> list[dict]:
+    """An engine rank's offload hosts as its EngramClient sees them (state, reason, since,
+    rows, layers), read from its /health (ENGRAM_METRICS_LISTEN, HOST:PORT)."""
+    return read_health(listen, timeout_s).get("hosts", [])
