@@ -3,12 +3,15 @@ only): reads spread over them, a killed host fails over to another (no fallback 
 lives), the local shard serves only when none answers, a host that comes back is readmitted
 only once its rows equal the local shard's, and a host with other tables is quarantined."""
 
+import signal
+import time
+
 import numpy as np
 import pytest
 from test_remote import local_rows, random_ids
 
 from ofl import Connection
-from ofl.testing import wait_until
+from ofl.testing import stop_process, wait_until
 from remote_engram import env
 from remote_engram.client import EngramClient, EngramUnavailable
 from remote_engram.testing import SMALL, EngramServeProcess
@@ -79,6 +82,30 @@ def test_a_killed_host_fails_over_then_falls_back_only_when_none_lives(three, sh
         assert c.stats["backoff_skips"] == 1 and c.stats["fallbacks"] == 1
     finally:
         c.close()
+
+
+def test_a_frozen_host_fails_over_within_one_deadline(shard_dirs):
+    first, second = EngramServeProcess(shard_dirs[0], "tcp"), EngramServeProcess(shard_dirs[0], "tcp")
+    c = hosts_client([first, second], shard_dirs[0], deadline_s=1.0, backoff_s=60)
+    try:
+        read_until(c, shard_dirs[0], lambda: all(h["rows"] for h in c.host_status()), "both hosts read")
+        stop_process(first.proc.pid)  # answers nothing from here on
+        took = []
+
+        def timed_read():
+            started = time.monotonic()
+            read_exactly(c, shard_dirs[0], len(took))
+            took.append(time.monotonic() - started)
+        wait_until(lambda: timed_read() or c.stats["failovers"], what="a read failed over",
+                   timeout_s=30, interval_s=0)
+        assert max(took) < 1.0 + 0.5, took  # within the read's deadline (and a loaded machine's slack)
+        assert c.stats["fallbacks"] == 0 and states(c) == ["failed", "healthy"]
+        assert "DeadlineExceeded" in c.host_status()[0]["reason"], c.host_status()
+    finally:
+        c.close()
+        first.proc.send_signal(signal.SIGCONT)
+        first.stop()
+        second.stop()
 
 
 def test_a_host_that_comes_back_is_readmitted_once_its_rows_qualify(shard_dirs):

@@ -2,7 +2,7 @@
 fit for now.
 
 Reads spread over the healthy hosts (round robin); a read that fails goes to the next host
-within the same deadline (a failover), and only when no host answers do the rows come from
+within the same deadline, each host given its share of what is left (a failover), and only when no host answers do the rows come from
 the local shard (a fallback). A host whose read failed is set aside and readmitted only once
 it qualifies again: a sample of its rows equal to the local shard's, byte for byte. A host
 whose manifest or rows differ from the local shards is quarantined for the life of the
@@ -117,19 +117,20 @@ class Hosts:
             return False
         offsets = (uniq - self.ranges[layer][0]).astype(np.uint64) * ROW_BYTES
         deadline = time.monotonic() + self.deadline_s
+        order = live[start % len(live):] + live[:start % len(live)]
         tried = 0
-        for host in live[start % len(live):] + live[:start % len(live)]:
-            left = deadline - time.monotonic()
-            if left <= 0:
+        for i, host in enumerate(order):
+            # each host its share of what is left, so a stalled one leaves time to fail over
+            share = (deadline - time.monotonic()) / (len(order) - i)
+            if share <= 0:
                 break
             try:
                 if not host.conn.connected:
-                    host.conn.ensure_connected(left)  # its manifest sets its regions
+                    host.conn.ensure_connected(share)  # its manifest sets its regions
                 if layer not in host.regions:
                     continue  # this host does not serve the layer
                 tried += 1
-                host.conn.gather(host.regions[layer], offsets, ROW_BYTES, into=into,
-                                 deadline_s=max(deadline - time.monotonic(), 1e-3))
+                host.conn.gather(host.regions[layer], offsets, ROW_BYTES, into=into, deadline_s=share)
             except OflError as exc:
                 tried += 1
                 self._set_aside(host, exc)
