@@ -12,6 +12,12 @@ from ofl.env import EnvVar
 REMOTE_DRAFTER_ADDRESS = EnvVar(
     "REMOTE_DRAFTER_ADDRESS", "",
     "Drafter worker HOST:PORT; empty = the drafter runs locally in the engine's process.")
+REMOTE_DRAFTER_STANDBYS = EnvVar(
+    "REMOTE_DRAFTER_STANDBYS", "",
+    "Standby drafter workers, HOST:PORT comma-separated: when the worker rounds go to stops "
+    "answering, they go to the next of REMOTE_DRAFTER_ADDRESS (the primary) and these, each "
+    "checked like the primary (target, tokenizer, drafter); requests re-open there with "
+    "their windows. Empty = the primary alone.")
 REMOTE_DRAFTER_BACKEND = EnvVar(
     "REMOTE_DRAFTER_BACKEND", "tcp", "ofl backend of the drafter link: tcp, shm or verbs.")
 REMOTE_DRAFTER_DEADLINE_MS = EnvVar(
@@ -93,7 +99,7 @@ REMOTE_DRAFTER_LOCK_DIR = EnvVar(
     "temp folder. Every worker on the host must see the same folder for the locks to "
     "exclude each other.")
 
-ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
+ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_STANDBYS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_MS,
        REMOTE_DRAFTER_DEPTH, REMOTE_DRAFTER_CAPACITY_MODE, REMOTE_DRAFTER_MANIFEST,
        REMOTE_DRAFTER_TARGET, REMOTE_DRAFTER_DRAFTER, REMOTE_DRAFTER_HIDDEN_LAYERS,
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
@@ -104,3 +110,8 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_BACKEND, REMOTE_DRAFTER_DEADLINE_M
 
 def capacity_mode() -> bool:
     return REMOTE_DRAFTER_CAPACITY_MODE.get() not in ("", "0")
+
+
+def standbys() -> tuple[str, ...]:
+    """REMOTE_DRAFTER_STANDBYS as a list of addresses."""
+    return tuple(a.strip() for a in REMOTE_DRAFTER_STANDBYS.get().split(",") if a.strip())

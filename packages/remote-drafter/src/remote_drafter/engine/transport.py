@@ -7,16 +7,19 @@ meanwhile); only start-up asks with connect=True. Torch-free."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from async_handoff import Handoff, HandoffConfig
+from async_handoff.adapters import pool_order
 from ofl import Connection
 
 from .client import WorkerInfo
 from .identity import Manifest, check_worker
 
 ADAPTER = "remote_drafter.engine.proxy_adapter:DrafterProxyAdapter"
+log = logging.getLogger("remote_drafter.engine.transport")
 
 
 def worker_stats(address: str, backend: str = "tcp") -> dict:
@@ -53,24 +56,38 @@ class LocalTransport:
 
 
 class RemoteTransport:
-    """Synchronous rounds over one ofl link. A dropped link is re-established (identities
-    re-checked) by a background thread, an attempt every `retry_s` until it succeeds."""
+    """Synchronous rounds over one ofl link to a worker of the pool: the primary at
+    `address`, else the first of `standbys` that answers. A dropped link is re-established
+    (identities re-checked) by a background thread, an attempt every `retry_s` until one
+    succeeds: the next worker of the pool first, round the pool back to the one it was on
+    (a failover; with one worker, to it again). Rounds fail at once meanwhile; the new
+    worker does not know the requests, so the client re-opens them (windows only)."""
+
+    moves_on = True  # a reconnect tries the next worker first: rounds leave a failed one
 
     def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
-                 retry_s: float = 1.0, link: str | None = None):
-        self.conn = Connection(address, backend=backend, identity="remote-drafter-client",
-                               link=link, connect=False, reconnect_in_calls=False,
-                               verify_peer=check_worker(expect or Manifest()))
+                 retry_s: float = 1.0, link: str | None = None, standbys: tuple[str, ...] = ()):
+        self.addresses = [address, *standbys]
+        self.backend, self.link, self.verify = backend, link, check_worker(expect or Manifest())
+        self.current = 0  # the pool member rounds go to
+        self.conn = self._connection(0)
         self.retry_s, self._last_error = retry_s, "not connected yet"
+        self.errors: dict[str, str] = {}  # address -> why it last failed to connect
         self._info: tuple[dict, WorkerInfo] | None = None
         self._reconnector: threading.Thread | None = None
         self._closed = threading.Event()
         self.reconnects = 0  # background attempts that succeeded
+        self.failovers = 0  # of them, those that moved to another worker of the pool
         try:  # at creation (start-up), within OFL_CONNECT_TIMEOUT_MS; else in the background
             self.conn.ensure_connected()
         except Exception as exc:  # noqa: BLE001 - no worker yet: rounds fail until it answers
-            self._last_error = str(exc)
+            self._last_error = self.errors[address] = str(exc)
             self.reconnect_soon()
+
+    def _connection(self, index: int) -> Connection:
+        return Connection(self.addresses[index], backend=self.backend, identity="remote-drafter-client",
+                          link=self.link, connect=False, reconnect_in_calls=False,
+                          verify_peer=self.verify)
 
     def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
         """The worker's description; `connect`: connect now if need be (start-up only),
@@ -94,8 +111,9 @@ class RemoteTransport:
     def call(self, payload: bytes, deadline_s: float) -> bytes:
         try:
             return self.conn.request(payload, deadline_s=deadline_s)
-        except Exception:
-            if not self.conn.connected:
+        except Exception as exc:
+            if not self.conn.connected:  # the link is gone: the pool's next worker, or this again
+                self.errors[self.addresses[self.current]] = f"{type(exc).__name__}: {exc}"
                 self.reconnect_soon()
             raise
 
@@ -109,13 +127,32 @@ class RemoteTransport:
 
     def _reconnect(self) -> None:
         while not self._closed.is_set():
-            try:
-                self.conn.ensure_connected()
+            for index in pool_order(len(self.addresses), self.current, self.moves_on):
+                conn = self.conn if index == self.current else self._connection(index)
+                try:
+                    conn.ensure_connected()
+                except Exception as exc:  # noqa: BLE001 - this one is away: the next
+                    self._last_error = self.errors[self.addresses[index]] = str(exc)
+                    if conn is not self.conn:
+                        conn.close()
+                    continue
+                if index != self.current:
+                    was = self.addresses[self.current]
+                    old, self.conn, self.current = self.conn, conn, index
+                    old.close()
+                    self.failovers += 1
+                    log.warning("drafter worker %s unavailable (%s): rounds go to %s now", was,
+                                self.errors.get(was, "its link was lost"), self.addresses[index])
                 self.reconnects += 1
                 return
-            except Exception as exc:  # noqa: BLE001 - the worker is away: try again later
-                self._last_error = str(exc)
-                self._closed.wait(self.retry_s)
+            self._closed.wait(self.retry_s)
+
+    def pool(self) -> list[dict]:
+        """Each worker of the pool: address, primary or standby, whether rounds go to it,
+        and why it last failed to connect."""
+        return [{"address": a, "role": "primary" if i == 0 else "standby",
+                 "current": i == self.current, "last_error": self.errors.get(a, "")}
+                for i, a in enumerate(self.addresses)]
 
     def invalidate(self) -> None:
         """A round failed: nothing to forget (a reconnect re-reads the worker's description)."""
@@ -130,13 +167,15 @@ class AsyncTransport(RemoteTransport):
     engine's own connection only fetches the worker's limits and identities."""
 
     asynchronous = True
+    moves_on = False  # this link only reads limits; the proxy picks the worker for rounds
 
     def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
-                 config: HandoffConfig | None = None, link: str | None = None):
-        super().__init__(address, backend, expect, link=link)
+                 config: HandoffConfig | None = None, link: str | None = None,
+                 standbys: tuple[str, ...] = ()):
+        super().__init__(address, backend, expect, link=link, standbys=standbys)
         self.handoff = Handoff(config or HandoffConfig.from_env(), ADAPTER,
-                               {"address": address, "backend": backend, "link": link,
-                                "identity": "remote-drafter-proxy",
+                               {"address": address, "standbys": list(standbys), "backend": backend,
+                                "link": link, "identity": "remote-drafter-proxy",
                                 "expect": (expect or Manifest()).to_json()}).start()
 
     def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:

@@ -28,7 +28,8 @@ def make_client(target: str | None = None, **client_options) -> DrafterClient:
         from remote_drafter.engine.transport import AsyncTransport, RemoteTransport
         expect = expectation(target, env.REMOTE_DRAFTER_MANIFEST.get() or None)
         backend = env.REMOTE_DRAFTER_BACKEND.get()
-        transport = (AsyncTransport if remote_async() else RemoteTransport)(address, backend, expect)
+        transport = (AsyncTransport if remote_async() else RemoteTransport)(
+            address, backend, expect, standbys=env.standbys())
         return DrafterClient(transport, **client_options)
     if env.capacity_mode():
         raise CapacityModeError(
