@@ -146,6 +146,18 @@ def test_the_drafter_workers_identity(ready, tmp_path):
             assert checks["link drafter worker"].ok
             assert checks["drafter identity"].ok is ok, checks["drafter identity"].detail
             assert ("drafter round" in checks) is ok  # timed once the identities agree
+        other, other_address = spawn_worker(["--drafter", "ngram", "--target", str(tmp_path / "b"),
+                                             "--listen", "127.0.0.1:0"])
+        try:  # standbys are checked like the primary, each by name
+            cfg = ready[0].with_values(REMOTE_DRAFTER_ADDRESS=address, REMOTE_DRAFTER_TARGET=str(tmp_path / "a"),
+                                       REMOTE_DRAFTER_STANDBYS=f"{other_address},{address}")
+            checks = {c.name: c for c in preflight.run(cfg, "engine")}
+        finally:
+            other.kill()
+            other.wait()
+        assert checks["drafter identity"].ok and checks["drafter standby 2 identity"].ok
+        assert not checks["drafter standby 1 identity"].ok, checks["drafter standby 1 identity"].detail
+        assert "drafter standby 2 round" in checks and "drafter standby 1 round" not in checks
         # the worker's timed round plus the link against the engine's wait: synchronous rounds'
         # deadline, or the proxy's wait; too short is a WARN that says what to raise
         engine = ready[0].with_values(REMOTE_DRAFTER_ADDRESS=address, REMOTE_DRAFTER_TARGET=str(tmp_path / "a"))

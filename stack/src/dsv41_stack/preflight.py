@@ -297,7 +297,7 @@ def drafter_transport(address: str, cfg: StackConfig):
                                        cfg[drafter_env.REMOTE_DRAFTER_MANIFEST]))
 
 
-def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
+def check_drafter_identity(address: str, cfg: StackConfig, worker: str = "drafter") -> Check:
     """The worker's identities (target, tokenizer, drafter, Markov digests) against what this
     engine expects: the handshake the engine will make."""
     try:
@@ -307,12 +307,13 @@ def check_drafter_identity(address: str, cfg: StackConfig) -> Check:
         finally:
             transport.close()
     except Exception as exc:  # noqa: BLE001 - a refused or failed handshake is the FAIL
-        return Check("drafter identity", False, f"{address}: {exc}")
-    return Check("drafter identity", True, f"{address}: {info.manifest.kind} drafter, target "
+        return Check(f"{worker} identity", False, f"{address}: {exc}")
+    return Check(f"{worker} identity", True, f"{address}: {info.manifest.kind} drafter, target "
                  f"{info.manifest.target[:12]}, drafter {info.manifest.drafter[:12]}")
 
 
-def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMPLES) -> Check:
+def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMPLES,
+                        worker: str = "drafter") -> Check:
     """Rounds as the engine will see them, the link included: ROUND_BATCH throwaway requests
     (the production batch, their windows of zero rows) drafted `rounds` times by a client
     like the engine's, the slowest against what the engine waits for one:
@@ -326,7 +327,7 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
         client = DrafterClient(drafter_transport(address, cfg), deadline_s=max(5.0, 2 * allowed / 1e3))
         info = client.worker_info(5.0)
     except Exception as exc:  # noqa: BLE001 - the identity check says why
-        return Check("drafter round", True, f"{address}: not measured ({exc})", warn=True)
+        return Check(f"{worker} round", True, f"{address}: not measured ({exc})", warn=True)
     try:
         n = min(info.window + 1, info.history_tokens, 64)
         rows = np.zeros((n - 1, info.feature), np.float32) if info.feature else None
@@ -344,13 +345,13 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
         client.propose()
         client.close()
     if failed:
-        return Check("drafter round", True, f"{address}: {failed:g} of {rounds + 1} rounds failed", warn=True)
+        return Check(f"{worker} round", True, f"{address}: {failed:g} of {rounds + 1} rounds failed", warn=True)
     slowest = 1e3 * max(seconds[1:])
     detail = (f"{address}: slowest of {rounds} rounds of {ROUND_BATCH} requests {slowest:.1f} ms "
               f"(link included), {wait.name}={allowed:g}")
     if slowest <= allowed:
-        return Check("drafter round", True, detail)
-    return Check("drafter round", True, detail + f": rounds arrive too late to draft; raise {wait.name} "
+        return Check(f"{worker} round", True, detail)
+    return Check(f"{worker} round", True, detail + f": rounds arrive too late to draft; raise {wait.name} "
                  f"to {slowest:.0f} or more, or serve a faster drafter", warn=True)
 
 
@@ -481,6 +482,8 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
         links += [(f"engram rank {r}{host_name(i, len(addresses))}", a, r) for i, a in enumerate(addresses)]
     if address := cfg[drafter_env.REMOTE_DRAFTER_ADDRESS]:
         links.append(("drafter worker", address, None))
+        standbys = [a.strip() for a in cfg[drafter_env.REMOTE_DRAFTER_STANDBYS].split(",") if a.strip()]
+        links += [(f"drafter standby {i}", a, None) for i, a in enumerate(standbys, 1)]
     with cfg.link_client():  # the offload host may ask for the key
         for what, address, link_rank in links:
             if admitted := check_admitted(address, what, cfg):
@@ -488,10 +491,11 @@ def offload_links(cfg: StackConfig, rank: int = 0) -> list[Check]:
             checks.append(reachable := check_reachable(address, what))
             if not reachable.ok:
                 continue
-            if link_rank is None:
-                checks.append(identity := check_drafter_identity(address, cfg))
+            if link_rank is None:  # the primary: "drafter ..."; a standby: "drafter standby I ..."
+                worker = what.removesuffix(" worker")
+                checks.append(identity := check_drafter_identity(address, cfg, worker))
                 if identity.ok:
-                    checks.append(check_drafter_round(address, cfg))
+                    checks.append(check_drafter_round(address, cfg, worker=worker))
             elif shard_dir := cfg[engram_env.ENGRAM_SHARD_DIR]:
                 checks.append(check_qualify(address, shard_dir, link_rank, backend,
                                             what.removeprefix(f"engram rank {link_rank}")))

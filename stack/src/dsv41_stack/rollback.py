@@ -43,6 +43,7 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
                              "engine will run itself")
         return cfg.with_values(**{
             drafter_env.REMOTE_DRAFTER_ADDRESS.name: None,
+            drafter_env.REMOTE_DRAFTER_STANDBYS.name: None,
             drafter_env.REMOTE_DRAFTER_CAPACITY_MODE.name: None,
             handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: None,
             drafter_env.REMOTE_DRAFTER_DRAFTER.name: cfg["STACK_DRAFTER"]},

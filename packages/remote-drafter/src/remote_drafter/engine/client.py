@@ -458,6 +458,12 @@ class DrafterClient:
         out["request_bytes_per_token"] = out["request_bytes"] / tokens if tokens else 0.0
         return out
 
+    def workers(self) -> list[dict]:
+        """The worker pool as this client's link sees it (address, primary or standby, whether
+        its rounds go there, why it last failed); empty in local mode."""
+        pool = getattr(self.transport, "pool", None)
+        return pool() if pool else []
+
     def rows_held(self) -> int:
         """Hidden rows the client holds: each request's window and what waits to be sent."""
         return sum((0 if r.history.rows is None else len(r.history.rows)) + sum(map(len, r.pending_rows))

@@ -120,6 +120,7 @@ class RemoteProposer:
             return MetricsServer(host, port + rank,
                                  lambda: (self.client.prometheus() if self.client else "") + self.metrics.prometheus(),
                                  lambda: {"rank": rank, "client": self.client.counters() if self.client else {},
+                                          "workers": self.client.workers() if self.client else [],
                                           "proposer": self.metrics.snapshot(),
                                           "hidden_rows_held": self.rows_held(),
                                           "hidden_rows_held_peak": self.rows_held_peak},
