@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     w.add_argument("--role", choices=ROLES, help=ROLE_HELP)
     w.add_argument("--rank", type=int, help=RANK_HELP)
     w.set_defaults(func=cmd_watchdog)
-    d = sub.add_parser("demo", help="the deployment in miniature on this machine (A, B, D, D-async)",
+    d = sub.add_parser("demo", help="the deployment in miniature on this machine (A, B, D, D-async, D-fleet)",
                        description="Builds the SmolLM2-with-Engram target if needed, starts the "
                        "Engram server, the drafter worker and one vLLM per configuration, "
                        "measures each with longctx-bench, prints the table; stops everything "

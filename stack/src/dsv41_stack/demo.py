@@ -16,12 +16,13 @@ longctx-bench measures each; the greedy fingerprint must be the same in all four
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
 from async_handoff import env as handoff_env
 from longctx_bench.launch import free_port
-from ofl.http import read_health
+from ofl.http import read_counters, read_health
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 from remote_engram.geometry import ROW_BYTES
@@ -36,6 +37,8 @@ CONFIGS = [
     ("D", "remote Engram + remote drafter, sync", {"engram": "remote", "drafter": "remote"}),
     ("D-async", "D through the proxy, drafts deferred to the next step's inputs",
      {"engram": "remote", "drafter": "remote", "async": True}),
+    ("D-fleet", "D-async over two offload hosts, the first killed mid-run",
+     {"engram": "remote", "drafter": "remote", "async": True, "fleet": True}),
 ]
 
 
@@ -55,13 +58,22 @@ def drafter_bytes(spec: str) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
 
 
-def config_values(setting: dict, engram_at: str, worker_at: str, cfg: StackConfig) -> dict:
+def config_values(setting: dict, engram_at: list[str], worker_at: list[str], cfg: StackConfig) -> dict:
+    """The engine's variables for one configuration; `engram_at`, `worker_at`: each offload
+    host's Engram server and drafter worker (the first host's alone unless it is a fleet)."""
     remote_engram = setting["engram"] == "remote"
     remote_drafter = setting["drafter"] == "remote"
+    fleet = setting.get("fleet", False)
+    # the fleet drill watches the engine's Engram hosts (what each served) on its /health
+    watched = {engram_env.ENGRAM_METRICS_LISTEN.name: cfg[engram_env.ENGRAM_METRICS_LISTEN]
+               or f"127.0.0.1:{free_port()}"} if fleet else {}
     return {
-        engram_env.ENGRAM_REMOTE.name: engram_at if remote_engram else None,
+        **watched,
+        engram_env.ENGRAM_REMOTE.name: engram_at[0] if remote_engram and not fleet else None,
+        engram_env.ENGRAM_HOSTS.name: ";".join(engram_at) if fleet else None,
         engram_env.ENGRAM_SHARD_DIR.name: cfg["STACK_ENGRAM_SHARDS"] if remote_engram else None,
-        drafter_env.REMOTE_DRAFTER_ADDRESS.name: worker_at if remote_drafter else None,
+        drafter_env.REMOTE_DRAFTER_ADDRESS.name: worker_at[0] if remote_drafter else None,
+        drafter_env.REMOTE_DRAFTER_STANDBYS.name: ",".join(worker_at[1:]) if fleet else None,
         drafter_env.REMOTE_DRAFTER_DRAFTER.name: None if remote_drafter else cfg["STACK_DRAFTER"],
         drafter_env.REMOTE_DRAFTER_TARGET.name: cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
         handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: "1" if setting.get("async") else None,
@@ -84,6 +96,52 @@ def drafting(cfg: StackConfig) -> dict:
     return {"blocked_p50_ms": proposer.get("engine_blocked_p50_ms"),
             "deferred_rounds": proposer["rounds_deferred"],
             "host_gap_p50_ms": proposer.get("host_gap_p50_ms")}
+
+
+class HostKiller:
+    """The fleet drill: kills the first offload host (its Engram server and drafter worker)
+    once it has served Engram rows of this configuration's run, seen on the engine's own
+    /health, never after a sleep; report() tells what each host served and what failed over."""
+
+    def __init__(self, cfg: StackConfig, host: list, say):
+        self.listen = cfg[engram_env.ENGRAM_METRICS_LISTEN]
+        self.drafter_listen = cfg[drafter_env.REMOTE_DRAFTER_METRICS_LISTEN]
+        self.host, self.say = host, say
+        self.start_rows = self.hosts()[0]["rows"]
+        self.killed_at: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="fleet-drill")
+        self._thread.start()
+
+    def hosts(self) -> list[dict]:
+        return read_health(self.listen, timeout_s=10)["hosts"]
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                rows = self.hosts()[0]["rows"]
+            except OSError:  # the engine busy past the read's timeout: look again
+                continue
+            if rows > self.start_rows:
+                for running in self.host:
+                    running.proc.kill()
+                self.killed_at = rows - self.start_rows
+                self.say(f"  host 0 killed after serving {self.killed_at} Engram rows of this run")
+                return
+
+    def report(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        hosts = self.hosts()
+        counters = read_counters(self.listen, "engram_client_")
+        workers = read_health(self.drafter_listen, timeout_s=10).get("workers", []) if self.drafter_listen else []
+        return {"host0_killed_after_rows": self.killed_at,
+                "engram_rows_by_host": [h["rows"] for h in hosts],
+                "engram_host_states": [h["state"] for h in hosts],
+                "engram_failovers": counters.get("failovers", 0),
+                "engram_fallbacks": counters.get("fallbacks", 0),
+                "engram_local_rows": counters.get("local_rows", 0),
+                "drafter_workers": workers}
 
 
 def summarize(name: str, description: str, kv_budget: int, result: dict) -> dict:
@@ -118,9 +176,14 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
     rows = []
     with Processes(Path(cfg["STACK_RUN_DIR"])) as processes:
         say("starting the Engram server and the drafter worker")
-        engram_at = processes.start(engram_server(cfg)).address()
-        worker_at = processes.start(drafter_worker(cfg)).address()
+        host0 = [processes.start(engram_server(cfg)), processes.start(drafter_worker(cfg))]
+        engram_at, worker_at = [host0[0].address()], [host0[1].address()]
         for i, (name, description, setting) in enumerate(CONFIGS, 1):
+            if setting.get("fleet"):  # a second offload host; the first dies during the run
+                say(f"[{i}/{len(CONFIGS)}] {name}: starting a second offload host")
+                second = cfg.with_values(STACK_ENGRAM_LISTEN="127.0.0.1:0", STACK_DRAFTER_LISTEN="127.0.0.1:0")
+                engram_at.append(processes.start(engram_server(second), label="host1").address())
+                worker_at.append(processes.start(drafter_worker(second), label="host1").address())
             kv = budget - (table_bytes if setting["engram"] == "model" else 0) \
                 - (local_drafter if setting["drafter"] == "local" else 0)
             run_cfg = cfg.with_values(STACK_KV_BYTES=str(kv),
@@ -129,6 +192,7 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
             role = engine(run_cfg)
             running = processes.start(role, label=name)
             say(f"[{i}/{len(CONFIGS)}] {name}: measuring")
+            drill = HostKiller(run_cfg, host0, say) if setting.get("fleet") else None
             code = bench(["run", "--base-url", role.ready_url.removesuffix("/v1/models"),
                           "--model", SERVED_NAME, "--contexts", contexts, "--max-concurrency", "1",
                           "--repeats", str(repeats), "--output-len", str(output_len),
@@ -136,9 +200,10 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
                           "--save-result", "--result-dir", str(out),
                           "--result-filename", f"{name}.json"])
             drafted = drafting(run_cfg)
+            fleet = drill.report() if drill else {}
             processes.stop(running)
             result = json.loads((out / f"{name}.json").read_text())
-            rows.append({**summarize(name, description, kv, result), **drafted, "bench_exit": code})
+            rows.append({**summarize(name, description, kv, result), **drafted, **fleet, "bench_exit": code})
     fingerprints = {r["fingerprint"] for r in rows}
     report = {"configs": rows, "identical_output": len(fingerprints) == 1 and None not in fingerprints,
               "inject_delay_ms": cfg.int("STACK_INJECT_DELAY_MS"), "kv_budget_bytes": budget,
@@ -191,6 +256,13 @@ def table(report: dict) -> str:
                      f"{spread:>11} {fmt(r.get('blocked_p50_ms'), '.2f'):>6}ms "
                      f"{fmt(r['stream_tok_s'], '.1f'):>8} {fmt(r['task_s'], '.2f'):>7} "
                      f"{fmt(r['accepted_length'], '.2f'):>8}  {(r['fingerprint'] or '-')[:12]}")
+    for r in report["configs"]:
+        if "engram_rows_by_host" in r:
+            lines.append(f"{r['config']}: host 0 killed after serving {r['host0_killed_after_rows']} "
+                         f"Engram rows of the run; rows by host {r['engram_rows_by_host']} "
+                         f"({', '.join(r['engram_host_states'])}); failovers {r['engram_failovers']:g}, "
+                         f"disk fallbacks {r['engram_fallbacks']:g}; drafter rounds on "
+                         + (", ".join(w["address"] for w in r["drafter_workers"] if w["current"]) or "-"))
     lines.append("step p50 and its p10-p90 spread: gaps between a request's token events; blocked: "
                  "the engine thread's time in the drafter per step (p50)")
     lines.append(f"greedy output identical in every configuration: {report['identical_output']}; "
