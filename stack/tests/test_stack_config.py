@@ -65,3 +65,19 @@ def test_production_admits_by_allow_list_and_key_file_and_local_by_loopback():
     assert not local["OFL_AUTH_KEY"] and not local["OFL_AUTH_KEY_FILE"]
     listens = [local["STACK_ENGRAM_LISTEN"], local["STACK_DRAFTER_LISTEN"]]
     assert all(address.startswith("127.0.0.1:") for address in listens)
+
+
+def test_the_fleet_delta_gives_every_rank_both_hosts(tmp_path):
+    """production-fleet over production-D: ENGRAM_HOSTS replaces ENGRAM_REMOTE (which it
+    empties: both set is refused), and the drafter gains a standby."""
+    from remote_engram import env as engram_env
+    paths = []
+    for name in ("production-D", "production-fleet"):
+        paths.append(tmp_path / f"{name}.env")
+        paths[-1].write_text(re.sub(r"<([^<>]+)>", lambda m: m.group(1).split()[1] if m.group(1).startswith("host ")
+                                    else "x", template_path(name).read_text()))
+    cfg = StackConfig.load(paths)
+    for rank in (0, 1):
+        hosts = engram_env.hosts_for_rank(rank, cfg[engram_env.ENGRAM_REMOTE], cfg[engram_env.ENGRAM_HOSTS])
+        assert hosts == ["0:7480", "1:7480"], hosts
+    assert cfg["REMOTE_DRAFTER_STANDBYS"] == "1:7490" and cfg["REMOTE_DRAFTER_ADDRESS"] == "x:7490"

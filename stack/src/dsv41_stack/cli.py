@@ -31,7 +31,7 @@ from .config import ConfigError, StackConfig
 from .roles import roles
 from .settings import COMPONENT_ENVS, SETTINGS, shown
 
-TEMPLATES = ("local", "production-D", "production-async")
+TEMPLATES = ("local", "production-D", "production-async", "production-fleet")
 ROLES = ["offload-host", "engine", "engram-server", "drafter-worker"]
 ROLE_HELP = ("offload-host (its engram-server and drafter-worker, or one of them) or engine "
              "(with --rank); default: every role")
