@@ -17,6 +17,7 @@ import pytest
 from dsv41_stack.cli import main, template_path
 from dsv41_stack.config import StackConfig
 from dsv41_stack.deployment import Deployment
+from longctx_bench.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
@@ -33,7 +34,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
     here = tmp_path / "here.env"
     here.write_text(f"STACK_RUN_DIR={tmp_path}/run\nSTACK_MODEL={model}\nSTACK_VLLM_PYTHON={PYTHON}\n"
                     f"STACK_ENGRAM_SHARDS={model}/shards\nENGRAM_SHARD_DIR={model}/shards\n"
-                    "VLLM_DSPARK_REMOTE_ASYNC=1\n")  # configuration D-async: every lever on
+                    "VLLM_DSPARK_REMOTE_ASYNC=1\n"  # configuration D-async: every lever on
+                    f"REMOTE_DRAFTER_METRICS_LISTEN=127.0.0.1:{free_port()}\n")  # status: the pool
     env = ["--env", str(template_path("local")), "--env", str(here)]
     try:
         assert main(["up", *env, "--record-canary"]) == 0
@@ -50,6 +52,8 @@ def test_up_canary_rollbacks_and_a_lost_offload_host(tmp_path, monkeypatch, caps
         assert status["engram-server"]["health"]["resident_bytes"] > 0
         host, = status["engine"]["engram_hosts"]  # the offload host as the engine's client sees it
         assert host["state"] == "healthy" and host["rows"] > 0, host
+        worker, = status["engine"]["drafter_workers"]  # the pool: the primary alone here
+        assert worker["current"] and worker["role"] == "primary", worker
         assert "error" not in status["drafter-worker"], status["drafter-worker"]
         for lever in ("async", "remote-engram", "remote-drafter"):
             rolled = tmp_path / f"{lever}.env"

@@ -69,6 +69,7 @@ def test_a_frozen_primary_moves_rounds_to_the_standby(models, target, reference,
         assert transport.failovers == 1 and transport.pool()[1]["current"], transport.pool()
         assert transport.pool()[0]["last_error"], transport.pool()
         c = client.counters()
+        assert c["worker_failovers"] == 1, c
         assert c["rounds_failed"] >= 1 and c["reopens"] + c["rounds_failed"] >= 1, c
         assert drafts[:3] == [len(PROMPTS)] * 3 and drafts[3] == 0 and drafts[-1] > 0, drafts  # resumed there
     finally:

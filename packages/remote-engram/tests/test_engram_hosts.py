@@ -143,6 +143,10 @@ def test_a_host_with_other_tables_is_quarantined_and_never_read(shard_dirs):
         assert status[0]["state"] == "quarantined" and "digest" in status[0]["reason"], status
         assert status[0]["rows"] == 0 and status[1]["rows"] > 0
         assert c.stats["quarantines"] == 1 and c.stats["fallbacks"] == 0
+        text = c.prometheus()  # the states as gauges beside the counters
+        assert f'host="{other.address}",state="quarantined"}} 0' in text, text
+        assert f'host="{good.address}",state="healthy"}} 1' in text, text
+        assert "engram_client_quarantines_total" in text
     finally:
         c.close()
         good.stop()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from async_handoff import env as handoff_env
 from async_handoff.env import async_enabled
+from ofl.http import read_health
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 
@@ -159,6 +160,11 @@ class Deployment:
                 if role.rank:
                     out["engram"] = served_counters(rank_address(listen, role.rank), timeout_s=5)
                 out["engram_hosts"] = served_hosts(rank_address(listen, role.rank), timeout_s=5)
+            if role.rank == 0 and (listen := self.cfg[drafter_env.REMOTE_DRAFTER_METRICS_LISTEN]):
+                try:  # the worker pool as rank 0's proposer sees it (the rank that drafts)
+                    out["drafter_workers"] = read_health(listen, timeout_s=5).get("workers", [])
+                except OSError as exc:
+                    out["drafter_workers"] = f"unreadable: {exc}"
             if self.async_on():
                 out["handoff"] = self.handoff_counters(role.rank)
             return out

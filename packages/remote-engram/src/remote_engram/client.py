@@ -166,6 +166,10 @@ class EngramClient:
         when, rows it served, layers it serves."""
         return self.hosts.status() if self.hosts is not None else []
 
+    def prometheus(self) -> str:
+        """The counters, and a gauge per offload host (healthy or not, with its state)."""
+        return self.stats.prometheus() + (self.hosts.prometheus() if self.hosts is not None else "")
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self.hosts is not None:

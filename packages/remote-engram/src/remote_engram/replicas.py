@@ -212,6 +212,14 @@ class Hosts:
         with self._lock:
             return [h.status() for h in self.hosts]
 
+    def prometheus(self) -> str:
+        """One gauge per host: 1 while it serves this rank's reads, with its state."""
+        lines = ["# HELP engram_client_host_healthy 1 while the offload host serves this rank's reads",
+                 "# TYPE engram_client_host_healthy gauge"]
+        lines += [f'engram_client_host_healthy{{rank="{self.rank}",host="{h["address"]}",'
+                  f'state="{h["state"]}"}} {int(h["state"] == HEALTHY)}' for h in self.status()]
+        return "\n".join(lines) + "\n"
+
     def close(self) -> None:
         self._stop.set()
         self._checker.join(timeout=30)

@@ -52,6 +52,7 @@ COUNTERS = {
     "committed_tokens": "Committed tokens sent to the worker",
     "rows_sent": "Hidden rows sent to the worker (an open sends one window at most)",
     "row_bytes_sent": "Bytes of hidden rows sent, in the drafter's compute dtype",
+    "worker_failovers": "Times rounds moved to another worker of the pool (REMOTE_DRAFTER_STANDBYS)",
 }
 
 
@@ -346,6 +347,9 @@ class DrafterClient:
     def _step_entries(self, k: int) -> tuple[WorkerInfo, list[P.Entry]] | None:
         """The worker's limits and this step's entries; None: no round this step (no worker,
         counted as a failed round, or nothing to send)."""
+        moved = getattr(self.transport, "failovers", 0) - self.metrics.value("worker_failovers")
+        if moved > 0:  # the link went to another worker of the pool since the last round
+            self.metrics.inc("worker_failovers", moved)
         try:
             info = self.transport.info(self.deadline_s)
         except Exception as exc:  # noqa: BLE001 - no worker: target-only this step

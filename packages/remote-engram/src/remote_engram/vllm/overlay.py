@@ -110,7 +110,7 @@ def _serve_metrics(client: EngramClient, listen: str, rank: int):
     from ofl.server import parse_address
 
     host, port = parse_address(listen, 9490)
-    return MetricsServer(host, port + rank, client.stats.prometheus,
+    return MetricsServer(host, port + rank, client.prometheus,
                          lambda: {"rank": rank, "counters": client.stats.snapshot(),
                                   "hosts": client.host_status()},
                          name=f"engram-client-r{rank}")
