@@ -4,6 +4,8 @@ lives), the local shard serves only when none answers, a host that comes back is
 only once its rows equal the local shard's, and a host with other tables is quarantined."""
 
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from test_remote import local_rows, random_ids
 
 from ofl import Connection
-from ofl.testing import stop_process, wait_until
+from ofl.testing import TwoHosts, netns_unavailable, stop_process, wait_until
 from remote_engram import env
 from remote_engram.client import EngramClient, EngramUnavailable
 from remote_engram.testing import SMALL, EngramServeProcess
@@ -197,3 +199,65 @@ def test_no_host_and_no_local_shard_says_which_hosts_failed(shard_dirs):
         c.close()
         srv.stop()
 
+
+
+NETNS = netns_unavailable()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_two_hosts_across_network_namespaces_a_link_cut_then_back(shard_dirs):
+    """Two offload hosts, each behind its own veth link from the engine's namespace: one
+    link cut mid-session fails over (no fallback), both cut fall back, the first link back
+    is readmitted once its rows qualify; rows exact throughout."""
+    with TwoHosts(links=2) as net:
+        servers = [net.popen_host([sys.executable, "-m", "remote_engram.cli", "serve", "--shards",
+                                   shard_dirs[0], "--backend", "tcp", "--listen", f"{host_ip}:7480"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                   for host_ip, _ in net.links]
+        try:
+            for s in servers:
+                assert "remote-engram serve:" in s.stdout.readline()
+            hosts = [f"{host_ip}:7480" for host_ip, _ in net.links]
+            code = f"""
+                import subprocess, time
+                import numpy as np
+                from remote_engram.client import EngramClient
+                from remote_engram.testing import SMALL
+                c = EngramClient(geometry=SMALL, rank=0, shard_dir={shard_dirs[0]!r}, remote={hosts!r},
+                                 backend="tcp", deadline_s=0.6, backoff_s=0.1)
+                rng = np.random.default_rng(0)
+                lo, hi = SMALL.rank_rows(14, 0, 2)
+                def exact():
+                    ids = rng.integers(lo, hi, (32, 12))
+                    return bool((c.fetch(14, ids) == c.local[14].rows(ids.reshape(-1)).reshape(32, 12, 264)).all())
+                def link(i, state):
+                    subprocess.run(["ip", "link", "set", {net.engine_dev!r}[i], state], check=True)
+                ok = all(exact() for _ in range(4))
+                link(0, "down")
+                ok &= all(exact() for _ in range(4))
+                one_cut = (c.stats["failovers"], c.stats["fallbacks"], [h["state"] for h in c.host_status()])
+                link(1, "down")
+                ok &= exact()
+                both_cut = c.stats["fallbacks"]
+                link(0, "up")
+                end = time.monotonic() + 60
+                while not c.stats["readmissions"] and time.monotonic() < end:
+                    ok &= exact()  # the local shards serve meanwhile
+                    time.sleep(0.05)
+                remote = c.stats["remote_rows"]
+                ok &= exact()
+                print("exact", ok, "one_cut", one_cut, "both_cut", both_cut, "readmitted",
+                      c.stats["readmissions"], [h["state"] for h in c.host_status()],
+                      "remote_again", c.stats["remote_rows"] > remote)
+                c.close()
+            """
+            res = net.python_engine(code)
+            out = res.stdout + res.stderr
+            assert "exact True" in out, out
+            assert "one_cut (1, 0, ['failed', 'healthy'])" in out, out
+            assert "both_cut 1" in out and "readmitted 1 ['healthy', 'failed'] remote_again True" in out, out
+        finally:
+            for s in servers:
+                s.terminate()
+                s.wait(timeout=10)
