@@ -37,6 +37,7 @@ def test_the_demo_runs_the_five_configurations(tmp_path, monkeypatch, capsys):
     assert fleet["host0_killed_after_rows"] > 0 and fleet["engram_host_states"] == ["failed", "healthy"]
     assert fleet["engram_failovers"] >= 1 and fleet["engram_fallbacks"] == fleet["engram_local_rows"] == 0
     assert fleet["engram_rows_by_host"][1] > 0, fleet
+    assert [w["role"] for w in fleet["drafter_workers"] if w["current"]] == ["standby"], fleet
     for r in rows.values():  # the robust figures: blocked time per step, the step spread
         assert r["blocked_p50_ms"] is not None and r["blocked_p50_ms"] >= 0, r
         assert r["step_p10_s"] <= r["step_p50_s"] <= r["step_p90_s"], r
