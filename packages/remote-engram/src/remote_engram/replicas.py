@@ -118,7 +118,7 @@ class Hosts:
         offsets = (uniq - self.ranges[layer][0]).astype(np.uint64) * ROW_BYTES
         deadline = time.monotonic() + self.deadline_s
         order = live[start % len(live):] + live[:start % len(live)]
-        tried = 0
+        failed = False  # a host of this read failed: a later one's answer is a failover
         for i, host in enumerate(order):
             # each host its share of what is left, so a stalled one leaves time to fail over
             share = (deadline - time.monotonic()) / (len(order) - i)
@@ -129,18 +129,17 @@ class Hosts:
                     host.conn.ensure_connected(share)  # its manifest sets its regions
                 if layer not in host.regions:
                     continue  # this host does not serve the layer
-                tried += 1
                 host.conn.gather(host.regions[layer], offsets, ROW_BYTES, into=into, deadline_s=share)
             except OflError as exc:
-                tried += 1
+                failed = True
                 self._set_aside(host, exc)
                 continue
             host.rows += uniq.size
-            if tried > 1:
+            if failed:
                 self.stats.add("failovers")
             return True
-        if tried:
-            self.stats.add("fallbacks")
+        # every host that could serve it failed (a fallback), or none serves the layer now
+        self.stats.add("fallbacks" if failed else "backoff_skips")
         return False
 
     def _set_aside(self, host: Host, exc: Exception) -> None:
