@@ -1,5 +1,5 @@
-"""A pool of drafter workers (REMOTE_DRAFTER_STANDBYS): the primary frozen (sync) or killed
-(through the proxy) in the middle of decoding (set off by a round it answered), rounds move to a standby, its requests
+"""A pool of drafter workers (REMOTE_DRAFTER_STANDBYS): the primary frozen (sync), killed or
+frozen (through the proxy) in the middle of decoding (set off by a round it answered), rounds move to a standby, its requests
 re-open there and drafting resumes; output identical to target-only decoding at
 temperature 0, sync and through the proxy. A standby with other identities is never used."""
 
@@ -76,16 +76,19 @@ def test_a_frozen_primary_moves_rounds_to_the_standby(models, target, reference,
         client.close()
 
 
-def test_through_the_proxy_the_pool_serves_after_the_primary_dies(models, target, reference, pool):
+@pytest.mark.parametrize("fault", [kill, stop_process], ids=["killed", "frozen"])
+def test_through_the_proxy_the_pool_serves_after_the_primary_fails(models, target, reference, pool, fault):
     from async_handoff import HandoffConfig
     config = HandoffConfig(round_deadline_ms=2000, max_wait_ms=2000, startup_timeout_s=30)
     transport = AsyncTransport(pool[0].address, "tcp", expectation(models["target"], None), config,
                                standbys=(pool[1].address,))
     client = DrafterClient(transport, "8:5", deadline_s=2)
     try:
-        result, drafts = drill(target, client, transport, pool[0], kill)
+        result, drafts = drill(target, client, transport, pool[0], fault)
         assert result.tokens == reference
-        assert drafts[-1] > 0, drafts  # the proxy reached the standby; requests re-opened there
+        # the proxy reached the standby and the requests re-opened there, while the engine's
+        # own link (limits only) may still be waiting on a frozen primary
+        assert drafts[-1] > 0, drafts
         assert transport.handoff.counters()["respawns"] == 0  # the proxy moved on, it did not die
     finally:
         client.close()

@@ -172,6 +172,7 @@ class AsyncTransport(RemoteTransport):
     def __init__(self, address: str, backend: str = "tcp", expect: Manifest | None = None,
                  config: HandoffConfig | None = None, link: str | None = None,
                  standbys: tuple[str, ...] = ()):
+        self._stale = False  # a round failed: read the worker's description again
         super().__init__(address, backend, expect, link=link, standbys=standbys)
         self.handoff = Handoff(config or HandoffConfig.from_env(), ADAPTER,
                                {"address": address, "standbys": list(standbys), "backend": backend,
@@ -179,10 +180,13 @@ class AsyncTransport(RemoteTransport):
                                 "expect": (expect or Manifest()).to_json()}).start()
 
     def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
-        """Fetched once, again after a failed round (in the background: rounds are
-        refused meanwhile); the proxy re-checks identities on each of its reconnects and the
-        worker checks every round's fingerprint."""
-        if self._info is None:
+        """Fetched at start-up, and read again once the background reconnect after a failed
+        round has reached a worker (the pool's members share identities, so the limits
+        known meanwhile stay good: rounds go on, and the proxy finds the worker). The proxy
+        re-checks identities on each of its reconnects; the worker checks every round's
+        fingerprint."""
+        if self._info is None or (self._stale and self.conn.connected):
+            self._stale = False
             super().info(deadline_s, connect)
             self.conn.close()  # the proxy holds the link that carries rounds
         return self._info[1]
@@ -192,8 +196,10 @@ class AsyncTransport(RemoteTransport):
         return min(self.handoff.config.slot_bytes, self.conn.max_message_bytes)
 
     def invalidate(self) -> None:
-        """A round failed: the worker may have been replaced; re-read its description."""
-        self._info = None
+        """A round failed: the worker may have been replaced; its description is read again
+        in the background."""
+        self._stale = True
+        self.reconnect_soon()
 
     def submit(self, payload: bytes):
         return self.handoff.submit(payload)
