@@ -12,7 +12,6 @@ step, and the round p50 before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from async_handoff import HandoffConfig
+from ofl.cli import emit_result
 from ofl.testing import stop_process
 from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.identity import expectation
@@ -108,9 +108,7 @@ def main() -> int:
         result = {"step_ms": args.step_ms, "deadline_ms": args.deadline_ms,
                   **{path: {fault: one_drill(target, path, fault, args) for fault in ("kill", "freeze")}
                      for path in ("sync", "async")}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    emit_result(result, args.out, True, print)  # the figures are the JSON itself
     return 0
 
 

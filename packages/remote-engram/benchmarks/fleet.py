@@ -15,14 +15,13 @@ processes, one EngramClient as an engine rank holds it):
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
+from ofl.cli import emit_result
 from ofl.testing import stop_process
 from remote_engram.client import EngramClient
 from remote_engram.hashing import row_ids
@@ -140,9 +139,7 @@ def main() -> int:
         result = {"tokens": args.tokens, "steps": args.steps, "deadline_ms": args.deadline_ms,
                   "steady": steady(tmp, args),
                   "drill": {fault: drill(tmp, args, fault) for fault in ("kill", "freeze")}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    emit_result(result, args.out, True, print)  # the figures are the JSON itself
     return 0
 
 

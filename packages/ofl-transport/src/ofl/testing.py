@@ -143,8 +143,8 @@ class ServeProcess(ChildProcess):
 
 def link_delay(seconds: float, spin_s: float = 1e-3) -> None:
     """A simulated link's delay, exact to a few microseconds: sleep most of it, spin the
-    rest (a plain sleep overshoots by a wake-up, a tenth of a millisecond or more on a
-    busy VM, which a benchmark would count as the link's)."""
+    rest (a plain sleep overshoots by a wake-up, which a benchmark would count as the
+    link's)."""
     end = time.perf_counter() + seconds
     if seconds > spin_s:
         time.sleep(seconds - spin_s)
