@@ -3,6 +3,7 @@ fails with its reason and the exit code says so."""
 
 import importlib.metadata
 import json
+import re
 import resource
 import shutil
 import socket
@@ -168,9 +169,15 @@ def test_the_drafter_workers_identity(ready, tmp_path):
                                       "ASYNC_HANDOFF_MAX_WAIT_MS", True)):
             check = preflight.check_drafter_round(address, engine.with_values(**values))
             assert check.ok and check.warn is warned and f"{name}=" in check.detail, check.detail
-            assert "rounds of 4 requests" in check.detail, check.detail
-            assert ("raise " + name in check.detail) is warned, check.detail
-            assert worker_stats(address)["open_requests"] == 0  # its throwaway requests handed back
+            assert "rounds of 4 requests" in check.detail and "the worker's round p99" in check.detail, check.detail
+            assert (f"set {name}=" in check.detail) is warned, check.detail
+            stats = worker_stats(address, pings=3)  # the figures preflight read: the worker's status
+            assert stats["open_requests"] == 0  # its throwaway requests handed back
+            assert 0 < stats["round_p50_ms"] <= stats["round_p99_ms"] and stats["link_rtt_ms"] > 0
+        suggested = int(check.detail.rpartition("ASYNC_HANDOFF_MAX_WAIT_MS=")[2].split()[0])
+        slowest, p99, rtt = map(float, re.findall(r"4 requests ([\d.]+) ms.*p99 ([\d.]+) ms.*round trip ([\d.]+) ms",
+                                                  check.detail)[0])
+        assert suggested >= max(slowest, p99 + rtt)  # the value it names covers what it measured
     finally:
         proc.kill()
         proc.wait()
@@ -296,3 +303,8 @@ def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
                             "passed": True}, "d" * 64, "r" * 64, str(rounds), None)
     assert "exl3 gate" not in failed(cfg, "offload-host")
     assert any(c.name == "exl3 gate" and c.ok for c in preflight.run(cfg, "offload-host"))
+
+
+def test_the_wait_named_covers_the_slower_of_the_two_figures_with_headroom():
+    assert preflight.wait_for_rounds(10.0, 12.0, 0.5) == 16  # 1.25 x (12 + 0.5), rounded up
+    assert preflight.wait_for_rounds(30.0, 12.0, 0.5) == 38  # the timed rounds were slower

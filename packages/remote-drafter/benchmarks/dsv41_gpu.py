@@ -139,8 +139,8 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
                 inside.clear()
                 drafter.draft = timed_draft
                 try:
-                    via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,
-                                             drafter.vocab_size, drafter.feature, "sync", 0.0)
+                    via[name] = drive_rounds(client, batch, rounds, drafter.max_depth,  # a bf16 target's rows
+                                             drafter.vocab_size, drafter.feature, "sync", 0.0, row_dtype="bfloat16")
                 finally:
                     del drafter.draft
                 via[name]["inside_p50_ms"] = percentiles(inside[3:rounds + 3])["p50_ms"]

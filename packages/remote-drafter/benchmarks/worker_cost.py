@@ -1,8 +1,11 @@
 """The worker's own cost of a round, by phase, on the CPU: everything a round costs besides the
 drafter's forward (protocol, row conversions, histories, per-request Python), with a drafter
 whose `draft` returns fixed drafts at once and whose rows are as wide as DeepSeek-V4.1-Flash's
-taps (3 x 4,096), so the payload is the production one. Local (the service in process) and a
-worker over tcp loopback, batch 1 / 4 / 16; per phase the p50 over the timed rounds.
+taps (3 x 4,096), so the payload is the production one (bf16 rows on the wire). The rows
+bf16 from the engine to the worker's histories, as a bf16 target and drafter keep them; then
+float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the same run).
+Local (the service in process) and a worker over tcp loopback, batch 1 / 4 / 16; per phase
+the p50 over the timed rounds.
 
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
@@ -27,7 +30,9 @@ from remote_drafter.bench import drive_rounds  # noqa: E402
 from remote_drafter.engine import client as client_module  # noqa: E402
 from remote_drafter.engine import protocol  # noqa: E402
 from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.history import History  # noqa: E402
 from remote_drafter.engine.identity import Manifest  # noqa: E402
+from remote_drafter.engine.rows import DTYPES  # noqa: E402
 from remote_drafter.engine.transport import LocalTransport, RemoteTransport  # noqa: E402
 from remote_drafter.worker import service as service_module  # noqa: E402
 from remote_drafter.worker.server import Worker  # noqa: E402
@@ -35,7 +40,7 @@ from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E
 
 FLASH_FEATURE = 3 * 4096  # three tapped layers of a 4,096-wide stream
 PHASES = [  # (module or class, function, label): where a round's own time goes
-    (client_module.DrafterClient, "_entries", "client: entries (rows to bf16)"),
+    (client_module.DrafterClient, "_entries", "client: entries"),
     (protocol, "encode_request", "client: encode request"),
     (protocol, "parse_request", "worker: parse request"),
     (service_module.DraftService, "_apply", "worker: apply entries (histories)"),
@@ -77,42 +82,48 @@ class PhaseTimer:
             setattr(owner, name, f)
 
 
-def stub_drafter():
-    """The tiny random V4.1 drafter's fixed drafts, served as a drafter of Flash-wide rows."""
+def stub_drafter(rows: str):
+    """The tiny random V4.1 drafter's fixed drafts, served as a drafter of Flash-wide rows
+    that keeps them as `rows` (bfloat16: as the bf16 Flash drafter does)."""
     d, _ = random_drafter("tiny", "cpu", torch.float32)
     drafts = d.draft(random_rounds(d, 16, 40, 0), False)
     d.feature = FLASH_FEATURE
     d.draft = lambda requests, want_probs: drafts[:len(requests)]
+    d.new_history = lambda: History(d.history_tokens, d.window, d.feature, DTYPES[rows])
     return d
 
 
 def main(argv=None) -> int:
     args = round_options(__doc__, "worker-cost.json", rounds=40).parse_args(argv)
     torch.set_num_threads(1)
-    d = stub_drafter()
     rows = []
-    with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
-        for batch in (int(b) for b in args.batches.split(",")):
-            for via in ("local", "tcp"):
-                transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
-                             else RemoteTransport(worker.address, "tcp", Manifest()))
-                client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
-                timer = PhaseTimer()
-                try:
-                    r = drive_rounds(client, batch, args.rounds, d.max_depth, d.vocab_size, d.feature,
-                                     "sync", 0.0, seed=batch)
-                finally:
-                    timer.close()
-                rows.append({"batch": batch, "via": via, "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
-                             "request_bytes_per_round": int(r["request_bytes_per_round"]),
-                             "phases_p50_ms": timer.per_round(args.rounds)})
-                print(f"batch {batch:2d} {via:5s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
-                      f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round", flush=True)
+    # bf16 rows from the engine to the histories (a bf16 target and drafter), then float32 rows
+    # on both hosts (cast for the wire and back), the same bf16 on the wire both ways
+    for row_dtype in ("bfloat16", "float32"):
+        d = stub_drafter(row_dtype)
+        with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+            for batch in (int(b) for b in args.batches.split(",")):
+                for via in ("local", "tcp"):
+                    transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
+                                 else RemoteTransport(worker.address, "tcp", Manifest()))
+                    client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
+                    timer = PhaseTimer()
+                    try:
+                        r = drive_rounds(client, batch, args.rounds, d.max_depth, d.vocab_size, d.feature,
+                                         "sync", 0.0, seed=batch, row_dtype=row_dtype)
+                    finally:
+                        timer.close()
+                    rows.append({"rows": row_dtype, "batch": batch, "via": via,
+                                 "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
+                                 "request_bytes_per_round": int(r["request_bytes_per_round"]),
+                                 "phases_p50_ms": timer.per_round(args.rounds)})
+                    print(f"{row_dtype} rows, batch {batch:2d} {via:5s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
+                          f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round", flush=True)
     with open(args.out, "w") as f:
         json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)
     for r in rows:
         if r["via"] == "tcp":
-            print(f"batch {r['batch']}, tcp: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
+            print(f"{r['rows']}, batch {r['batch']}, tcp: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
     return 0
 
 

@@ -27,7 +27,7 @@ def python(code: str, env: dict | None = None) -> str:
 def test_the_proxy_loads_no_engine_side_code():
     """The proxy the engine starts for async rounds, with the drafter's adapter connected to a
     worker: beyond what the interpreter loads at start-up, it imports ofl (and its numpy and
-    cffi), async_handoff and remote_drafter, nothing else (no prometheus_client: neither the
+    cffi), async_handoff and remote_drafter (and the protocol's ml_dtypes), nothing else (no prometheus_client: neither the
     Handoff nor the client, transport or metrics modules)."""
     at_startup = set(json.loads(python(
         "import json, sys; print(json.dumps([m.partition('.')[0] for m in sys.modules]))")))
@@ -41,7 +41,7 @@ def test_the_proxy_loads_no_engine_side_code():
     finally:
         handoff.close()
         worker.stop()
-    assert loaded == {"_cffi_backend", "numpy", "ofl", "async_handoff", "remote_drafter"}
+    assert loaded == {"_cffi_backend", "numpy", "ml_dtypes", "ofl", "async_handoff", "remote_drafter"}
 
 
 def test_the_proxy_side_of_each_package():
@@ -57,7 +57,8 @@ def test_the_proxy_side_of_each_package():
     assert set(ours) == {
         "async_handoff", "async_handoff.proxy", "async_handoff.hostflags", "async_handoff._hostflags",
         "async_handoff._hostflags.lib", "async_handoff.adapters", "async_handoff.env",
-        "remote_drafter", "remote_drafter.engine", "remote_drafter.engine.proxy_adapter", "remote_drafter.engine.identity", "remote_drafter.engine.protocol"}
+        "remote_drafter", "remote_drafter.engine", "remote_drafter.engine.proxy_adapter", "remote_drafter.engine.identity", "remote_drafter.engine.protocol",
+        "remote_drafter.engine.rows"}
 
 
 def test_local_mode_serves_ngram_without_torch_and_names_the_extra_for_neural_drafters(tmp_path):

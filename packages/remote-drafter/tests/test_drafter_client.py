@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from remote_drafter.engine import protocol as P
-from remote_drafter.engine.client import DepthTable, DrafterClient, as_rows
+from remote_drafter.engine.client import DepthTable, DrafterClient
+from remote_drafter.engine.rows import as_rows
 from remote_drafter.engine.transport import LocalTransport
 from remote_drafter.models.ngram import NgramDrafter
 from remote_drafter.worker.service import DraftService

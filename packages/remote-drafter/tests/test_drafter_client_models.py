@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 
 from remote_drafter.decode_loop import plain_decode, speculative_decode  # noqa: E402
 from remote_drafter.engine import protocol as P  # noqa: E402
-from remote_drafter.engine.client import DrafterClient, as_rows  # noqa: E402
+from remote_drafter.engine.client import DrafterClient  # noqa: E402
+from remote_drafter.engine.rows import BFLOAT16, as_rows  # noqa: E402
 from remote_drafter.engine.transport import LocalTransport  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
 from remote_drafter.worker.service import DraftService  # noqa: E402
@@ -17,7 +18,8 @@ from remote_drafter.worker.service import DraftService  # noqa: E402
 
 def test_rows_from_tensors_of_any_dtype():
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    assert as_rows(t).dtype == np.float32 and as_rows(t).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert as_rows(t).dtype == BFLOAT16 and as_rows(t).astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert as_rows(t.to(torch.int64)).dtype == np.float32 and as_rows(t.double()).tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_probabilities_that_would_overflow_the_reply_are_skipped_not_failed(models, target):

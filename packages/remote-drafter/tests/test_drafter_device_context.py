@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/t
 
 from remote_drafter.engine import protocol as P  # noqa: E402
 from remote_drafter.engine.history import History  # noqa: E402
+from remote_drafter.engine.rows import cast  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dspark import DSparkDrafter  # noqa: E402
 from remote_drafter.models.registry import load_drafter  # noqa: E402
@@ -80,7 +81,7 @@ def test_service_rounds_draft_what_a_full_rebuild_drafts(models, dtype):
     re-opens of the same id with another history, releases, idle expiry, mixed depths and
     temperatures in one batch. Every round's drafts (tokens and probabilities, bit for bit)
     equal those of the reference drafting from reference histories; the service's
-    histories hold the reference's rows; device windows never outnumber open requests."""
+    histories hold the reference's rows (in the drafter's type); device windows never outnumber open requests."""
     d, ref = drafters(models, dtype)
     service = DraftService(d, ServiceConfig(max_requests=12))
     fp, n, f = service.fingerprint, d.window, d.feature
@@ -154,7 +155,8 @@ def test_service_rounds_draft_what_a_full_rebuild_drafts(models, dtype):
         for rid, (h, _, _) in open_.items():
             if rid not in expired:
                 held = service.sessions[(LOCAL_PEER, CLIENT, rid)].history
-                assert held.rows.tobytes() == h.rows.tobytes() and held.length == h.length
+                # kept in the drafter's type: the rows sent, cast as its device would cast them
+                assert held.rows.tobytes() == cast(h.rows, held.dtype).tobytes() and held.length == h.length
                 assert np.array_equal(held.tokens, h.tokens)
         assert windows(d) <= len(service.sessions)
     assert drafted > 400

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_drafter.engine import protocol as P
+from remote_drafter.engine.rows import BFLOAT16, DTYPES, cast
 
 FP = bytes(range(16))
 
@@ -26,18 +27,17 @@ def test_request_round_trip(dtype):
     a, b = sent[0], got[0]
     assert (b.op, b.k, b.seed, b.want_probs, b.length, b.feature) == (P.OP_OPEN, 5, 99, True, 40, 8)
     assert b.temperature == pytest.approx(0.7) and np.array_equal(a.tokens, b.tokens)
-    tol = {"float32": 0, "float16": 1e-3, "bfloat16": 1e-2}[dtype]
-    np.testing.assert_allclose(b.rows, a.rows, rtol=tol, atol=tol)
+    assert b.rows.dtype == DTYPES[dtype]  # as sent: the worker's history keeps that type
+    np.testing.assert_array_equal(b.rows.astype(np.float32), a.rows.astype(DTYPES[dtype]).astype(np.float32))
     assert got[2].rows is None and got[2].op == P.OP_RELEASE
 
 
-def test_bf16_matches_torch():
-    torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
-    x = np.random.default_rng(1).standard_normal(10_000).astype(np.float32) * 100
-    mine = P.f32_to_bf16(x)
-    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(mine, theirs)
-    assert np.array_equal(P.bf16_to_f32(mine), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+def test_bf16_rows_go_as_they_are():
+    """Rows already bf16 (a bf16 engine's) are sent without a conversion: the same bits."""
+    mine = cast(np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32), BFLOAT16)
+    got = P.parse_request(P.encode_request([P.Entry(1, P.OP_OPEN, np.arange(3, dtype=np.int32), mine, 1)],
+                                           FP, "bfloat16"), FP).entries[0]
+    assert got.rows.view(np.uint16).tobytes() == mine.view(np.uint16).tobytes()
 
 
 def test_reply_round_trip():

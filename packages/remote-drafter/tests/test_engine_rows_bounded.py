@@ -92,15 +92,14 @@ def test_a_long_prompt_costs_one_window_held_and_sent(proposer):
 class Bf16RowReadingNgram(RowReadingNgram):
     """As above, described as computing in bf16 (a DSpark drafter on its card)."""
 
-    def describe(self) -> dict:
-        return {**super().describe(), "dtype": "bfloat16"}
+    dtype = "bfloat16"
 
 
 def test_rows_travel_in_the_drafters_compute_dtype(monkeypatch):
     """A drafter computing in bf16 gets its rows as bf16 (half the bytes); they arrive as the
     bf16 rounding of the target's rows (what the drafter casts them to anyway)."""
     from remote_drafter.engine.client import DrafterClient
-    from remote_drafter.engine.protocol import bf16_to_f32, f32_to_bf16
+    from remote_drafter.engine.rows import BFLOAT16, cast
     from remote_drafter.engine.transport import RemoteTransport
     worker = Worker(Bf16RowReadingNgram()).start()
     client = DrafterClient(RemoteTransport(worker.address), "64:3")
@@ -110,7 +109,8 @@ def test_rows_travel_in_the_drafters_compute_dtype(monkeypatch):
         client.add_request(1, np.arange(1, 42, dtype=np.int32), rows)
         client.propose(3)
         [session] = worker.service.sessions.values()
-        np.testing.assert_array_equal(session.history.rows, bf16_to_f32(f32_to_bf16(rows[-WINDOW:])))
+        kept = session.history.rows  # kept as bf16, the bf16 rounding of the target's rows
+        assert kept.dtype == BFLOAT16 and kept.tobytes() == cast(rows[-WINDOW:], BFLOAT16).tobytes()
         c = client.counters()
         assert c["rows_sent"] == WINDOW and c["row_bytes_sent"] == WINDOW * WIDTH * 2
     finally:

@@ -190,6 +190,35 @@ def test_the_record_decides_what_may_be_served(tmp_path):
     assert "against its own weights" in exl3_admission.refusal(pack, "d" * 64)
 
 
+def test_a_pack_quantised_otherwise_than_its_gate_measured_is_refused_by_module(tmp_path):
+    """The gate records how each module was stored (from the files' headers); a pack whose
+    head was re-quantised at other bits, or left dense, since is refused naming the head,
+    before anything is loaded."""
+    from safetensors.numpy import save_file
+    pack, rounds = str(tmp_path), str(tmp_path / "r.safetensors")
+    fidelity_gate.write_rounds(rounds, [fidelity_gate.Round(None, np.arange(3), np.arange(2))])
+
+    def store(head: dict) -> None:
+        save_file({"layers.0.attn.wq.trellis": np.zeros((4, 4, 64), np.uint16),
+                   "layers.0.attn.wq.suh": np.zeros(64, np.float16),
+                   "norm.weight": np.ones(64, np.float16), **head}, os.path.join(pack, "model.safetensors"))
+
+    store({"head.trellis": np.zeros((4, 8, 96), np.uint16)})  # 6 bits
+    assert fidelity_gate.pack_formats(pack) == {"layers.0.attn.wq": "exl3 4 bits", "head": "exl3 6 bits",
+                                                "norm": "dense F16"}
+    passed = {"rounds": 64, "depth": 5, "reference_accepted": 2.0, "candidate_accepted": 2.0,
+              "acceptance_ratio": 1.0, "agreement": [1.0] * 5, "tv": 0.0, "tv_max": 0.0, "goal": 0.97,
+              "passed": True}
+    fidelity_gate.record(pack, passed, "d" * 64, "r" * 64, rounds)
+    assert exl3_admission.refusal(pack, None) is None and exl3_admission.refusal(pack, "d" * 64) is None
+    store({"head.trellis": np.zeros((4, 8, 64), np.uint16)})  # the head again, at 4 bits
+    why = exl3_admission.refusal(pack, None)
+    assert "head: exl3 4 bits, gated as exl3 6 bits" in why and "run the gate again" in why, why
+    assert "wq" not in why and "\n" not in why
+    store({"head.weight": np.zeros((128, 64), np.float16)})  # the head left dense
+    assert "head: dense F16, gated as exl3 6 bits" in exl3_admission.refusal(pack, "d" * 64)
+
+
 def test_the_gate_command_explains_itself(capsys):
     with pytest.raises(SystemExit) as done:
         remote_drafter.cli.main(["exl3", "gate", "--help"])

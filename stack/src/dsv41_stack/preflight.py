@@ -7,6 +7,7 @@ rendezvous not answering yet is a WARN there), then rank 0's."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import math
 import os
 import re
 import resource
@@ -34,6 +35,7 @@ from .roles import Role, admitted_peers, engine_nodes, own_peers, roles, tp2_dev
 GIB = 1 << 30
 QUALIFY_SAMPLE = 2000  # rows per shard compared over each link (qualify --all is the full check)
 ROUND_BATCH, ROUND_SAMPLES = 4, 5  # drafter rounds timed: four sequences, the production batch
+WAIT_HEADROOM = 1.25  # the wait suggested over the rounds measured: room for a slower round
 
 
 @dataclass
@@ -316,10 +318,13 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
                         worker: str = "drafter") -> Check:
     """Rounds as the engine will see them, the link included: ROUND_BATCH throwaway requests
     (the production batch, their windows of zero rows) drafted `rounds` times by a client
-    like the engine's, the slowest against what the engine waits for one:
-    ASYNC_HANDOFF_MAX_WAIT_MS through the proxy, REMOTE_DRAFTER_DEADLINE_MS for synchronous
-    rounds. Longer is a WARN: those rounds come too late to be drafts."""
+    like the engine's, against what the engine waits for one: ASYNC_HANDOFF_MAX_WAIT_MS
+    through the proxy, REMOTE_DRAFTER_DEADLINE_MS for synchronous rounds. Two figures must
+    fit: the slowest of those rounds, and the worker's own round p99 (its status, over every
+    round it served) plus the link's round trip. Longer is a WARN naming the value to set
+    (wait_for_rounds): those rounds come too late to be drafts."""
     from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.transport import worker_stats
     wait = handoff_env.ASYNC_HANDOFF_MAX_WAIT_MS if handoff_env.async_enabled(cfg.values) \
         else drafter_env.REMOTE_DRAFTER_DEADLINE_MS
     allowed = float(cfg[wait])
@@ -347,12 +352,25 @@ def check_drafter_round(address: str, cfg: StackConfig, rounds: int = ROUND_SAMP
     if failed:
         return Check(f"{worker} round", True, f"{address}: {failed:g} of {rounds + 1} rounds failed", warn=True)
     slowest = 1e3 * max(seconds[1:])
-    detail = (f"{address}: slowest of {rounds} rounds of {ROUND_BATCH} requests {slowest:.1f} ms "
-              f"(link included), {wait.name}={allowed:g}")
-    if slowest <= allowed:
+    try:
+        stats = worker_stats(address, cfg[drafter_env.REMOTE_DRAFTER_BACKEND], pings=ROUND_SAMPLES)
+        p99, rtt = float(stats["round_p99_ms"]), float(stats["link_rtt_ms"])
+    except Exception as exc:  # noqa: BLE001 - the timed rounds stand alone then
+        return Check(f"{worker} round", True, f"{address}: slowest of {rounds} rounds {slowest:.1f} ms; the "
+                     f"worker's round p99 unreadable ({exc})", warn=True)
+    detail = (f"{address}: slowest of {rounds} rounds of {ROUND_BATCH} requests {slowest:.1f} ms (link "
+              f"included); the worker's round p99 {p99:.1f} ms over {stats['round_count']:g} rounds + the "
+              f"link's round trip {rtt:.2f} ms; {wait.name}={allowed:g}")
+    if max(slowest, p99 + rtt) <= allowed:
         return Check(f"{worker} round", True, detail)
-    return Check(f"{worker} round", True, detail + f": rounds arrive too late to draft; raise {wait.name} "
-                 f"to {slowest:.0f} or more, or serve a faster drafter", warn=True)
+    return Check(f"{worker} round", True, detail + f": rounds arrive too late to draft; set {wait.name}="
+                 f"{wait_for_rounds(slowest, p99, rtt)} or serve a faster drafter", warn=True)
+
+
+def wait_for_rounds(slowest_ms: float, p99_ms: float, rtt_ms: float) -> int:
+    """What the engine should wait for a round (ms): the longer of the slowest round timed
+    and the worker's p99 plus the link's round trip, with WAIT_HEADROOM over it."""
+    return math.ceil(WAIT_HEADROOM * max(slowest_ms, p99_ms + rtt_ms))
 
 
 def check_exl3_gate(spec: str) -> Check:

@@ -4,7 +4,7 @@ Both sides use it: the server for its connection loop, the client for its calls.
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
 caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
-declared length reserves no memory.
+declared length reserves no more memory than the peer has already sent in one payload.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Channel:
     def __init__(self, sock: socket.socket, max_payload: int):
         self.sock = sock
         self.max_payload = max_payload
+        self.largest = 0  # the largest payload received whole: a later one starts this large
         set_socket_options(sock)
 
     # -- deadlines -----------------------------------------------------------------------
@@ -133,13 +134,16 @@ class Channel:
         return wire.unpack_header(bytes(raw), self.max_payload)
 
     def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
-        """The payload, in a buffer at most twice the bytes received so far at any moment."""
-        buf = bytearray(min(header.length, GROW_FROM))
+        """The payload, in a buffer at most twice the bytes received so far at any moment
+        (or as large as the largest payload this peer sent before, which rounds of one size
+        then fill without growing)."""
+        buf = bytearray(min(header.length, max(GROW_FROM, self.largest)))
         got = 0
         while True:
             self.recv_into(memoryview(buf)[got:], deadline)
             got = len(buf)
             if got == header.length:
+                self.largest = max(self.largest, got)
                 return buf
             buf.extend(bytes(min(got, header.length - got)))
 

@@ -32,6 +32,7 @@ from ofl.cli import emit_result
 from remote_drafter.decode_loop import speculative_decode
 from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.identity import expectation
+from remote_drafter.engine.rows import DTYPES, cast
 from remote_drafter.engine.transport import AsyncTransport, RemoteTransport
 from remote_drafter.models.dspark import DSparkConfig, DSparkDrafter
 from remote_drafter.models.llama import LlamaConfig, random_llama
@@ -77,15 +78,19 @@ def percentiles(samples) -> dict:
 
 
 def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: int, feature: int,
-                 mode: str, engine_s: float, seed: int = 0) -> dict:
+                 mode: str, engine_s: float, seed: int = 0, row_dtype: str = "float32") -> dict:
     """Open `batch` requests, then run `rounds` engine steps against a simulated target
     whose text repeats each prompt's closing phrase: a step commits the drafts that match
-    it plus the target's next token (with random hidden rows when the drafter takes them).
+    it plus the target's next token (with random hidden rows when the drafter takes them,
+    in `row_dtype`: a bf16 target's are bf16).
     A step is the engine's own work (`engine_s`) plus drafting: sync drafts after it,
     async submits before it and collects after it."""
     rng = np.random.default_rng(seed)
     prompts = synthetic_prompts(batch, vocab, 64, seed)
-    rows = lambda n: rng.standard_normal((n, feature)).astype(np.float32) if feature else None  # noqa: E731
+
+    def rows(n: int):
+        return cast(rng.standard_normal((n, feature)).astype(np.float32), DTYPES[row_dtype]) if feature else None
+
     text = {rid: (p[-8:], 0) for rid, p in prompts.items()}  # (phrase, position in it)
     for rid, p in prompts.items():
         client.add_request(rid, p, rows(len(p) - 1))

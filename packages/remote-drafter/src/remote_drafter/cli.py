@@ -459,9 +459,9 @@ EXL3_GATE_DESCRIPTION = (
     "j drafts are identical in\nboth; the total-variation distance of the first "
     "draft's distribution at T = 1.\nPasses when the ratio is >= --goal (a "
     "reference accepting nothing measures nothing:\nno pass). Writes "
-    "exl3-gate.json into the pack (with the pack's drafter and Markov-head digests; the worker\n"
-    "serves --weights exl3 only while that record passed for the weights it "
-    "loads).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
+    "exl3-gate.json into the pack (with the pack's drafter and Markov-head digests and how each\n"
+    "module is stored; the worker serves --weights exl3 only while that record passed for\n"
+    "the weights it loads, stored as they were gated).\nExit 0 passed, 1 failed, 2 usage error. Needs CUDA and exllamav3.")
 
 
 def exl3_gate_parser(sub) -> None:

@@ -5,8 +5,8 @@
     drafts = client.propose()          # {7: Drafts(tokens=[...])}; {} when the worker is gone
     client.commit(7, accepted_plus_next, their_hidden_rows)      # after verification
 
-Torch-free: hidden rows may be numpy arrays or tensors (converted with .numpy() on the
-host). The client keeps each request's bounded history, so when the worker lost its state
+Torch-free: hidden rows may be numpy arrays or tensors (copied to the host as they are:
+a bf16 engine's rows stay bf16, engine/rows.py). The client keeps each request's bounded history, so when the worker lost its state
 (restart, idle timeout) or a round failed half-way, the request is re-opened from it and
 drafts continue exactly as before. No reply, a late reply or any error means no drafts
 this step, counted; the output never changes, only the speed.
@@ -29,6 +29,7 @@ from . import protocol as P
 from .history import History
 from .identity import Manifest
 from .metrics import Metrics
+from .rows import as_rows
 
 log = logging.getLogger("remote_drafter.engine.client")
 LOG_EVERY_S = 10.0
@@ -81,16 +82,6 @@ class DepthTable:
             if running <= bound:
                 return k
         return 0
-
-
-def as_rows(hidden) -> np.ndarray | None:
-    """numpy or a tensor (any dtype, any device) -> float32 [n, feature] on the host."""
-    if hidden is None:
-        return None
-    if hasattr(hidden, "detach"):  # a torch tensor, without importing torch
-        hidden = hidden.detach().float().cpu().numpy()
-    rows = np.asarray(hidden, np.float32)
-    return rows.reshape(len(rows), -1) if rows.ndim != 2 else rows
 
 
 class WorkerInfo:

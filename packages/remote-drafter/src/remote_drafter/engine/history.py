@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .rows import DTYPES, all_finite, cast
+
 
 class Lineage:
     """One sequence of rows: histories sharing it (a history and its shallow copies) hold
@@ -25,15 +27,19 @@ class Lineage:
 
 
 class History:
-    def __init__(self, max_tokens: int, window: int, feature: int):
+    """dtype: what the rows are kept as (rows.DTYPES; rows of another type are cast on
+    append); None: the type of the first rows given, float32 until then."""
+
+    def __init__(self, max_tokens: int, window: int, feature: int, dtype: np.dtype | None = None):
         self.max_tokens, self.window, self.feature = max_tokens, window, feature
+        self.dtype = None if dtype is None else np.dtype(dtype)
         self.tokens = np.zeros(0, np.int32)
         self.length = 0  # committed tokens ever (positions), not just those kept
-        self.rows = np.zeros((0, feature), np.float32) if feature else None
+        self.rows = None
 
     @property
     def rows(self) -> np.ndarray | None:
-        """The last <= window hidden rows (float32 [n, feature]); None for a token-only
+        """The last <= window hidden rows ([n, feature], self.dtype); None for a token-only
         drafter. Read-only: assign to replace them (that starts a new lineage)."""
         if not self.feature:
             return None
@@ -44,13 +50,14 @@ class History:
     @rows.setter
     def rows(self, rows: np.ndarray | None) -> None:
         self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
-        self._buf, self._start, self._end = np.zeros((0, self.feature), np.float32), 0, 0
+        self._buf, self._start, self._end = np.zeros((0, self.feature), self.dtype or np.float32), 0, 0
         if self.feature and rows is not None and len(rows):
-            self._append(np.asarray(rows, np.float32))
+            self._append(rows)
 
     @property
     def nbytes_max(self) -> int:
-        return 4 * self.max_tokens + (8 * self.window * self.feature if self.feature else 0)
+        item = (self.dtype or DTYPES["float32"]).itemsize
+        return 4 * self.max_tokens + (2 * item * self.window * self.feature if self.feature else 0)
 
     def check(self, tokens: np.ndarray, rows: np.ndarray | None, opening: bool) -> str | None:
         """Why (tokens, rows) cannot extend this history, or None."""
@@ -68,7 +75,7 @@ class History:
                 return f"open carries {have} hidden rows, needs the last {min(len(tokens) - 1, self.window)}"
         elif have != len(tokens):
             return f"{len(tokens)} new tokens need {len(tokens)} hidden rows, got {have}"
-        if rows is not None and not np.isfinite(rows).all():
+        if rows is not None and not all_finite(rows):
             return "hidden rows hold NaN or infinity"
         return None
 
@@ -83,10 +90,14 @@ class History:
     def extend(self, tokens: np.ndarray, rows: np.ndarray | None) -> None:
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int32)])[-self.max_tokens:]
         if self.feature and rows is not None and len(rows):
-            self._append(np.asarray(rows, np.float32))
+            self._append(rows)
         self.length += len(tokens)
 
     def _append(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows)
+        if self.dtype is None:  # the first rows: none kept yet, the buffer is empty
+            self.dtype = rows.dtype if rows.dtype in DTYPES.values() else DTYPES["float32"]
+        rows = cast(rows, self.dtype)
         k, n = len(rows), self.window
         if self.rows_added != self.lineage.count:  # a copy went further: our rows differ from here
             self.lineage = Lineage()
@@ -101,7 +112,7 @@ class History:
         # moving the kept rows costs at most one copy per row appended since the last move.
         kept = self._buf[max(self._start, self._end - max(n - k, 0)):self._end]
         rows = rows[max(len(rows) - n, 0):]
-        buf = np.empty((min(2 * n, 2 * (len(kept) + len(rows))), self.feature), np.float32)
+        buf = np.empty((min(2 * n, 2 * (len(kept) + len(rows))), self.feature), self.dtype)
         buf[:len(kept)] = kept
         buf[len(kept):len(kept) + len(rows)] = rows
         self._buf, self._start, self._end = buf, 0, len(kept) + len(rows)

@@ -23,12 +23,15 @@ entries are served.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ofl.errors import ProtocolError as WireError
 from ofl.wire import decode_json
+
+from . import rows as rows_module
 
 VERSION = 1
 REQUEST_MAGIC = b"DRQ1"
@@ -44,6 +47,7 @@ CACHE_NONE, CACHE_HIT, CACHE_MISS = 0, 1, 2
 ROW_NONE, ROW_F32, ROW_F16, ROW_BF16 = 0, 1, 2, 3
 ROW_DTYPES = {"float32": ROW_F32, "float16": ROW_F16, "bfloat16": ROW_BF16}
 ROW_BYTES = {ROW_NONE: 0, ROW_F32: 4, ROW_F16: 2, ROW_BF16: 2}
+ROW_CODE_DTYPES = {code: rows_module.DTYPES[name] for name, code in ROW_DTYPES.items()}
 
 REQUEST_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
                            ("fingerprint", "S16"), ("n_entries", "<u4"), ("client_id", "<u4")])
@@ -55,8 +59,10 @@ REPLY_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
 REPLY_ENTRY = np.dtype([("request_id", "<u8"), ("latency_us", "<u4"), ("n_drafts", "<u2"),
                         ("status", "u1"), ("cache", "u1"), ("has_probs", "u1"), ("pad", "u1"),
                         ("msg_len", "<u2"), ("pad2", "u1", (4,))])
-assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, REPLY_HEADER.itemsize,
-        REPLY_ENTRY.itemsize) == (32, 48, 16, 24)
+# ENTRY and REPLY_ENTRY as struct packs and reads them: per entry, without numpy scalars
+ENTRY_FIELDS, REPLY_FIELDS = struct.Struct("<QQQfIIIHBBB3x"), struct.Struct("<QIHBBBxH4x")
+assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, ENTRY_FIELDS.size, REPLY_HEADER.itemsize,
+        REPLY_ENTRY.itemsize, REPLY_FIELDS.size) == (32, 48, 48, 16, 24, 24)
 
 
 class ProtocolError(ValueError):
@@ -68,7 +74,7 @@ class Entry:
     request_id: int
     op: int = OP_CONTINUE
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    rows: np.ndarray | None = None   # float32 [n_rows, feature] once decoded
+    rows: np.ndarray | None = None   # [n_rows, feature] as sent (rows.DTYPES) once decoded
     k: int = 0
     temperature: float = 0.0
     seed: int = 0
@@ -99,57 +105,32 @@ class Reply:
         return self.status == STATUS_OK
 
 
-# -- bf16 on the host, without torch (round to nearest even, as torch does) -----------------
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).astype(np.uint16)
-
-
-def bf16_to_f32(x: np.ndarray) -> np.ndarray:
-    return (x.astype(np.uint32) << 16).view(np.float32)
-
-
-def _rows_bytes(rows: np.ndarray, code: int) -> bytes:
-    if code == ROW_F32:
-        return np.ascontiguousarray(rows, np.float32).tobytes()
-    if code == ROW_F16:
-        return np.ascontiguousarray(rows, np.float16).tobytes()
-    return f32_to_bf16(rows).tobytes()
-
-
-def _rows_decode(buf, offset: int, n_rows: int, feature: int, code: int) -> np.ndarray:
-    count = n_rows * feature
-    if code == ROW_F32:
-        out = np.frombuffer(buf, np.float32, count, offset).copy()
-    elif code == ROW_F16:
-        out = np.frombuffer(buf, np.float16, count, offset).astype(np.float32)
-    else:
-        out = bf16_to_f32(np.frombuffer(buf, np.uint16, count, offset))
-    return out.reshape(n_rows, feature)
-
-
 # -- requests ------------------------------------------------------------------------------
 def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
                    kind: int = KIND_ROUND, client_id: int = 0) -> bytes:
+    """Rows go as they are when they already have the wire's type (a bf16 engine's rows do),
+    else cast once; every entry's header is laid out in one array."""
     head = np.zeros((), REQUEST_HEADER)
     head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
     head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
+    code, dtype = ROW_DTYPES[row_dtype], rows_module.DTYPES[row_dtype]
+    tokens = [np.ascontiguousarray(e.tokens, np.int32).reshape(-1) for e in entries]
+    rows = [e.rows if e.rows is not None and len(e.rows) else None for e in entries]
+    heads = np.zeros(len(entries), ENTRY)
+    for column, values in (("request_id", [e.request_id for e in entries]), ("seed", [e.seed for e in entries]),
+                           ("temperature", [e.temperature for e in entries]), ("length", [e.length for e in entries]),
+                           ("n_tokens", [len(t) for t in tokens]), ("k", [e.k for e in entries]),
+                           ("op", [e.op for e in entries]),
+                           ("flags", [FLAG_WANT_PROBS if e.want_probs else 0 for e in entries]),
+                           ("n_rows", [0 if r is None else r.shape[0] for r in rows]),
+                           ("feature", [0 if r is None else r.shape[1] for r in rows]),
+                           ("row_dtype", [ROW_NONE if r is None else code for r in rows])):
+        heads[column] = values
     parts = [head.tobytes()]
-    code = ROW_DTYPES[row_dtype]
-    for e in entries:
-        tokens = np.ascontiguousarray(e.tokens, np.int32).reshape(-1)
-        rows = e.rows if e.rows is not None and len(e.rows) else None
-        h = np.zeros((), ENTRY)
-        h["request_id"], h["seed"], h["temperature"] = e.request_id, e.seed, e.temperature
-        h["length"] = e.length
-        h["n_tokens"], h["k"], h["op"] = len(tokens), e.k, e.op
-        h["flags"] = FLAG_WANT_PROBS if e.want_probs else 0
-        if rows is not None:
-            h["n_rows"], h["feature"], h["row_dtype"] = rows.shape[0], rows.shape[1], code
-        parts += [h.tobytes(), tokens.tobytes()]
-        if rows is not None:
-            parts.append(_rows_bytes(rows, code))
+    for h, t, r in zip(heads.view(np.uint8).reshape(-1, ENTRY.itemsize), tokens, rows):
+        parts += [h, t.view(np.uint8)]
+        if r is not None:
+            parts.append(np.ascontiguousarray(rows_module.cast(r, dtype)).reshape(-1).view(np.uint8))
     return b"".join(parts)
 
 
@@ -179,10 +160,9 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
     for i in range(n):
         if off + ENTRY.itemsize > len(buf):
             raise ProtocolError(f"entry {i} is truncated")
-        h = np.frombuffer(buf, ENTRY, 1, off)[0]
+        rid, seed, length, temperature, n_tokens, n_rows, feature, k, op, flags, code = \
+            ENTRY_FIELDS.unpack_from(buf, off)
         off += ENTRY.itemsize
-        n_tokens, n_rows, feature = int(h["n_tokens"]), int(h["n_rows"]), int(h["feature"])
-        code = int(h["row_dtype"])
         if code not in ROW_BYTES or (n_rows and code == ROW_NONE):
             raise ProtocolError(f"entry {i}: unknown row dtype code {code}")
         size = 4 * n_tokens + n_rows * feature * ROW_BYTES[code]
@@ -191,17 +171,17 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
         if off + size > len(buf):
             raise ProtocolError(f"entry {i}: {size} bytes of tokens and rows announced, "
                                 f"{len(buf) - off} left")
-        rid = int(h["request_id"])
         if rid in seen:
             raise ProtocolError(f"request id {rid} appears twice in one round")
         seen.add(rid)
         tokens = np.frombuffer(buf, np.int32, n_tokens, off).copy()
         off += 4 * n_tokens
-        rows = _rows_decode(buf, off, n_rows, feature, code) if n_rows else None
+        # the rows as sent, a view of the message (a history copies what it keeps)
+        rows = np.frombuffer(buf, ROW_CODE_DTYPES[code], n_rows * feature, off).reshape(n_rows, feature) \
+            if n_rows else None
         off += n_rows * feature * ROW_BYTES[code]
-        entries.append(Entry(rid, int(h["op"]), tokens, rows, int(h["k"]),
-                             float(h["temperature"]), int(h["seed"]),
-                             bool(int(h["flags"]) & FLAG_WANT_PROBS), feature, int(h["length"])))
+        entries.append(Entry(rid, op, tokens, rows, k, temperature, seed, bool(flags & FLAG_WANT_PROBS),
+                             feature, length))
     if off != len(buf):
         raise ProtocolError(f"{len(buf) - off} trailing bytes after {n} entries")
     return Request(kind, int(head["client_id"]), entries)
@@ -216,11 +196,8 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
     for r in replies:
         tokens = np.ascontiguousarray(r.tokens, np.int32).reshape(-1)
         message = r.message.encode()[:MAX_MESSAGE_BYTES]
-        h = np.zeros((), REPLY_ENTRY)
-        h["request_id"], h["latency_us"], h["n_drafts"] = r.request_id, min(r.latency_us, 2**32 - 1), len(tokens)
-        h["status"], h["cache"], h["msg_len"] = r.status, r.cache, len(message)
-        h["has_probs"] = r.probs is not None
-        parts += [h.tobytes(), tokens.tobytes()]
+        parts += [REPLY_FIELDS.pack(r.request_id, min(r.latency_us, 2**32 - 1), len(tokens), r.status,
+                                    r.cache, r.probs is not None, len(message)), tokens.tobytes()]
         if r.probs is not None:
             parts.append(np.ascontiguousarray(r.probs[:len(tokens)], np.float32).tobytes())
         parts.append(message)
@@ -247,9 +224,8 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
     for i in range(int(head["n_entries"])):
         if off + REPLY_ENTRY.itemsize > len(buf):
             raise ProtocolError(f"reply entry {i} is truncated")
-        h = np.frombuffer(buf, REPLY_ENTRY, 1, off)[0]
+        rid, latency_us, n, status, cache, has_probs, msg_len = REPLY_FIELDS.unpack_from(buf, off)
         off += REPLY_ENTRY.itemsize
-        n, has_probs, msg_len = int(h["n_drafts"]), bool(h["has_probs"]), int(h["msg_len"])
         size = 4 * n + (4 * n * vocab if has_probs else 0) + msg_len
         if off + size > len(buf):
             raise ProtocolError(f"reply entry {i} announces {size} bytes, {len(buf) - off} left")
@@ -261,11 +237,9 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
             off += 4 * n * vocab
         message = bytes(buf[off:off + msg_len]).decode(errors="replace")
         off += msg_len
-        status = int(h["status"])
         if status >= len(STATUS_NAMES):
             raise ProtocolError(f"reply entry {i}: unknown status {status}")
-        out.append(Reply(int(h["request_id"]), status, tokens, probs, int(h["cache"]),
-                         int(h["latency_us"]), message))
+        out.append(Reply(rid, status, tokens, probs, cache, latency_us, message))
     if off != len(buf):
         raise ProtocolError(f"{len(buf) - off} trailing bytes in a reply")
     return out

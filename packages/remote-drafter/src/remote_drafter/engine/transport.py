@@ -22,15 +22,21 @@ ADAPTER = "remote_drafter.engine.proxy_adapter:DrafterProxyAdapter"
 log = logging.getLogger("remote_drafter.engine.transport")
 
 
-def worker_stats(address: str, backend: str = "tcp") -> dict:
-    """A worker's counters (requests held, rounds, failures...), asked over its own link."""
-    from ofl import Connection
-
+def worker_stats(address: str, backend: str = "tcp", pings: int = 0) -> dict:
+    """A worker's counters (requests held, rounds, failures, its round p50/p99...), asked
+    over its own link; with `pings`, also `link_rtt_ms`: the median round trip of that many
+    PINGs on that link (what the link adds to a round besides its payload)."""
     from . import protocol as P
     with Connection(address, backend=backend, identity="remote-drafter-status") as conn:
         described = conn.peer_metadata.get("remote_drafter", {})
         fingerprint = Manifest.from_json(described["manifest"]).fingerprint
-        return P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
+        trips = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            conn.ping(5.0)
+            trips.append(time.perf_counter() - t0)
+        stats = P.parse_stats_reply(conn.request(P.encode_request([], fingerprint, kind=P.KIND_STATS)))
+        return {**stats, "link_rtt_ms": 1e3 * sorted(trips)[len(trips) // 2]} if trips else stats
 
 
 class LocalTransport:

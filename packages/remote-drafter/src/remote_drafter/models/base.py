@@ -9,6 +9,7 @@ import numpy as np
 
 from remote_drafter.engine.history import History
 from remote_drafter.engine.identity import Manifest
+from remote_drafter.engine.rows import dtype_of
 
 
 @dataclass
@@ -47,13 +48,18 @@ class Drafter:
         raise NotImplementedError
 
     def new_history(self) -> History:
-        return History(self.history_tokens, self.window, self.feature)
+        """Rows kept in the type the drafter computes in, which the engine sends them in."""
+        return History(self.history_tokens, self.window, self.feature, dtype_of(self.dtype))
+
+    @property
+    def dtype(self) -> str:
+        """The weights' dtype ("none": no model), which changes drafts near ties."""
+        model = getattr(self, "model", None)
+        return str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "none"
 
     def describe(self) -> dict:
-        model = getattr(self, "model", None)  # the weights' dtype changes drafts near ties
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "none"
         return {"kind": self.kind, "vocab_size": self.vocab_size, "feature": self.feature,
                 "max_depth": self.max_depth, "window": self.window,
-                "history_tokens": self.history_tokens, "dtype": dtype,
+                "history_tokens": self.history_tokens, "dtype": self.dtype,
                 "hidden_layers": list(self.hidden_layers),
                 **getattr(self, "serving_notes", {})}  # what the worker adds: its EXL3 gate state

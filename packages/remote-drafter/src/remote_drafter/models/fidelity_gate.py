@@ -173,10 +173,42 @@ def package_version() -> str:
         return "unknown"
 
 
+def pack_formats(pack: str) -> dict[str, str]:
+    """How each module of a pack is stored, from its safetensors headers (no tensor read):
+    "exl3 K bits" for a module with a trellis ([in/16, out/16, 16 K]), else its weight's dtype
+    ("dense BF16"). The gate records it, so a pack re-quantised since (its head at other bits,
+    an expert left dense) is refused by module name before anything is loaded."""
+    from safetensors import safe_open
+    shapes, dtypes = {}, {}
+    for name in sorted(os.listdir(pack)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(pack, name), framework="np") as f:
+                for key in f.keys():
+                    tensor = f.get_slice(key)
+                    shapes[key], dtypes[key] = tensor.get_shape(), tensor.get_dtype()
+    out = {key.removesuffix(".trellis"): f"exl3 {shape[-1] // 16} bits"
+           for key, shape in shapes.items() if key.endswith(".trellis")}
+    for key, dtype in dtypes.items():
+        module = key.removesuffix(".weight")
+        if key.endswith(".weight") and module not in out:
+            out[module] = f"dense {dtype}"
+    return out
+
+
+def changed_modules(recorded: dict[str, str], now: dict[str, str], most: int = 4) -> str | None:
+    """One line naming the modules stored otherwise than the gate measured them, or None."""
+    changed = sorted(m for m in recorded.keys() | now.keys() if recorded.get(m) != now.get(m))
+    if not changed:
+        return None
+    named = "; ".join(f"{m}: {now.get(m, 'absent')}, gated as {recorded.get(m, 'absent')}" for m in changed[:most])
+    return named + (f" (and {len(changed) - most} more)" if len(changed) > most else "")
+
+
 def record(pack: str, result: dict, drafter_digest: str, reference_digest: str,
            rounds_path: str, target_digest: str | None = None) -> str:
-    """Write GATE_FILE into `pack`: the result and what it was measured on."""
-    rec = {"format": FORMAT, **result, "drafter": drafter_digest,
+    """Write GATE_FILE into `pack`: the result, what it was measured on, and how the pack's
+    modules were stored when it was (pack_formats)."""
+    rec = {"format": FORMAT, **result, "drafter": drafter_digest, "modules": pack_formats(pack),
            "reference_drafter": reference_digest, "rounds_sha256": sha256_file(rounds_path),
            "target": target_digest, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "version": package_version()}

@@ -17,13 +17,22 @@ import numpy as np
 import torch
 
 from remote_drafter.engine.history import History
+from remote_drafter.engine.rows import BFLOAT16
 
-# (new rows float32 [k, feature] on the host, their positions [k], device) -> rows [k, width]
+# (new rows [k, feature] on the host as the history keeps them, their positions [k], device)
+# -> rows [k, width]
 Encode = Callable[[np.ndarray, np.ndarray, torch.device], torch.Tensor]
 
 
+def host_tensor(rows: np.ndarray) -> torch.Tensor:
+    """Host rows as a tensor of their own type, sharing their memory (bf16: ml_dtypes' bits)."""
+    if rows.dtype == BFLOAT16:
+        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(rows)
+
+
 def _as_rows(rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
-    return torch.from_numpy(rows).to(device)
+    return host_tensor(rows).to(device)
 
 
 class DeviceWindows(dict):

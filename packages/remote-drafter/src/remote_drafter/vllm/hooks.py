@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from remote_drafter.engine.client import as_rows
+from remote_drafter.engine.rows import as_rows
 
 from .proposer import RemoteProposer
 

@@ -12,6 +12,8 @@ from remote_drafter.models.fidelity_gate import (
     GATE_FILE,
     GOAL,
     MIN_ROUNDS,
+    changed_modules,
+    pack_formats,
     read_record,
     summary,
     weights_of,
@@ -78,6 +80,9 @@ def refusal(pack: str, drafter_digest: str | None, target_digest: str | None = N
             return f"{pack} failed the fidelity gate: {summary({**rec, 'goal': max(goal, rec['goal'])})}"
     except (KeyError, TypeError) as exc:
         return f"{pack}: its fidelity gate record ({GATE_FILE}) is incomplete ({exc!r}): run the gate again"
+    if "modules" in rec and (changed := changed_modules(rec["modules"], pack_formats(pack))):
+        return (f"{pack} holds modules quantised otherwise than its fidelity gate measured ({changed}): "
+                "run the gate again on the pack as it is")
     if rec.get("drafter") == rec.get("reference_drafter"):
         return f"{pack} was gated against its own weights: gate it against its dense drafter"
     if drafter_digest is not None and rec.get("drafter") != drafter_digest:

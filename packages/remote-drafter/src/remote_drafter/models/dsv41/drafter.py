@@ -30,7 +30,7 @@ from remote_drafter.models import exl3
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
 from remote_drafter.models.pick import Picker, chain_arrays, split
-from remote_drafter.models.window import DeviceWindows
+from remote_drafter.models.window import DeviceWindows, host_tensor
 
 from . import checkpoint, exl3_pack
 from .config import flatten, linear_names
@@ -209,7 +209,7 @@ class Dsv41Drafter(Drafter):
 
     def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
         """New committed taps -> every layer's context rows, computed once per position."""
-        taps = torch.from_numpy(rows).to(device)  # the round's new rows, gathered (a copy)
+        taps = host_tensor(rows).to(device)  # the round's new rows, gathered (a copy)
         return self.model.encode_rows(taps, torch.from_numpy(positions).to(device))
 
     @torch.inference_mode()
