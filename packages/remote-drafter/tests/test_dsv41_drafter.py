@@ -286,7 +286,8 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
 
 def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
-    timed, local and over tcp; the phases restored afterwards (the service times nothing)."""
+    timed, local and over tcp, rows bf16 end to end then float32 on the hosts (bf16 on the
+    wire both ways: the same bytes); the phases restored afterwards (the service times nothing)."""
     import json
 
     from remote_drafter.worker.service import DraftService
@@ -295,7 +296,9 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     out = tmp_path / "w.json"
     assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["via"] for r in result["rows"]] == ["local", "tcp"]
+    assert [(r["rows"], r["via"]) for r in result["rows"]] == [
+        ("bfloat16", "local"), ("bfloat16", "tcp"), ("float32", "local"), ("float32", "tcp")]
+    assert len({r["request_bytes_per_round"] for r in result["rows"] if r["via"] == "tcp"}) == 1
     for r in result["rows"]:
         assert set(r["phases_p50_ms"]) == {label for _, _, label in script.PHASES}
         assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
