@@ -5,6 +5,8 @@ side converts a row on its CPU. Torch-free: numpy arrays, bf16 as ml_dtypes' bfl
 
 from __future__ import annotations
 
+import sys
+
 import ml_dtypes
 import numpy as np
 
@@ -35,7 +37,7 @@ def as_rows(hidden) -> np.ndarray | None:
 def _host_array(tensor) -> np.ndarray:
     name = str(tensor.dtype).removeprefix("torch.")
     if name == "bfloat16":  # numpy has no bf16: its bits through int16, then ml_dtypes' view
-        import torch
+        torch = sys.modules["torch"]  # loaded, as a tensor exists: this room never imports it
         return tensor.cpu().view(torch.int16).numpy().view(BFLOAT16)
     return tensor.cpu().numpy() if name in DTYPES else tensor.float().cpu().numpy()
 
