@@ -109,28 +109,21 @@ class Reply:
 def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
                    kind: int = KIND_ROUND, client_id: int = 0) -> bytes:
     """Rows go as they are when they already have the wire's type (a bf16 engine's rows do),
-    else cast once; every entry's header is laid out in one array."""
+    else are cast once."""
     head = np.zeros((), REQUEST_HEADER)
     head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
     head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
     code, dtype = ROW_DTYPES[row_dtype], rows_module.DTYPES[row_dtype]
-    tokens = [np.ascontiguousarray(e.tokens, np.int32).reshape(-1) for e in entries]
-    rows = [e.rows if e.rows is not None and len(e.rows) else None for e in entries]
-    heads = np.zeros(len(entries), ENTRY)
-    for column, values in (("request_id", [e.request_id for e in entries]), ("seed", [e.seed for e in entries]),
-                           ("temperature", [e.temperature for e in entries]), ("length", [e.length for e in entries]),
-                           ("n_tokens", [len(t) for t in tokens]), ("k", [e.k for e in entries]),
-                           ("op", [e.op for e in entries]),
-                           ("flags", [FLAG_WANT_PROBS if e.want_probs else 0 for e in entries]),
-                           ("n_rows", [0 if r is None else r.shape[0] for r in rows]),
-                           ("feature", [0 if r is None else r.shape[1] for r in rows]),
-                           ("row_dtype", [ROW_NONE if r is None else code for r in rows])):
-        heads[column] = values
     parts = [head.tobytes()]
-    for h, t, r in zip(heads.view(np.uint8).reshape(-1, ENTRY.itemsize), tokens, rows):
-        parts += [h, t.view(np.uint8)]
-        if r is not None:
-            parts.append(np.ascontiguousarray(rows_module.cast(r, dtype)).reshape(-1).view(np.uint8))
+    for e in entries:
+        tokens = np.ascontiguousarray(e.tokens, np.int32).reshape(-1)
+        rows = e.rows if e.rows is not None and len(e.rows) else None
+        n_rows, feature = (0, 0) if rows is None else rows.shape
+        parts += [ENTRY_FIELDS.pack(e.request_id, e.seed, e.length, e.temperature, len(tokens), n_rows, feature,
+                                    e.k, e.op, FLAG_WANT_PROBS if e.want_probs else 0,
+                                    ROW_NONE if rows is None else code), tokens.view(np.uint8)]
+        if rows is not None:
+            parts.append(np.ascontiguousarray(rows_module.cast(rows, dtype)).reshape(-1).view(np.uint8))
     return b"".join(parts)
 
 
