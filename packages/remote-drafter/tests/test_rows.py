@@ -4,6 +4,7 @@ history keeping them in its drafter's type."""
 import numpy as np
 import pytest
 
+from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.history import History
 from remote_drafter.engine.rows import BFLOAT16, all_finite, as_rows, cast, dtype_of
 
@@ -57,7 +58,7 @@ def test_a_history_keeps_its_drafters_type_and_casts_other_rows():
     h.extend(np.array([7], np.int32), cast(np.full((1, 3), 9.25, np.float32), BFLOAT16))
     assert h.rows.dtype == BFLOAT16 and h.rows.astype(np.float32)[-1].tolist() == [9.25] * 3
     assert h.nbytes_max == 4 * 64 + 2 * 2 * 4 * 3  # bf16: half a float32 history's rows
-    untyped = History(64, 4, 3)  # the engine's: the type of the rows it is given
-    untyped.reset(np.arange(3, dtype=np.int32), cast(rows[:2], BFLOAT16))
-    assert untyped.rows.dtype == BFLOAT16
+    engine = DrafterClient(transport=None)  # the engine's history: the type of the rows it is given
+    engine.add_request(1, np.arange(3, dtype=np.int32), cast(rows[:2], BFLOAT16))
+    assert engine.requests[1].history.rows.dtype == BFLOAT16
     assert History(64, 4, 3).rows.dtype == np.float32 and dtype_of("none") == np.float32

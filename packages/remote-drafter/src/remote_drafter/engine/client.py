@@ -147,7 +147,8 @@ class DrafterClient:
         rows = as_rows(hidden)
         # Until the worker has said how many rows it looks at, keep them all (trimmed then).
         window = self.window if self._adopted else self.history_tokens
-        history = History(self.history_tokens, window, 0 if rows is None else rows.shape[1])
+        history = History(self.history_tokens, window, 0, np.float32) if rows is None else \
+            History(self.history_tokens, window, rows.shape[1], rows.dtype)  # rows kept as given
         history.reset(np.asarray(tokens, np.int32).reshape(-1), rows)
         self.requests[rid] = _Request(history, float(temperature), int(seed) & (2**64 - 1), [], [])
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rows import DTYPES, all_finite, cast
+from .rows import all_finite, cast
 
 
 class Lineage:
@@ -27,12 +27,12 @@ class Lineage:
 
 
 class History:
-    """dtype: what the rows are kept as (rows.DTYPES; rows of another type are cast on
-    append); None: the type of the first rows given, float32 until then."""
+    """dtype: what the rows are kept as (one of rows.DTYPES; rows of another type are cast
+    on append)."""
 
-    def __init__(self, max_tokens: int, window: int, feature: int, dtype: np.dtype | None = None):
+    def __init__(self, max_tokens: int, window: int, feature: int, dtype: np.dtype = np.float32):
         self.max_tokens, self.window, self.feature = max_tokens, window, feature
-        self.dtype = None if dtype is None else np.dtype(dtype)
+        self.dtype = np.dtype(dtype)
         self.tokens = np.zeros(0, np.int32)
         self.length = 0  # committed tokens ever (positions), not just those kept
         self.rows = None
@@ -50,14 +50,13 @@ class History:
     @rows.setter
     def rows(self, rows: np.ndarray | None) -> None:
         self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
-        self._buf, self._start, self._end = np.zeros((0, self.feature), self.dtype or np.float32), 0, 0
+        self._buf, self._start, self._end = np.zeros((0, self.feature), self.dtype), 0, 0
         if self.feature and rows is not None and len(rows):
             self._append(rows)
 
     @property
     def nbytes_max(self) -> int:
-        item = (self.dtype or DTYPES["float32"]).itemsize
-        return 4 * self.max_tokens + (2 * item * self.window * self.feature if self.feature else 0)
+        return 4 * self.max_tokens + (2 * self.dtype.itemsize * self.window * self.feature if self.feature else 0)
 
     def check(self, tokens: np.ndarray, rows: np.ndarray | None, opening: bool) -> str | None:
         """Why (tokens, rows) cannot extend this history, or None."""
@@ -94,10 +93,7 @@ class History:
         self.length += len(tokens)
 
     def _append(self, rows: np.ndarray) -> None:
-        rows = np.asarray(rows)
-        if self.dtype is None:  # the first rows: none kept yet, the buffer is empty
-            self.dtype = rows.dtype if rows.dtype in DTYPES.values() else DTYPES["float32"]
-        rows = cast(rows, self.dtype)
+        rows = cast(np.asarray(rows), self.dtype)
         k, n = len(rows), self.window
         if self.rows_added != self.lineage.count:  # a copy went further: our rows differ from here
             self.lineage = Lineage()

@@ -29,7 +29,7 @@ def as_rows(hidden) -> np.ndarray | None:
     if hasattr(hidden, "detach"):  # a torch tensor, without importing torch
         hidden = _host_array(hidden.detach())
     rows = np.asarray(hidden)
-    if rows.dtype not in _EXPONENT and rows.dtype != np.float32:
+    if rows.dtype not in DTYPES.values():
         rows = rows.astype(np.float32)
     return rows.reshape(len(rows), -1) if rows.ndim != 2 else rows
 

@@ -179,20 +179,16 @@ def pack_formats(pack: str) -> dict[str, str]:
     ("dense BF16"). The gate records it, so a pack re-quantised since (its head at other bits,
     an expert left dense) is refused by module name before anything is loaded."""
     from safetensors import safe_open
-    shapes, dtypes = {}, {}
+    trellis, dense = {}, {}
     for name in sorted(os.listdir(pack)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(pack, name), framework="np") as f:
                 for key in f.keys():
-                    tensor = f.get_slice(key)
-                    shapes[key], dtypes[key] = tensor.get_shape(), tensor.get_dtype()
-    out = {key.removesuffix(".trellis"): f"exl3 {shape[-1] // 16} bits"
-           for key, shape in shapes.items() if key.endswith(".trellis")}
-    for key, dtype in dtypes.items():
-        module = key.removesuffix(".weight")
-        if key.endswith(".weight") and module not in out:
-            out[module] = f"dense {dtype}"
-    return out
+                    if key.endswith(".trellis"):
+                        trellis[key.removesuffix(".trellis")] = f"exl3 {f.get_slice(key).get_shape()[-1] // 16} bits"
+                    elif key.endswith(".weight"):
+                        dense[key.removesuffix(".weight")] = f"dense {f.get_slice(key).get_dtype()}"
+    return {**dense, **trellis}  # a module stored both ways is served from its trellis
 
 
 def changed_modules(recorded: dict[str, str], now: dict[str, str], most: int = 4) -> str | None:
