@@ -1,47 +1,82 @@
 """Counters and latency histograms in Prometheus text (worker and clients), declared up
-front so a dashboard sees every failure kind at zero before it first happens."""
+front so a dashboard sees every failure kind at zero before it first happens.
+
+A round counts per entry, so counting must cost next to nothing: values are plain numbers
+under one lock, and prometheus-client's collector reads them only when scraped (its own
+Counter and Histogram objects take a lock and validate on every call)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import bisect
+import threading
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+MAX_SAMPLES = 100_000  # per histogram, for its percentiles; beyond it the newest half is kept
 
 
 class Metrics:
     def __init__(self, prefix: str, counters: dict[str, str], histograms: dict[str, str]):
-        self.registry = CollectorRegistry()
-        self.prefix = prefix
-        self.counters = {name: Counter(f"{prefix}_{name}", doc, registry=self.registry)
-                         for name, doc in counters.items()}
-        self.histograms = {name: Histogram(f"{prefix}_{name}_seconds", doc, registry=self.registry,
-                                           buckets=LATENCY_BUCKETS)
-                           for name, doc in histograms.items()}
+        self.prefix, self._docs, self._histogram_docs = prefix, counters, histograms
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(counters, 0.0)
+        # per histogram: observations per bucket (the last: above every bound), their sum
+        self._buckets = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in histograms}
+        self._sums = dict.fromkeys(histograms, 0.0)
         self._samples: dict[str, list[float]] = {name: [] for name in histograms}
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
 
     def inc(self, name: str, amount: float = 1) -> None:
-        self.counters[name].inc(amount)
+        if amount < 0:
+            raise ValueError(f"counter {name} decreased by {amount}")
+        with self._lock:
+            self._values[name] += amount
+
+    def add(self, amounts: dict[str, float]) -> None:
+        """Several counters at once (a round's totals)."""
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] += amount
 
     def observe(self, name: str, seconds: float) -> None:
-        self.histograms[name].observe(seconds)
-        samples = self._samples[name]
-        samples.append(seconds)
-        if len(samples) > 100_000:  # bounded: keep the newest half
-            del samples[: len(samples) // 2]
+        with self._lock:
+            self._buckets[name][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self._sums[name] += seconds
+            samples = self._samples[name]
+            samples.append(seconds)
+            if len(samples) > MAX_SAMPLES:
+                del samples[: len(samples) // 2]
 
     def value(self, name: str) -> float:
-        return self.counters[name]._value.get()
+        return self._values[name]
 
     def snapshot(self) -> dict:
-        out = {name: self.value(name) for name in self.counters}
-        for name, samples in self._samples.items():
-            if samples:
-                s = sorted(samples)
-                out[f"{name}_p50_ms"] = 1e3 * s[len(s) // 2]
-                out[f"{name}_p99_ms"] = 1e3 * s[min(len(s) - 1, int(len(s) * 0.99))]
-                out[f"{name}_max_ms"] = 1e3 * s[-1]
-                out[f"{name}_count"] = len(s)
+        with self._lock:
+            out = dict(self._values)
+            taken = {name: sorted(samples) for name, samples in self._samples.items() if samples}
+        for name, s in taken.items():
+            out[f"{name}_p50_ms"] = 1e3 * s[len(s) // 2]
+            out[f"{name}_p99_ms"] = 1e3 * s[min(len(s) - 1, int(len(s) * 0.99))]
+            out[f"{name}_max_ms"] = 1e3 * s[-1]
+            out[f"{name}_count"] = len(s)
         return out
+
+    def collect(self):
+        """prometheus-client's collector interface: the values as of this scrape."""
+        with self._lock:
+            values, buckets, sums = dict(self._values), {k: list(v) for k, v in self._buckets.items()}, dict(self._sums)
+        for name, doc in self._docs.items():
+            yield CounterMetricFamily(f"{self.prefix}_{name}", doc, value=values[name])
+        for name, doc in self._histogram_docs.items():
+            cumulative, total = [], 0
+            for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], buckets[name]):
+                total += count
+                cumulative.append((bound, total))
+            yield HistogramMetricFamily(f"{self.prefix}_{name}_seconds", doc, buckets=cumulative,
+                                        sum_value=sums[name])
 
     def prometheus(self) -> str:
         return generate_latest(self.registry).decode()
