@@ -50,6 +50,15 @@ def test_all_finite_finds_every_nan_and_infinity(dtype):
         assert all_finite(cast(huge, dtype)) == (dtype != np.float16)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BFLOAT16])
+def test_all_finite_agrees_with_numpy_on_every_half_value(dtype):
+    """Each of the 65,536 bit patterns alone, and all of them at once."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    finite = np.isfinite(every.astype(np.float32))
+    assert [all_finite(every[i:i + 1]) for i in range(len(every))] == finite.tolist()
+    assert not all_finite(every) and all_finite(every[finite]) and all_finite(every[:0])
+
+
 def test_a_history_keeps_its_drafters_type_and_casts_other_rows():
     h = History(64, 4, 3, dtype_of("bfloat16"))
     rows = np.arange(15, dtype=np.float32).reshape(5, 3) + 0.5

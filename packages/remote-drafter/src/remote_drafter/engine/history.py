@@ -4,17 +4,64 @@ verification pass). Both sides keep one: the worker drafts from it, the client r
 request from it after the worker lost state, so drafts after a re-open equal drafts
 without one. Torch-free; not thread-safe (the service changes histories under its lock).
 
-Rows are appended in amortised O(new rows): a buffer of up to 2 x window rows is written
-past its newest row and moved to a fresh one only when full. Rows once handed out (`rows`,
-read-only) are never rewritten, so a shallow copy is a snapshot (what the service drafts
-from outside its lock). `lineage` and `rows_added` let a drafter keep its own copy of the
-rows (on its device) and fetch only the rows added since it last looked."""
+Tokens and rows are each a `Tail`: appended in amortised O(new items), and never rewritten
+once handed out while anything else still shares them, so a shallow copy is a snapshot
+(what the service drafts from outside its lock). `lineage` and `rows_added` let a drafter
+keep its own copy of the rows (on its device) and fetch only the rows added since it last
+looked."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
 from .rows import all_finite, cast
+
+
+class Tail:
+    """The newest `keep` items of an append-only sequence: a buffer of up to 2 x keep items,
+    written past its newest item and moved to the front only when full, so a move costs at
+    most one copy per item appended since the last one. Items handed out (`view`) are never
+    rewritten while a copy or a view still shares the buffer (a move then takes a fresh
+    one); a buffer nothing else holds is moved in place, with no allocation."""
+
+    def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
+        self.keep = keep
+        self.buf = np.empty((0, *shape), dtype)
+        self.start = self.end = 0
+        self.written = [0]  # the furthest end written in buf, shared by the copies sharing buf
+
+    def __copy__(self) -> Tail:
+        shared = object.__new__(Tail)
+        shared.__dict__ = self.__dict__.copy()
+        return shared
+
+    def view(self) -> np.ndarray:
+        view = self.buf[self.start:self.end]
+        view.flags.writeable = False
+        return view
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, items: np.ndarray) -> None:
+        k, n, buf = len(items), self.keep, self.buf
+        if self.written[0] == self.end and self.end + k <= len(buf):  # the tail past our end is ours
+            buf[self.end:self.end + k] = items
+            self.end += k
+            self.start = max(self.start, self.end - n)
+            self.written[0] = self.end
+            return
+        kept = min(self.end - self.start, max(n - k, 0))
+        items = items[max(k - n, 0):]
+        size = min(2 * n, 2 * (kept + len(items)))
+        if len(buf) < size or sys.getrefcount(buf) > 3:  # held here, by `buf` and the call
+            buf, self.written = np.empty((size, *buf.shape[1:]), buf.dtype), [0]
+        buf[:kept] = self.buf[self.end - kept:self.end]  # overlapping in place: numpy copies safely
+        buf[kept:kept + len(items)] = items
+        self.buf, self.start, self.end = buf, 0, kept + len(items)
+        self.written[0] = self.end
 
 
 class Lineage:
@@ -31,26 +78,52 @@ class History:
     on append)."""
 
     def __init__(self, max_tokens: int, window: int, feature: int, dtype: np.dtype = np.float32):
-        self.max_tokens, self.window, self.feature = max_tokens, window, feature
-        self.dtype = np.dtype(dtype)
-        self.tokens = np.zeros(0, np.int32)
+        self.feature, self.dtype = feature, np.dtype(dtype)
+        self._tokens = Tail(max_tokens, (), np.dtype(np.int32))
+        self._window = window
         self.length = 0  # committed tokens ever (positions), not just those kept
         self.rows = None
+
+    def __copy__(self) -> History:
+        """A snapshot: its own ends over the same buffers (neither side's appends change
+        what the other reads)."""
+        snapshot = object.__new__(History)
+        snapshot.__dict__ = self.__dict__.copy()
+        snapshot._tokens, snapshot._rows = self._tokens.__copy__(), self._rows.__copy__()
+        return snapshot
+
+    @property
+    def max_tokens(self) -> int:
+        return self._tokens.keep
+
+    @max_tokens.setter
+    def max_tokens(self, n: int) -> None:
+        self._tokens.keep = n
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    @window.setter
+    def window(self, n: int) -> None:
+        """Kept rows beyond a smaller window go at the next append (or assign the rows)."""
+        self._window = self._rows.keep = n
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The last <= max_tokens committed tokens (int32, read-only)."""
+        return self._tokens.view()
 
     @property
     def rows(self) -> np.ndarray | None:
         """The last <= window hidden rows ([n, feature], self.dtype); None for a token-only
         drafter. Read-only: assign to replace them (that starts a new lineage)."""
-        if not self.feature:
-            return None
-        view = self._buf[self._start:self._end]
-        view.flags.writeable = False
-        return view
+        return self._rows.view() if self.feature else None
 
     @rows.setter
     def rows(self, rows: np.ndarray | None) -> None:
         self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
-        self._buf, self._start, self._end = np.zeros((0, self.feature), self.dtype), 0, 0
+        self._rows = Tail(self._window, (self.feature,), self.dtype)
         if self.feature and rows is not None and len(rows):
             self._append(rows)
 
@@ -79,7 +152,7 @@ class History:
         return None
 
     def reset(self, tokens: np.ndarray, rows: np.ndarray | None, length: int | None = None) -> None:
-        self.tokens = np.zeros(0, np.int32)
+        self._tokens = Tail(self.max_tokens, (), np.dtype(np.int32))
         self.length = 0
         self.rows = None
         self.extend(tokens, rows)
@@ -87,35 +160,17 @@ class History:
             self.length = length
 
     def extend(self, tokens: np.ndarray, rows: np.ndarray | None) -> None:
-        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int32)])[-self.max_tokens:]
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        self._tokens.append(tokens)
         if self.feature and rows is not None and len(rows):
             self._append(rows)
         self.length += len(tokens)
 
     def _append(self, rows: np.ndarray) -> None:
-        rows = cast(np.asarray(rows), self.dtype)
-        k, n = len(rows), self.window
         if self.rows_added != self.lineage.count:  # a copy went further: our rows differ from here
             self.lineage = Lineage()
-            self.lineage.count = self.rows_added
-        elif self._end + k <= len(self._buf):  # the buffer's tail is ours: write past what we handed out
-            self._buf[self._end:self._end + k] = rows
-            self._end += k
-            self._start = max(self._start, self._end - n)
-            self._added(k)
-            return
-        # A fresh buffer (never write where a copy may still read), twice what it keeps:
-        # moving the kept rows costs at most one copy per row appended since the last move.
-        kept = self._buf[max(self._start, self._end - max(n - k, 0)):self._end]
-        rows = rows[max(len(rows) - n, 0):]
-        buf = np.empty((min(2 * n, 2 * (len(kept) + len(rows))), self.feature), self.dtype)
-        buf[:len(kept)] = kept
-        buf[len(kept):len(kept) + len(rows)] = rows
-        self._buf, self._start, self._end = buf, 0, len(kept) + len(rows)
-        self._added(k)
-
-    def _added(self, k: int) -> None:
-        self.rows_added += k
+        self._rows.append(cast(np.asarray(rows), self.dtype))
+        self.rows_added += len(rows)
         self.lineage.count = self.rows_added
 
     def open_payload(self) -> tuple[np.ndarray, np.ndarray | None, int]:

@@ -1,0 +1,59 @@
+"""History's buffers (engine/history.py `Tail`): a snapshot reads the same items whatever
+the history appends afterwards, and a buffer nothing else holds is reused in place. CPU."""
+
+import copy
+import weakref
+
+import numpy as np
+
+from remote_drafter.engine.history import History, Tail
+
+
+def test_a_tail_keeps_the_newest_items_and_moves_in_place_when_unshared():
+    t = Tail(4, (), np.dtype(np.int32))
+    t.append(np.arange(4, dtype=np.int32))
+    assert len(t.buf) == 8  # twice what it keeps
+    first = weakref.ref(t.buf)  # a strong reference would share it
+    for i in range(4, 40):
+        t.append(np.array([i], np.int32))
+        assert t.view().tolist() == list(range(i - 3, i + 1))
+    assert t.buf is first()  # 36 appends, several moves: never a new buffer
+
+
+def test_a_snapshot_reads_its_items_through_appends_and_moves():
+    h = History(max_tokens=6, window=3, feature=2)
+    h.reset(np.arange(4, dtype=np.int32), np.arange(6, dtype=np.float32).reshape(3, 2))
+    snap = copy.copy(h)
+    tokens, rows = snap.tokens.copy(), snap.rows.copy()
+    shared_rows = h._rows.buf
+    for i in range(20):  # past both buffers' ends: each move must leave the shared one alone
+        h.extend(np.array([100 + i], np.int32), np.full((1, 2), 100.0 + i, np.float32))
+    assert np.array_equal(snap.tokens, tokens) and np.array_equal(snap.rows, rows)
+    assert h._rows.buf is not shared_rows and h.tokens.tolist() == list(range(114, 120))
+    assert h.rows[:, 0].tolist() == [117.0, 118.0, 119.0]
+    del snap
+    kept = weakref.ref(h._rows.buf)
+    for i in range(20):  # nothing shares it now: moved in place
+        h.extend(np.array([200 + i], np.int32), np.full((1, 2), 200.0 + i, np.float32))
+    assert h._rows.buf is kept() and h.rows[:, 0].tolist() == [217.0, 218.0, 219.0]
+
+
+def test_a_view_handed_out_keeps_the_buffer_from_being_reused():
+    h = History(max_tokens=8, window=2, feature=1)
+    h.reset(np.arange(3, dtype=np.int32), np.array([[1.0], [2.0]], np.float32))
+    held = h.rows  # e.g. an open's payload still being sent
+    for i in range(10):
+        h.extend(np.array([i], np.int32), np.array([[10.0 + i]], np.float32))
+    assert held[:, 0].tolist() == [1.0, 2.0] and h.rows[:, 0].tolist() == [18.0, 19.0]
+
+
+def test_a_copy_that_went_further_is_never_overwritten():
+    """Two copies appending different rows after one point: each reads its own."""
+    a = History(max_tokens=16, window=4, feature=1)
+    a.reset(np.arange(2, dtype=np.int32), np.array([[0.0]], np.float32))
+    b = copy.copy(a)
+    b.extend(np.array([5], np.int32), np.array([[5.0]], np.float32))
+    a.extend(np.array([7], np.int32), np.array([[7.0]], np.float32))
+    assert b.rows[:, 0].tolist() == [0.0, 5.0] and a.rows[:, 0].tolist() == [0.0, 7.0]
+    assert b.tokens.tolist() == [0, 1, 5] and a.tokens.tolist() == [0, 1, 7]
+    assert a.lineage is not b.lineage  # the device windows tell them apart
