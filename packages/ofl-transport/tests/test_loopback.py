@@ -302,6 +302,23 @@ def test_handler_errors_reach_the_caller_and_server_keeps_serving():
         assert srv.stats["handler_errors"] == 1
 
 
+def test_a_message_sent_in_parts_arrives_whole_and_is_the_handlers_to_keep():
+    kept = []
+
+    def handler(payload, peer):
+        kept.append(payload)
+        return bytes(payload[::-1])
+
+    parts = [b"head", np.arange(3, dtype=np.int32), memoryview(b""), bytearray(b"tail")]
+    whole = b"head" + np.arange(3, dtype=np.int32).tobytes() + b"tail"
+    with Server("tcp", handler=handler) as srv, Connection(srv.address, backend="tcp") as conn:
+        assert conn.request(parts) == whole[::-1]
+        assert conn.request(b"second") == b"dnoces"
+        with pytest.raises(ValueError, match="exceeds the limit"):
+            conn.request([b"x" * conn.max_message_bytes, b"y"])
+    assert [bytes(p) for p in kept] == [whole, b"second"]  # the first buffer was not reused
+
+
 def test_server_full_is_a_clear_refusal():
     with Server("tcp", max_connections=1) as srv:
         first = Connection(srv.address, backend="tcp")

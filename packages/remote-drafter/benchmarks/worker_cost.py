@@ -41,7 +41,7 @@ from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E
 FLASH_FEATURE = 3 * 4096  # three tapped layers of a 4,096-wide stream
 PHASES = [  # (module or class, function, label): where a round's own time goes
     (client_module.DrafterClient, "_entries", "client: entries"),
-    (protocol, "encode_request", "client: encode request"),
+    (protocol, "request_parts", "client: encode request"),
     (protocol, "parse_request", "worker: parse request"),
     (service_module.DraftService, "_apply", "worker: apply entries (histories)"),
     (service_module.DraftService, "_draft", "worker: draft (stub) and replies"),

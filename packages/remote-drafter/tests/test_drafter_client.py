@@ -37,9 +37,10 @@ class Recording:
     def info(self, deadline_s):
         return self.inner.info(deadline_s)
 
-    def call(self, payload, deadline_s):
+    def call(self, parts, deadline_s):
+        payload = b"".join(parts)
         self.sent.append(P.parse_request(payload, None).entries)
-        return self.reply(payload) if self.reply else self.inner.call(payload, deadline_s)
+        return self.reply(payload) if self.reply else self.inner.call(parts, deadline_s)
 
     def invalidate(self):
         pass

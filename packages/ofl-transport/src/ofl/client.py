@@ -356,21 +356,24 @@ class Connection:
             self.stats.add("out_of_range")
             raise OutOfRange(f"region {desc.name!r}: {why}")
 
-    def request(self, payload: bytes, *, deadline_s: float | None = None) -> bytes:
-        """Send a message and wait for its reply."""
-        if len(payload) > self.max_message_bytes:
-            raise ValueError(f"message of {len(payload)} bytes exceeds the limit of "
+    def request(self, payload, *, deadline_s: float | None = None) -> bytes:
+        """Send a message and wait for its reply. `payload`: bytes-like, or a list of
+        bytes-like parts sent as one message (over tcp straight from each part, unjoined)."""
+        parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
+        size = sum(len(p) for p in parts)
+        if size > self.max_message_bytes:
+            raise ValueError(f"message of {size} bytes exceeds the limit of "
                              f"{self.max_message_bytes}")
         reply = self._call("message", deadline_s,
-                           lambda deadline: self._backend.request(self, payload, deadline))
+                           lambda deadline: self._backend.request(self, parts, deadline))
         self.stats.add("messages")
         return reply
 
     # -- helpers the channel-carried backends use -----------------------------------------
-    def channel_request(self, payload, deadline: float) -> bytes:
+    def channel_request(self, parts: list[memoryview], deadline: float) -> bytes:
         rid = next(self._ids)
         self._last_frame = time.monotonic()
-        self._channel.send_frame(wire.Kind.MESSAGE, rid, [payload], deadline)
+        self._channel.send_frame(wire.Kind.MESSAGE, rid, parts, deadline)
         header = self._expect(rid, wire.Kind.MESSAGE_REPLY, deadline)
         if header.length > self.max_message_bytes:
             raise ProtocolError(f"reply of {header.length} bytes exceeds the limit")

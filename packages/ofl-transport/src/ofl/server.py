@@ -40,7 +40,9 @@ from .stats import PeerLog, Stats
 
 log = logging.getLogger("ofl.server")
 
-Handler = Callable[[bytes, str], bytes]  # (payload, peer address) -> reply
+# (payload, peer address) -> reply; the payload is the handler's to keep (a buffer ofl
+# received it into and never touches again: bytes or a bytearray)
+Handler = Callable[[bytes | bytearray, str], bytes]
 ZERO_COPY_MAX_RANGES = 64  # above this many ranges a READ is gathered into pieces first
 READ_PIECE_BYTES = 256 << 10  # a gathered READ reply is copied and sent this much at a time
 
@@ -316,7 +318,7 @@ class Server:
             elif header.kind == wire.Kind.PING:
                 self._send_reply(ch, [wire.pack_header(wire.Kind.PONG, header.request_id, 0)])
             elif header.kind == wire.Kind.MESSAGE:
-                reply = self.answer(bytes(payload), peer)
+                reply = self.answer(payload, peer)
                 if isinstance(reply, str):
                     self._send_error(ch, header.request_id, reply)
                 else:
@@ -335,7 +337,7 @@ class Server:
                           "(OFL_FRAME_TIMEOUT_MS): the peer stopped reading",
                           tell_peer=False) from None
 
-    def answer(self, payload: bytes, peer: str) -> bytes | str:
+    def answer(self, payload: bytes | bytearray, peer: str) -> bytes | str:
         """Run the message handler for `peer`; an error string instead of raising (any
         backend uses it)."""
         self.stats.add("messages")

@@ -31,8 +31,8 @@ class ClientBackend:
     def read(self, conn, desc, offsets, lengths, dest, deadline) -> None:
         conn.channel_read(desc, offsets, lengths, dest, deadline)
 
-    def request(self, conn, payload, deadline) -> bytes:
-        return conn.channel_request(payload, deadline)
+    def request(self, conn, parts, deadline) -> bytes:
+        return conn.channel_request(parts, deadline)
 
     def close(self) -> None:
         pass

@@ -208,13 +208,18 @@ class QueuePair:
                                       _deadline_ns(deadline), self.status)
         self._check(rc, f"gather {len(offsets)} ranges")
 
-    def send_frame(self, kind: wire.Kind, rid: int, payload: bytes, deadline: float) -> None:
-        n = wire.HEADER_SIZE + len(payload)
+    def send_frame(self, kind: wire.Kind, rid: int, parts: list, deadline: float) -> None:
+        """`parts`: the payload's bytes-like pieces, copied one after another into the slot."""
+        length = sum(len(p) for p in parts)
+        n = wire.HEADER_SIZE + length
         if n > self.slot_bytes:
-            raise OflError(f"message of {len(payload)} bytes exceeds the slot size")
+            raise OflError(f"message of {length} bytes exceeds the slot size")
         buf = self.send.array
-        buf[:wire.HEADER_SIZE] = np.frombuffer(wire.pack_header(kind, rid, len(payload)), np.uint8)
-        buf[wire.HEADER_SIZE:n] = np.frombuffer(payload, np.uint8)
+        buf[:wire.HEADER_SIZE] = np.frombuffer(wire.pack_header(kind, rid, length), np.uint8)
+        at = wire.HEADER_SIZE
+        for part in parts:
+            buf[at:at + len(part)] = np.frombuffer(part, np.uint8)
+            at += len(part)
         self._send_ids += 1
         rc = self.lib.ofl_send(self.q, self.send.address, n, self.send_lkey, self._send_ids,
                                _deadline_ns(deadline), self.status)
@@ -334,7 +339,7 @@ class ServerSession:
 
     def _reply(self, kind: wire.Kind, rid: int, payload: bytes) -> None:
         try:
-            self.qp.send_frame(kind, rid, payload, time.monotonic() + 5)
+            self.qp.send_frame(kind, rid, [payload], time.monotonic() + 5)
         except OflError:
             self._stop.set()
 
@@ -374,9 +379,9 @@ class ClientBackend:
     def read(self, conn, desc, offsets, lengths, dest, deadline) -> None:
         self.qp.gather(desc.extras["addr"], desc.extras["rkey"], offsets, lengths, dest, deadline)
 
-    def request(self, conn, payload: bytes, deadline: float) -> bytes:
+    def request(self, conn, parts: list, deadline: float) -> bytes:
         self._ids += 1
-        self.qp.send_frame(wire.Kind.MESSAGE, self._ids, payload, deadline)
+        self.qp.send_frame(wire.Kind.MESSAGE, self._ids, parts, deadline)
         header, body = self.qp.recv_frame(deadline, conn.max_message_bytes + wire.MAX_CONTROL_BYTES)
         if header.kind == wire.Kind.ERROR:
             raise RemoteError(f"{conn.where()}: {wire.error_text(body)}")

@@ -252,10 +252,11 @@ class DrafterClient:
         return P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
                        want_probs=self.want_probs, length=r.history.length)
 
-    def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> bytes:
-        payload = P.encode_request(entries, info.fingerprint, self.row_dtype, client_id=self.client_id)
+    def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> list:
+        """The round's request as its parts (protocol.request_parts)."""
+        payload = P.request_parts(entries, info.fingerprint, self.row_dtype, client_id=self.client_id)
         self.metrics.inc("rounds")
-        self.metrics.inc("request_bytes", len(payload))
+        self.metrics.inc("request_bytes", sum(len(p) for p in payload))
         self.metrics.inc("committed_tokens", sum(len(e.tokens) for e in entries))
         sent = [e.rows for e in entries if e.rows is not None]
         self.metrics.inc("rows_sent", sum(map(len, sent)))
@@ -417,7 +418,7 @@ class DrafterClient:
         try:
             ticket = self.transport.submit(payload)
         except ValueError as exc:  # larger than a handoff slot: ASYNC_HANDOFF_SLOT_BYTES too small
-            self._fail(entries, f"{exc} (raise ASYNC_HANDOFF_SLOT_BYTES above {len(payload)})")
+            self._fail(entries, f"{exc} (raise ASYNC_HANDOFF_SLOT_BYTES above {sum(len(p) for p in payload)})")
             return False
         if ticket is None:
             self._fail(entries, "the async handoff took no round (disabled or full)")

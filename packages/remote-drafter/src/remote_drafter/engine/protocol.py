@@ -108,8 +108,14 @@ class Reply:
 # -- requests ------------------------------------------------------------------------------
 def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
                    kind: int = KIND_ROUND, client_id: int = 0) -> bytes:
-    """Rows go as they are when they already have the wire's type (a bf16 engine's rows do),
-    else are cast once."""
+    return b"".join(request_parts(entries, fingerprint, row_dtype, kind, client_id))
+
+
+def request_parts(entries: list[Entry], fingerprint: bytes, row_dtype: str = "float32",
+                  kind: int = KIND_ROUND, client_id: int = 0) -> list:
+    """The request as the buffers it is made of, in order (a link sends them unjoined). Rows
+    go as they are when they already have the wire's type (a bf16 engine's rows do), else
+    are cast once."""
     head = np.zeros((), REQUEST_HEADER)
     head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
     head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
@@ -124,7 +130,7 @@ def encode_request(entries: list[Entry], fingerprint: bytes, row_dtype: str = "f
                                     ROW_NONE if rows is None else code), tokens.view(np.uint8)]
         if rows is not None:
             parts.append(np.ascontiguousarray(rows_module.cast(rows, dtype)).reshape(-1).view(np.uint8))
-    return b"".join(parts)
+    return parts
 
 
 def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096,

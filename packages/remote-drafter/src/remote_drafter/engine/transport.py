@@ -51,8 +51,9 @@ class LocalTransport:
     def info(self, deadline_s: float, connect: bool = False) -> WorkerInfo:
         return self._info
 
-    def call(self, payload: bytes, deadline_s: float) -> bytes:
-        return self.service.handle(payload)
+    def call(self, parts: list, deadline_s: float) -> bytes:
+        """`parts`: the request's buffers (protocol.request_parts), joined for the service."""
+        return self.service.handle(b"".join(parts))
 
     def invalidate(self) -> None:
         pass
@@ -114,9 +115,10 @@ class RemoteTransport:
         """The largest message the link carries (the smaller of both sides' limits)."""
         return self.conn.max_message_bytes
 
-    def call(self, payload: bytes, deadline_s: float) -> bytes:
+    def call(self, parts: list, deadline_s: float) -> bytes:
+        """`parts`: the request's buffers, sent unjoined."""
         try:
-            return self.conn.request(payload, deadline_s=deadline_s)
+            return self.conn.request(parts, deadline_s=deadline_s)
         except Exception as exc:
             if not self.conn.connected:  # the link is gone: the pool's next worker, or this again
                 self.errors[self.addresses[self.current]] = f"{type(exc).__name__}: {exc}"
@@ -207,8 +209,9 @@ class AsyncTransport(RemoteTransport):
         self._stale = True
         self.reconnect_soon()
 
-    def submit(self, payload: bytes):
-        return self.handoff.submit(payload)
+    def submit(self, parts: list):
+        """`parts`: the request's buffers, joined into the handoff's slot."""
+        return self.handoff.submit(b"".join(parts))
 
     def wait(self, ticket) -> bytes | None:
         """The reply, waited for until the round's deadline (from its submission), never
