@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"GPU tier ({WHY}): benc
 
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import exl3_pack, tiny  # noqa: E402
-from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.drafter import ENCODE_BUCKETS, Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 from remote_drafter.models.exl3_experts import COOP_SLOTS  # noqa: E402
 
@@ -91,6 +91,23 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
           f"they part: {gaps}")
     assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
     assert same >= 0.8 * total
+
+
+def test_new_rows_encoded_in_graphs_equal_their_eager_encoding(pack):
+    """A round's new rows go through the captured encoding, padded to a bucket: each row's
+    context rows as the eager encoding gives them, alone; above every bucket, eager."""
+    _, fused = two_models(pack)
+    manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
+    d = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)
+    assert d.describe()["encode_graphs"] == ENCODE_BUCKETS
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 16, 50, ENCODE_BUCKETS[-1], ENCODE_BUCKETS[-1] + 1):
+        rows = rng.standard_normal((n, d.feature)).astype(np.float32)
+        positions = rng.integers(0, 4096, n)
+        got = d._encode(rows, positions, DEVICE).float()
+        want = fused.encode_rows(torch.from_numpy(rows).to(DEVICE), torch.from_numpy(positions).to(DEVICE)).float()
+        err = float((got - want).norm() / want.norm())
+        assert got.shape == want.shape and err < 1e-2, (n, err)
 
 
 def test_two_slices_of_a_pack_each_read_their_experts_and_sum_to_the_whole(pack):

@@ -38,6 +38,9 @@ from .model import Dsv41Model
 
 log = logging.getLogger(__name__)
 GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
+# New rows a round encodes (each request's committed tokens since its last round; an open's
+# window): captured like the round, as a dozen small launches cost more than their work.
+ENCODE_BUCKETS = [4, 16, 64, 256]
 
 
 class Dsv41Drafter(Drafter):
@@ -63,6 +66,7 @@ class Dsv41Drafter(Drafter):
         self._windows = DeviceWindows(self.window, c.n_mtp_layers * c.head_dim, self._encode,
                                       model.dtype)
         self._forward = BucketGraphs(self._block, device)
+        self._encode_rows = BucketGraphs(model.encode_rows, device)
         self.experts = "dense"
         if self._forward.cuda:
             why = model.use_kernels(round_kernels)
@@ -84,6 +88,7 @@ class Dsv41Drafter(Drafter):
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
             self.prepare_graphs()
             self._forward.capture(GRAPH_BATCHES, self._blank)
+            self._encode_rows.capture(ENCODE_BUCKETS, self._blank_rows)
 
     def prepare_graphs(self) -> None:
         """Experts whose round a CUDA graph can hold (no host read of the routing): dense
@@ -178,7 +183,8 @@ class Dsv41Drafter(Drafter):
         return {**super().describe(), "confidence_head": self.model.confidence is not None,
                 "confidence_cutoff": self.confidence_cutoff,
                 "experts": self.experts, "round_kernels": self.round_kernels,
-                "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)"}
+                "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)",
+                "encode_graphs": sorted(self._encode_rows.graphs) or "off (eager)"}
 
     def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
         """One parallel pass: (pre-norm hidden, base logits) of each request's block, and the
@@ -207,10 +213,14 @@ class Dsv41Drafter(Drafter):
                 torch.zeros(b, self.window, dtype=torch.bool, device=dev),
                 torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev))
 
+    def _blank_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(n, self.feature, dtype=self.model.dtype, device=self.device),
+                torch.zeros(n, dtype=torch.int64, device=self.device))
+
     def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
         """New committed taps -> every layer's context rows, computed once per position."""
         taps = host_tensor(rows).to(device)  # the round's new rows, gathered (a copy)
-        return self.model.encode_rows(taps, torch.from_numpy(positions).to(device))
+        return self._encode_rows(taps, torch.from_numpy(positions).to(device))
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
