@@ -365,6 +365,11 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         say("== the worker over tcp loopback (fused, graphs)")
         res["worker_tcp"] = {"rounds": measure(graphed, batches, rounds)}
         save()
+        say("== the same, a round's new rows encoded eagerly (the encoding graphs' baseline)")
+        encode_graphs, graphed._encode_rows.graphs = graphed._encode_rows.graphs, {}
+        res["worker_tcp_encode_eager"] = {"rounds": measure(graphed, batches, rounds)}
+        graphed._encode_rows.graphs = encode_graphs
+        save()
         say(f"== the same round with a {HEAD_BITS}-bit EXL3 head (exl3 convert --head-bits)")
         e["rounds_exl3_head"] = exl3_head_rounds(model, manifest, sizes, floors, batches, rounds, bandwidth)
         e["exl3_head_bits"] = HEAD_BITS
@@ -391,6 +396,13 @@ def print_table(res: dict) -> None:
               f"({at(g, 'rtx3090_floor_ms_estimate', '{:.2f}')}) | {at(g, 'p50_over_floor', '{}'):>7} | "
               f"{at(e.get('rounds_torch_kernels'), 'p50_ms'):>15} | "
               f"{at(hd, 'p50_ms'):>14} ({at(hd, 'p50_over_floor', '{}')}) | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
+    tcp, eager = res.get("worker_tcp", {}).get("rounds"), res.get("worker_tcp_encode_eager", {}).get("rounds")
+    if tcp:
+        print("batch | over tcp p50 | device round | in draft() | worker's own | new rows encoded eagerly: over tcp / in draft()")
+        for i, r in enumerate(tcp):
+            print(f"{r['batch']:5d} | {r['tcp_p50_ms']:12.2f} | {r['device_p50_ms']:12.2f} | "
+                  f"{r['tcp_inside_draft_p50_ms']:10.2f} | {r['tcp_worker_own_ms']:12.2f} | "
+                  f"{cell(eager, i, 'tcp_p50_ms')} / {cell(eager, i, 'tcp_inside_draft_p50_ms')}")
 
 
 def profile(batches: list[int], out: str) -> None:

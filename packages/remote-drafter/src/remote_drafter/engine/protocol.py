@@ -173,9 +173,9 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
         if rid in seen:
             raise ProtocolError(f"request id {rid} appears twice in one round")
         seen.add(rid)
-        tokens = np.frombuffer(buf, np.int32, n_tokens, off).copy()
+        # tokens and rows as sent, views of the message (a history copies what it keeps)
+        tokens = np.frombuffer(buf, np.int32, n_tokens, off)
         off += 4 * n_tokens
-        # the rows as sent, a view of the message (a history copies what it keeps)
         rows = np.frombuffer(buf, ROW_CODE_DTYPES[code], n_rows * feature, off).reshape(n_rows, feature) \
             if n_rows else None
         off += n_rows * feature * ROW_BYTES[code]
@@ -234,7 +234,7 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
         if has_probs:
             probs = np.frombuffer(buf, np.float32, n * vocab, off).reshape(n, vocab).copy()
             off += 4 * n * vocab
-        message = bytes(buf[off:off + msg_len]).decode(errors="replace")
+        message = bytes(buf[off:off + msg_len]).decode(errors="replace") if msg_len else ""
         off += msg_len
         if status >= len(STATUS_NAMES):
             raise ProtocolError(f"reply entry {i}: unknown status {status}")

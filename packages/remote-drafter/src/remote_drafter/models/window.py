@@ -136,7 +136,8 @@ class RingPool:
     def gather(self, rings: list[RowRing]) -> torch.Tensor:
         """[B, window, width]: each ring's rows oldest first (its valid ones at the end)."""
         n = self.window
-        where = np.array([r.slot * n + (r.head + np.arange(n)) % n for r in rings]).reshape(len(rings), n)
+        slots, heads = (np.array([(r.slot, r.head) for r in rings], np.int64).reshape(-1, 2)).T
+        where = slots[:, None] * n + (heads[:, None] + np.arange(n)) % n
         return self.store.view(-1, self.width)[torch.from_numpy(where).to(self.device)]
 
 
