@@ -3,6 +3,8 @@ ONLY_DRAFTER_ROUND=tests runs it on an H200 with the [exl3] extra's wheels carri
 drafter's EXL3 experts through exllamav3's fused kernels against the per-matrix path, on the
 same tiny pack, at row counts that take each tier."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -108,6 +110,42 @@ def test_new_rows_encoded_in_graphs_equal_their_eager_encoding(pack):
         want = fused.encode_rows(torch.from_numpy(rows).to(DEVICE), torch.from_numpy(positions).to(DEVICE)).float()
         err = float((got - want).norm() / want.norm())
         assert got.shape == want.shape and err < 1e-2, (n, err)
+
+
+def test_incremental_rounds_in_graphs_draft_as_eager_rounds(pack):
+    """Rounds as a worker serves them: each request's history grows by 1-4 rows a round, so
+    every round encodes a few new rows (in the encoding graphs) into the device windows."""
+    _, fused = two_models(pack)
+    manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
+    eager = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=False)
+    graphed = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)
+    rng = np.random.default_rng(2)
+    histories = []
+    for _ in range(4):
+        h = graphed.new_history()
+        n = int(rng.integers(2, 60))
+        h.reset(rng.integers(0, graphed.vocab_size, n).astype(np.int32),
+                rng.standard_normal((n - 1, graphed.feature)).astype(np.float32))
+        histories.append(h)
+    same = total = 0
+    gaps = []
+    for _ in range(12):
+        for h in histories:
+            k = int(rng.integers(1, 5))
+            h.extend(rng.integers(0, graphed.vocab_size, k).astype(np.int32),
+                     rng.standard_normal((k, graphed.feature)).astype(np.float32))
+        requests = [DraftRequest(copy.copy(h), graphed.max_depth) for h in histories]
+        for a, b in zip(eager.draft(requests, False), graphed.draft(requests, False)):
+            total += 1
+            if np.array_equal(a.tokens, b.tokens):
+                same += 1
+            else:
+                i = int(np.flatnonzero(a.tokens != b.tokens)[0])
+                gaps.append(float(a.own_probs[i] - a.alt_probs[i]))
+    print(f"incremental rounds, graphs vs eager: {same}/{total} drafts identical; top-2 gaps where "
+          f"they part: {gaps}")
+    assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
+    assert same >= 0.8 * total
 
 
 def test_two_slices_of_a_pack_each_read_their_experts_and_sum_to_the_whole(pack):
