@@ -49,6 +49,7 @@ from remote_drafter.models.dsv41 import tiny  # noqa: E402
 from remote_drafter.models.dsv41.config import linear_names, markov_names, weight_table  # noqa: E402
 from remote_drafter.models.dsv41.drafter import GRAPH_BATCHES, Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.testing import draft_agreement  # noqa: E402
 
 GIB = 1 << 30
 CARD_3090 = 24 * 10**9
@@ -182,20 +183,6 @@ def greedy_drafts(drafter: Dsv41Drafter, batches) -> list:
     return [d for batch in batches for d in drafter.draft(random_rounds(drafter, batch, 160, 1000 + batch), False)]
 
 
-def agreement(a: list, b: list) -> dict:
-    """Identical greedy drafts of two drafters on the same requests; where they part, the
-    first drafter's gap there between its token's probability and the runner-up's (a near-tie
-    is a small gap)."""
-    gaps = []
-    for x, y in zip(a, b):
-        n = min(len(x.tokens), len(y.tokens))
-        differ = [*np.flatnonzero(x.tokens[:n] != y.tokens[:n]), *([n] if len(x.tokens) != len(y.tokens) else [])]
-        if differ:
-            i = min(differ[0], len(x.tokens) - 1)
-            gaps.append(round(float(x.own_probs[i] - x.alt_probs[i]), 6))
-    return {"same_greedy_drafts": len(a) - len(gaps), "requests": len(a), "top_two_gaps_where_they_part": gaps}
-
-
 # -- one MoE layer: ours against exllamav3's BlockSparseMLP --------------------------------
 
 def upstream_layer(model: Dsv41Model, j: int):
@@ -310,7 +297,7 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
                 experts.grouped = False
             every = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
             b["rounds_every_expert"] = rounds_of(every, bsizes, batches, rounds, bandwidth, bfloors)
-            b["grouped_vs_every_expert"] = agreement(greedy_drafts(every, batches), grouped_drafts)
+            b["grouped_vs_every_expert"] = draft_agreement(greedy_drafts(every, batches), grouped_drafts)
             save()
     print_table(res)
     return res
@@ -338,7 +325,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
     if model.experts_fused:
         e["fused_eager"] = rounds_of(fused_eager, sizes, batches, rounds, bandwidth, floors)
         eager_drafts = greedy_drafts(fused_eager, batches)
-        e["fused_vs_per_matrix"] = agreement(reference, eager_drafts)
+        e["fused_vs_per_matrix"] = draft_agreement(reference, eager_drafts)
         save()
         say("== one MoE layer: ours vs exllamav3's BlockSparseMLP")
         res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
@@ -351,11 +338,11 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
         e["round_kernels"] = graphed.describe()["round_kernels"]
         graphed_drafts = greedy_drafts(graphed, batches)
-        e["graphs_vs_eager"] = agreement(eager_drafts, graphed_drafts)
+        e["graphs_vs_eager"] = draft_agreement(eager_drafts, graphed_drafts)
         say("== the same, the mixes and the top two in torch (the round kernels' baseline)")
         in_torch = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, round_kernels=False)
         e["rounds_torch_kernels"] = rounds_of(in_torch, sizes, batches, rounds, bandwidth, floors)
-        e["round_kernels_vs_torch"] = agreement(greedy_drafts(in_torch, batches), graphed_drafts)
+        e["round_kernels_vs_torch"] = draft_agreement(greedy_drafts(in_torch, batches), graphed_drafts)
         del in_torch
         model.use_kernels()
         graphed.draft(random_rounds(graphed, 4, 160, 0), want_probs=False)  # four sequences' windows
@@ -452,7 +439,7 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
     compiled._forward.capture(GRAPH_BATCHES, compiled._blank)
     res["compile_and_capture_s"] = round(time.monotonic() - t0, 1)
     res["compiled_mhc"] = [{"batch": b, **round_times(compiled, b, rounds)} for b in batches]
-    res["compiled_vs_served"] = agreement(reference, greedy_drafts(compiled, batches))
+    res["compiled_vs_served"] = draft_agreement(reference, greedy_drafts(compiled, batches))
     say(f"  compiled mHC: {res['compiled_mhc']}, {res['compiled_vs_served']}, "
         f"{res['compile_and_capture_s']} s to compile and capture")
     with open(out, "w") as f:

@@ -25,6 +25,7 @@ from remote_drafter.engine.transport import LocalTransport
 from remote_drafter.models.base import DraftRequest
 from remote_drafter.models.dspark import DSparkDrafter
 from remote_drafter.models.llama import LlamaLM
+from remote_drafter.testing import draft_agreement
 from remote_drafter.worker.service import DraftService, ServiceConfig
 
 
@@ -51,23 +52,18 @@ def block_logits(d, reqs):
 def agreement(paths, name, dtype) -> dict:
     cpu = DSparkDrafter.load(paths[name], paths["target"], "cpu")
     gpu = DSparkDrafter.load(paths[name], paths["target"], "cuda", dtype=dtype)
-    same = total = 0
-    gaps, rel = [], []
+    on_cpu, on_gpu, rel = [], [], []
     for seed in range(8):
         reqs = requests(cpu, 16, seed)
-        a, b = cpu.draft(reqs, False), gpu.draft(reqs, False)
+        on_cpu += cpu.draft(reqs, False)
+        on_gpu += gpu.draft(reqs, False)
         za, zb = block_logits(cpu, reqs), block_logits(gpu, reqs)
         rel.append(float((za - zb).norm() / za.norm()))
-        for x, y in zip(a, b):
-            total += 1
-            if np.array_equal(x.tokens, y.tokens):
-                same += 1
-            else:
-                i = int(np.flatnonzero(x.tokens != y.tokens)[0])
-                gaps.append(float(x.own_probs[i] - x.alt_probs[i]))
+    a = draft_agreement(on_cpu, on_gpu)
+    total, same = a["requests"], a["same_greedy_drafts"]
     return {"drafter": name, "dtype": str(dtype).replace("torch.", ""), "rounds": total,
             "identical": same, "fraction": same / total, "logits_rel_err_max": max(rel),
-            "top2_prob_gap_at_differences": sorted(gaps)}
+            "top2_prob_gap_at_differences": sorted(a["top_two_gaps_where_they_part"])}
 
 
 def timing(paths, name, dtype, batches, repeats=50) -> list[dict]:

@@ -342,11 +342,12 @@ def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(fol
     assert (first["position"], first["exl3"]) == (2, changed["drafts"][2]) and first["ours_margin"] > 0
 
 
-def test_the_round_benchmark_reports_where_drafts_part():
-    """benchmarks/drafter_round.py (GPU only) compares drafters' greedy drafts: identical ones
-    counted, and where two part, the first one's top-two gap there, so a near-tie shows as one;
-    a draft cut shorter parts where it ends."""
+def test_draft_agreement_reports_where_drafts_part():
+    """testing.draft_agreement (the GPU tests' and benchmarks' comparison of two drafters):
+    identical greedy drafts counted, and where two part, the first one's top-two gap there, so
+    a near-tie shows as one; a draft cut shorter parts where it ends."""
     from remote_drafter.models.base import Draft
+    from remote_drafter.testing import draft_agreement
 
     def draft(tokens, own, alt):
         t = np.array(tokens, np.int32)
@@ -355,6 +356,6 @@ def test_the_round_benchmark_reports_where_drafts_part():
          draft([4, 5], [.8, .7], [.1, .2])]
     b = [draft([1, 7, 3], [.9, .5, .4], [.05, .49, .3]), draft([4, 5], [.8, .7], [.1, .2]),
          draft([4], [.8], [.1])]
-    got = benchmark_script("drafter_round").agreement(a, b)
+    got = draft_agreement(a, b)
     assert got["same_greedy_drafts"] == 1 and got["requests"] == 3
     assert np.allclose(got["top_two_gaps_where_they_part"], [0.01, 0.5])

@@ -21,6 +21,7 @@ from remote_drafter.models.dsv41 import exl3_pack, tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import ENCODE_BUCKETS, Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 from remote_drafter.models.exl3_experts import COOP_SLOTS  # noqa: E402
+from remote_drafter.testing import draft_agreement  # noqa: E402
 
 DEVICE = "cuda:0"
 
@@ -72,8 +73,7 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
     assert eager.describe()["experts"].startswith("exl3 per matrix") and \
         eager.describe()["cuda_graphs"] == "off (eager rounds)"
     rng = np.random.default_rng(0)
-    same = total = 0
-    gaps = []
+    eager_drafts, graphed_drafts = [], []
     for batch in (1, 4, 16, 20):  # 20: above every bucket, eager with the fused experts
         requests = []
         for _ in range(batch):
@@ -82,17 +82,18 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
             h.reset(rng.integers(0, eager.vocab_size, n).astype(np.int32),
                     rng.standard_normal((n - 1, eager.feature)).astype(np.float32))
             requests.append(DraftRequest(h, eager.max_depth))
-        for a, b in zip(eager.draft(requests, True), graphed.draft(requests, True)):
-            total += 1
-            if np.array_equal(a.tokens, b.tokens):
-                same += 1
-            else:  # where they part, the per-matrix drafter's top two were nearly tied
-                i = int(np.flatnonzero(a.tokens != b.tokens)[0])
-                gaps.append(float(a.own_probs[i] - a.alt_probs[i]))
-    print(f"fused + graphs vs per matrix eager: {same}/{total} drafts identical; top-2 gaps where "
-          f"they part: {gaps}")
+        eager_drafts += eager.draft(requests, True)
+        graphed_drafts += graphed.draft(requests, True)
+    assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "fused + graphs vs per matrix eager")
+
+
+def assert_near_ties_only(agreement: dict, what: str) -> None:
+    """Most drafts identical, and where two part, the first drafter's top two were nearly tied."""
+    gaps = agreement["top_two_gaps_where_they_part"]
+    print(f"{what}: {agreement['same_greedy_drafts']}/{agreement['requests']} drafts identical; "
+          f"top-2 gaps where they part: {gaps}")
     assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
-    assert same >= 0.8 * total
+    assert agreement["same_greedy_drafts"] >= 0.8 * agreement["requests"]
 
 
 def test_new_rows_encoded_in_graphs_equal_their_eager_encoding(pack):
@@ -127,25 +128,16 @@ def test_incremental_rounds_in_graphs_draft_as_eager_rounds(pack):
         h.reset(rng.integers(0, graphed.vocab_size, n).astype(np.int32),
                 rng.standard_normal((n - 1, graphed.feature)).astype(np.float32))
         histories.append(h)
-    same = total = 0
-    gaps = []
+    eager_drafts, graphed_drafts = [], []
     for _ in range(12):
         for h in histories:
             k = int(rng.integers(1, 5))
             h.extend(rng.integers(0, graphed.vocab_size, k).astype(np.int32),
                      rng.standard_normal((k, graphed.feature)).astype(np.float32))
         requests = [DraftRequest(copy.copy(h), graphed.max_depth) for h in histories]
-        for a, b in zip(eager.draft(requests, False), graphed.draft(requests, False)):
-            total += 1
-            if np.array_equal(a.tokens, b.tokens):
-                same += 1
-            else:
-                i = int(np.flatnonzero(a.tokens != b.tokens)[0])
-                gaps.append(float(a.own_probs[i] - a.alt_probs[i]))
-    print(f"incremental rounds, graphs vs eager: {same}/{total} drafts identical; top-2 gaps where "
-          f"they part: {gaps}")
-    assert all(g < 0.05 for g in gaps), f"drafts part away from near-ties: top-2 gaps {gaps}"
-    assert same >= 0.8 * total
+        eager_drafts += eager.draft(requests, False)
+        graphed_drafts += graphed.draft(requests, False)
+    assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "incremental rounds, graphs vs eager")
 
 
 def test_two_slices_of_a_pack_each_read_their_experts_and_sum_to_the_whole(pack):

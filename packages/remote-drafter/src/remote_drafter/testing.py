@@ -104,3 +104,17 @@ class ConnectionFrom(Connection):
     def _open_socket(self, deadline: float) -> socket.socket:
         return socket.create_connection(self.address, max(deadline - time.monotonic(), 0.001),
                                         source_address=(self.source, 0))
+
+
+def draft_agreement(a: list, b: list) -> dict:
+    """Identical greedy drafts of two drafters on the same requests; where they part, the
+    first drafter's gap there between its token's probability and the runner-up's (a near-tie
+    is a small gap)."""
+    gaps = []
+    for x, y in zip(a, b):
+        n = min(len(x.tokens), len(y.tokens))
+        differ = [*np.flatnonzero(x.tokens[:n] != y.tokens[:n]), *([n] if len(x.tokens) != len(y.tokens) else [])]
+        if differ:
+            i = min(differ[0], len(x.tokens) - 1)
+            gaps.append(round(float(x.own_probs[i] - x.alt_probs[i]), 6))
+    return {"same_greedy_drafts": len(a) - len(gaps), "requests": len(a), "top_two_gaps_where_they_part": gaps}
