@@ -4,8 +4,10 @@ whose `draft` returns fixed drafts at once and whose rows are as wide as DeepSee
 taps (3 x 4,096), so the payload is the production one (bf16 rows on the wire). The rows
 bf16 from the engine to the worker's histories, as a bf16 target and drafter keep them; then
 float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the same run).
-Local (the service in process) and a worker over tcp loopback, batch 1 / 4 / 16; per phase
-the p50 over the timed rounds.
+Local (the service in process), a worker over tcp loopback in a thread of this process, and
+one in its own process (as deployed: the engine's and the worker's Python never share a
+lock), batch 1 / 4 / 16; per phase the p50 over the timed rounds (the worker's phases where
+it runs in this process).
 
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,7 +96,28 @@ def stub_drafter(rows: str):
     return d
 
 
+def serve(row_dtype: str) -> None:
+    """The stub worker in this process until stdin closes (the worker process of `main`)."""
+    torch.set_num_threads(1)
+    with Worker(stub_drafter(row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        print(worker.address, flush=True)
+        sys.stdin.read()
+
+
+def worker_process(row_dtype: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", row_dtype], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    address = proc.stdout.readline().strip()
+    if not address:
+        proc.kill()
+        raise RuntimeError(f"the worker process exited ({proc.wait()}) before serving")
+    return proc, address
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+        return 0
     args = round_options(__doc__, "worker-cost.json", rounds=40).parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -101,11 +125,12 @@ def main(argv=None) -> int:
     # on both hosts (cast for the wire and back), the same bf16 on the wire both ways
     for row_dtype in ("bfloat16", "float32"):
         d = stub_drafter(row_dtype)
-        with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        proc, apart = worker_process(row_dtype)
+        with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker, proc:
             for batch in (int(b) for b in args.batches.split(",")):
-                for via in ("local", "tcp"):
+                for via in ("local", "tcp", "tcp_process"):
                     transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
-                                 else RemoteTransport(worker.address, "tcp", Manifest()))
+                                 else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
                     client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
                     timer = PhaseTimer()
                     try:
@@ -113,11 +138,12 @@ def main(argv=None) -> int:
                                          "sync", 0.0, seed=batch, row_dtype=row_dtype)
                     finally:
                         timer.close()
+                        client.close()
                     rows.append({"rows": row_dtype, "batch": batch, "via": via,
                                  "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
                                  "request_bytes_per_round": int(r["request_bytes_per_round"]),
                                  "phases_p50_ms": timer.per_round(args.rounds)})
-                    print(f"{row_dtype} rows, batch {batch:2d} {via:5s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
+                    print(f"{row_dtype} rows, batch {batch:2d} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
                           f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round", flush=True)
     with open(args.out, "w") as f:
         json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)

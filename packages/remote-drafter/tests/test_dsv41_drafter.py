@@ -286,8 +286,9 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
 
 def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
-    timed, local and over tcp, rows bf16 end to end then float32 on the hosts (bf16 on the
-    wire both ways: the same bytes); the phases restored afterwards (the service times nothing)."""
+    timed, local, over tcp to a worker thread and to a worker process (there the client's
+    phases only), rows bf16 end to end then float32 on the hosts (bf16 on the wire both ways:
+    the same bytes); the phases restored afterwards (the service times nothing)."""
     import json
 
     from remote_drafter.worker.service import DraftService
@@ -297,10 +298,13 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["rows"], r["via"]) for r in result["rows"]] == [
-        ("bfloat16", "local"), ("bfloat16", "tcp"), ("float32", "local"), ("float32", "tcp")]
-    assert len({r["request_bytes_per_round"] for r in result["rows"] if r["via"] == "tcp"}) == 1
+        (rows, via) for rows in ("bfloat16", "float32") for via in ("local", "tcp", "tcp_process")]
+    assert len({r["request_bytes_per_round"] for r in result["rows"] if r["via"] != "local"}) == 1
     for r in result["rows"]:
-        assert set(r["phases_p50_ms"]) == {label for _, _, label in script.PHASES}
+        labels = {label for _, _, label in script.PHASES}
+        if r["via"] == "tcp_process":
+            labels = {label for label in labels if label.startswith("client")}
+        assert set(r["phases_p50_ms"]) == labels
         assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
     assert DraftService._apply is apply
 
