@@ -102,3 +102,10 @@ def test_stats_replies_are_read_within_ofl_json_limits():
                       (b"[1, 2]", "expected a JSON object"), (b"\xff", "not JSON")]:
         with pytest.raises(P.ProtocolError, match=why):
             P.parse_stats_reply(head + body)
+
+
+def test_ids_in_vocab_bounds_both_ends():
+    assert P.ids_in_vocab(np.array([0, 5, 9], np.int32), 10) and P.ids_in_vocab(np.zeros(0, np.int32), 10)
+    assert not P.ids_in_vocab(np.array([0, 10], np.int32), 10)
+    assert not P.ids_in_vocab(np.array([3, -1], np.int32), 10)  # a negative id, not a large valid one
+    assert not P.ids_in_vocab(np.array([np.iinfo(np.int32).min], np.int32), 1 << 31)

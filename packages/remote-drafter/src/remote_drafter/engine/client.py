@@ -293,7 +293,7 @@ class DrafterClient:
     def _check(self, e: P.Entry, r: P.Reply, info: WorkerInfo) -> None:
         """A reply entry must be one this request could get; else the whole reply is refused."""
         n = len(r.tokens)
-        if n > e.k or (n and (r.tokens.min() < 0 or r.tokens.max() >= info.vocab)):
+        if n > e.k or not P.ids_in_vocab(r.tokens, info.vocab):
             raise P.ProtocolError(f"reply for request {e.request_id} carries invalid drafts")
         if not (e.want_probs and n):
             return

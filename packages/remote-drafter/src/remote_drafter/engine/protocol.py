@@ -203,6 +203,11 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
     return b"".join(parts)
 
 
+def ids_in_vocab(tokens: np.ndarray, vocab: int) -> bool:
+    """Every int32 token id in [0, vocab): one pass (a negative id, seen unsigned, is huge)."""
+    return not len(tokens) or int(np.ascontiguousarray(tokens, np.int32).view(np.uint32).max()) < vocab
+
+
 def reply_entry_bytes(k: int, vocab: int = 0) -> int:
     """The most bytes one reply entry with up to k drafts takes: probabilities over `vocab`
     tokens (0: none asked for) and its status message at its longest. The client budgets

@@ -360,7 +360,7 @@ class DraftService:
             return f"unknown op {e.op}"
         if e.k > d.max_depth:
             return f"k = {e.k} exceeds this drafter's depth {d.max_depth}"
-        if len(e.tokens) and (e.tokens.min() < 0 or e.tokens.max() >= d.vocab_size):
+        if not P.ids_in_vocab(e.tokens, d.vocab_size):
             return f"token ids outside [0, {d.vocab_size})"
         if not math.isfinite(e.temperature) or e.temperature < 0:
             return f"temperature {e.temperature} is not a finite value >= 0"
