@@ -162,3 +162,36 @@ def test_the_worker_keeps_a_window_of_a_longer_history_and_refuses_bad_rows_alon
     assert bad.status == P.STATUS_INVALID and "width" in bad.message and "\n" not in bad.message
     [after] = svc.sessions.values()
     assert good.ok and after.history.length == 6001
+
+
+def test_a_continue_sends_the_historys_newest_rows_and_reopens_once_they_outgrow_it():
+    """Rows committed since the last round go as the client history's newest rows (no second
+    copy kept beside it); steps left without a round past the worker's window re-open the
+    request with that window, and the drafts equal a fresh client's."""
+    from remote_drafter.engine.client import DrafterClient
+    from remote_drafter.engine.transport import LocalTransport
+    from remote_drafter.worker.service import DraftService
+
+    service = DraftService(RowReadingNgram())
+    client = DrafterClient(LocalTransport(service), "8:3")
+    rng = np.random.default_rng(0)
+    prompt = (np.arange(40) % 7).astype(np.int32)
+    client.add_request(1, prompt, rng.standard_normal((39, WIDTH)).astype(np.float32))
+    client.propose()
+    sent = []
+    real = client._encode
+    client._encode = lambda entries, info: sent.append([(e.op, len(e.tokens), None if e.rows is None else len(e.rows))
+                                                        for e in entries]) or real(entries, info)
+    client.commit(1, [5, 6], rng.standard_normal((2, WIDTH)).astype(np.float32))
+    client.propose()
+    assert sent[-1] == [(0, 2, 2)]  # a continue: the two new tokens and rows
+    for i in range(WINDOW + 1):  # more than a window without a round
+        client.commit(1, [i % 7], rng.standard_normal((1, WIDTH)).astype(np.float32))
+    assert client.requests[1].needs_open and client.rows_held() == WINDOW
+    drafts = client.propose()
+    assert sent[-1] == [(1, len(client.requests[1].history.tokens), WINDOW)]  # an open with the window
+    fresh = DrafterClient(LocalTransport(DraftService(RowReadingNgram())), "8:3")
+    h = client.requests[1].history
+    fresh.add_request(1, h.tokens, h.rows)
+    assert {r: d.tokens.tolist() for r, d in drafts.items()} == \
+        {r: d.tokens.tolist() for r, d in fresh.propose().items()}

@@ -102,8 +102,10 @@ class _Request:
     history: History
     temperature: float
     seed: int
-    pending_tokens: list
-    pending_rows: list
+    # committed since the worker last got them: the history's newest tokens and rows, sent
+    # from it (a continue), or, once they outgrow what it keeps, re-opened
+    pending_tokens: int = 0
+    pending_rows: int = 0
     needs_open: bool = True
     deferred: int = 0  # when it was first left out of a full round (0: not waiting)
     too_large_logged: bool = False
@@ -150,7 +152,7 @@ class DrafterClient:
         history = History(self.history_tokens, window, 0, np.float32) if rows is None else \
             History(self.history_tokens, window, rows.shape[1], rows.dtype)  # rows kept as given
         history.reset(np.asarray(tokens, np.int32).reshape(-1), rows)
-        self.requests[rid] = _Request(history, float(temperature), int(seed) & (2**64 - 1), [], [])
+        self.requests[rid] = _Request(history, float(temperature), int(seed) & (2**64 - 1))
 
     def commit(self, rid: int, tokens, hidden=None) -> None:
         """Tokens committed by a verification (accepted drafts + the next token) and the
@@ -161,11 +163,16 @@ class DrafterClient:
         r.history.extend(tokens, rows)
         if r.needs_open:
             return  # the next round re-opens from the history anyway
-        r.pending_tokens.append(tokens)
-        if rows is not None:
-            r.pending_rows.append(rows)
-        if sum(len(t) for t in r.pending_tokens) > self.history_tokens:
-            r.needs_open, r.pending_tokens, r.pending_rows = True, [], []
+        r.pending_tokens += len(tokens)
+        r.pending_rows += 0 if rows is None else len(rows)
+        if not self._pending_held(r):
+            r.needs_open, r.pending_tokens, r.pending_rows = True, 0, 0
+
+    @staticmethod
+    def _pending_held(r: _Request) -> bool:
+        """Whether the history still holds everything committed since the last round."""
+        rows = r.history.rows
+        return r.pending_tokens <= len(r.history.tokens) and r.pending_rows <= (0 if rows is None else len(rows))
 
     def release(self, rid: int) -> None:
         if self.requests.pop(rid, None) is not None:
@@ -222,7 +229,7 @@ class DrafterClient:
             size = P.entry_bytes(e, self.row_dtype)
             if size > room:
                 if r.needs_open or size > limit - P.REQUEST_HEADER.itemsize:
-                    r.needs_open, r.pending_tokens, r.pending_rows = True, [], []  # the history has it all
+                    r.needs_open, r.pending_tokens, r.pending_rows = True, 0, 0  # the history has it all
                 r.deferred = r.deferred or next(self._deferrals)
                 self.metrics.inc("opens_deferred")
                 if size > limit - P.REQUEST_HEADER.itemsize and not r.too_large_logged:
@@ -238,18 +245,21 @@ class DrafterClient:
             room -= size
             reply_room -= self._reply_bytes(e.k, info)
             entries.append(e)
-            r.needs_open, r.pending_tokens, r.pending_rows, r.deferred = False, [], [], 0
+            r.needs_open, r.pending_tokens, r.pending_rows, r.deferred = False, 0, 0, 0
         return entries
 
     def _entry(self, rid: int, r: _Request, k: int, info: WorkerInfo) -> P.Entry:
+        if not r.needs_open and not self._pending_held(r):  # a smaller window was adopted since
+            r.needs_open, r.pending_tokens, r.pending_rows = True, 0, 0
         if r.needs_open:
             tokens, rows, length = r.history.open_payload()
             if info.feature and rows is not None:
                 rows = rows[-min(len(tokens) - 1, info.window):] if len(tokens) > 1 else rows[:0]
             return P.Entry(rid, P.OP_OPEN, tokens, rows if info.feature else None, k,
                            r.temperature, r.seed, self.want_probs, length=length)
-        rows = np.concatenate(r.pending_rows) if info.feature and r.pending_rows else None
-        return P.Entry(rid, P.OP_CONTINUE, np.concatenate(r.pending_tokens), rows, k,
+        # views of the history's newest tokens and rows (sent before it changes again)
+        rows = r.history.rows[-r.pending_rows:] if info.feature and r.pending_rows else None
+        return P.Entry(rid, P.OP_CONTINUE, r.history.tokens[-r.pending_tokens:], rows, k,
                        want_probs=self.want_probs, length=r.history.length)
 
     def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> list:
@@ -462,9 +472,9 @@ class DrafterClient:
         return pool() if pool else []
 
     def rows_held(self) -> int:
-        """Hidden rows the client holds: each request's window and what waits to be sent."""
-        return sum((0 if r.history.rows is None else len(r.history.rows)) + sum(map(len, r.pending_rows))
-                   for r in self.requests.values())
+        """Hidden rows the client holds: each request's window (what waits to be sent is its
+        newest rows)."""
+        return sum(0 if r.history.rows is None else len(r.history.rows) for r in self.requests.values())
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()
