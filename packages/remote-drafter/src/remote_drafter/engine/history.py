@@ -42,9 +42,6 @@ class Tail:
         view.flags.writeable = False
         return view
 
-    def __len__(self) -> int:
-        return self.end - self.start
-
     def append(self, items: np.ndarray) -> None:
         k, n, buf = len(items), self.keep, self.buf
         if self.written[0] == self.end and self.end + k <= len(buf):  # the tail past our end is ours
