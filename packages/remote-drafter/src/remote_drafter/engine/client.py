@@ -200,6 +200,8 @@ class DrafterClient:
             r.history.window, r.history.max_tokens = self.window, self.history_tokens
             if r.history.rows is not None:
                 r.history.rows = r.history.rows[-self.window:]
+            if not self._pending_held(r):  # the trimmed history no longer holds what waits
+                r.needs_open, r.pending_tokens, r.pending_rows = True, 0, 0
         self._adopted = True
 
     def _reply_bytes(self, k: int, info: WorkerInfo) -> int:
@@ -249,8 +251,6 @@ class DrafterClient:
         return entries
 
     def _entry(self, rid: int, r: _Request, k: int, info: WorkerInfo) -> P.Entry:
-        if not r.needs_open and not self._pending_held(r):  # a smaller window was adopted since
-            r.needs_open, r.pending_tokens, r.pending_rows = True, 0, 0
         if r.needs_open:
             tokens, rows, length = r.history.open_payload()
             if info.feature and rows is not None:

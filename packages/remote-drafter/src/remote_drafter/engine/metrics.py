@@ -35,12 +35,6 @@ class Metrics:
         with self._lock:
             self._values[name] += amount
 
-    def add(self, amounts: dict[str, float]) -> None:
-        """Several counters at once (a round's totals)."""
-        with self._lock:
-            for name, amount in amounts.items():
-                self._values[name] += amount
-
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
             self._buckets[name][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
