@@ -54,13 +54,43 @@ def test_reply_round_trip():
     (lambda b: b"XXXX" + b[4:], "bad magic"),
     (lambda b: b[:4] + (9).to_bytes(2, "little") + b[6:], "version mismatch"),
     (lambda b: b[:8] + bytes(16) + b[24:], "identity mismatch"),
-    (lambda b: b[:-3], "truncated"),
-    (lambda b: b[:-58], "announced"),
+    (lambda b: b[:P.REQUEST_HEADER.itemsize + P.ENTRY.itemsize + 7], "truncated within them"),
+    (lambda b: b[:-3], "announced"),
     (lambda b: b + b"\0", "trailing"),
+    (lambda b: b[:36] + bytes([9]) + b[37:], "unknown row dtype code 9"),
+    (lambda b: b[:32] + (1 << 30).to_bytes(4, "little") + b[36:], "rows of 1073741824 x 4 bytes"),
 ])
 def test_malformed_requests_are_refused(mutate, why):
     with pytest.raises(P.ProtocolError, match=why):
         P.parse_request(mutate(P.encode_request(entries(), FP)), FP)
+
+
+def test_a_request_is_one_table_then_every_tokens_then_every_rows():
+    """The layout the worker checks in one pass per block: the tokens of all entries, then
+    the rows of all entries, each in entry order."""
+    sent = entries()
+    buf = P.encode_request(sent, FP, "float32")
+    request = P.parse_request(buf, FP)
+    np.testing.assert_array_equal(request.tokens, np.concatenate([e.tokens for e in sent]))
+    np.testing.assert_array_equal(request.rows, np.concatenate([e.rows for e in sent if e.rows is not None]))
+    table = P.REQUEST_HEADER.itemsize + len(sent) * P.ENTRY.itemsize
+    assert bytes(buf[table:table + 4 * 5]) == request.tokens.tobytes()
+    assert request.entries[1].rows.base is not None  # a view of the message, not a copy
+    with pytest.raises(ValueError, match="one width"):
+        P.encode_request([sent[0], P.Entry(8, P.OP_CONTINUE, np.array([5], np.int32), np.zeros((1, 4), np.float32))], FP)
+
+
+@pytest.mark.parametrize("mutate, why", [
+    (lambda b: b[:20], "truncated within them"),
+    (lambda b: b[:-1], "announced"),
+    (lambda b: b + b"\0", "announced"),
+    (lambda b: b[:30] + bytes([6]) + b[31:], "unknown status 6"),
+])
+def test_malformed_replies_are_refused(mutate, why):
+    sent = [P.Reply(7, P.STATUS_OK, np.array([1, 2], np.int32), np.full((2, 5), 0.2, np.float32)),
+            P.Reply(8, P.STATUS_CAPACITY, message="worker full")]
+    with pytest.raises(P.ProtocolError, match=why):
+        P.parse_reply(mutate(P.encode_reply(sent, 5)))
 
 
 def test_duplicate_request_ids_are_refused():

@@ -153,12 +153,14 @@ def test_service_refuses_bad_entries_and_keeps_serving(models):
            P.Entry(3, P.OP_OPEN, np.array([1, 2, 3], np.int32), rows[:1], 3, length=3),    # rows
            P.Entry(4, P.OP_OPEN, np.array([1, 2], np.int32), rows[:1], 99, length=2),       # depth
            P.Entry(5, P.OP_CONTINUE, np.array([1], np.int32), rows[:1], 3),                 # unknown
-           P.Entry(6, P.OP_OPEN, np.array([1, 2], np.int32), np.zeros((1, 7), np.float32), 3, length=2),
            P.Entry(7, P.OP_OPEN, np.array([1, 2], np.int32), np.full((1, f), np.nan, np.float32), 3, length=2)]
     replies = P.parse_reply(svc.handle(P.encode_request([good, *bad], fp)))
     assert replies[0].ok and len(replies[0].tokens) == 3
-    assert [r.status for r in replies[1:]] == [P.STATUS_INVALID] * 3 + [P.STATUS_UNKNOWN] + [P.STATUS_INVALID] * 2
-    assert "outside" in replies[1].message and "hidden rows" in replies[2].message
+    assert [r.status for r in replies[1:]] == [P.STATUS_INVALID] * 3 + [P.STATUS_UNKNOWN, P.STATUS_INVALID]
+    assert "outside" in replies[1].message and "hidden rows" in replies[2].message and "NaN" in replies[5].message
+    narrow = P.Entry(6, P.OP_OPEN, np.array([1, 2], np.int32), np.zeros((1, 7), np.float32), 3, length=2)
+    replies = P.parse_reply(svc.handle(P.encode_request([narrow], fp)))
+    assert replies[0].status == P.STATUS_INVALID and "width 7" in replies[0].message
     full = [P.Entry(i, P.OP_OPEN, np.array([1, 2], np.int32), rows[:1], 1, length=2) for i in (10, 11)]
     replies = P.parse_reply(svc.handle(P.encode_request(full, fp)))
     assert [r.status for r in replies] == [P.STATUS_OK, P.STATUS_CAPACITY] and "worker full" in replies[1].message

@@ -139,8 +139,8 @@ def test_more_tokens_than_a_window_between_rounds_reopens_from_the_window(propos
 
 def test_the_worker_keeps_a_window_of_a_longer_history_and_refuses_bad_rows_alone():
     """An open carrying more rows than the window keeps the newest window (and the worker's
-    token bound); an entry with rows of the wrong width gets one line and status 3, while the
-    same client's other request keeps its state and is served."""
+    token bound); an entry with an infinite row gets one line and status 3, while the same
+    client's other request in that round keeps its state and is served."""
     from remote_drafter.engine import protocol as P
     from remote_drafter.worker.service import DraftService
     d = RowReadingNgram()
@@ -156,10 +156,11 @@ def test_the_worker_keeps_a_window_of_a_longer_history_and_refuses_bad_rows_alon
     [session] = svc.sessions.values()
     np.testing.assert_array_equal(session.history.rows, rows[-WINDOW:])
     assert len(session.history.tokens) <= d.history_tokens and session.history.length == 6000
-    wide = np.zeros((3, WIDTH + 1), np.float32)
-    bad, good = send(P.Entry(2, P.OP_OPEN, tokens[:4], wide, 2, length=4),
+    infinite = rows[:3].copy()
+    infinite[1, 5] = np.inf
+    bad, good = send(P.Entry(2, P.OP_OPEN, tokens[:4], infinite, 2, length=4),
                      P.Entry(1, P.OP_CONTINUE, tokens[:1], rows[:1], 2, length=6001))
-    assert bad.status == P.STATUS_INVALID and "width" in bad.message and "\n" not in bad.message
+    assert bad.status == P.STATUS_INVALID and "infinity" in bad.message and "\n" not in bad.message
     [after] = svc.sessions.values()
     assert good.ok and after.history.length == 6001
 

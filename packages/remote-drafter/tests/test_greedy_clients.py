@@ -117,7 +117,7 @@ def test_a_small_request_cannot_make_the_worker_build_a_huge_reply(worker):
         assert prober.peer_metadata["remote_drafter"]["drafter"]["vocab_size"] == 1 << 20
         request = P.encode_request(opens((1, 2), k=8, want_probs=True, tokens=REPEATING),
                                    fingerprint(prober), client_id=PROBER)
-        assert len(request) == 224
+        assert len(request) == 216
         pid = worker.proc.pid
         before = peak_rss_since_reset(pid, reset=True)
         replies = P.parse_reply(prober.request(request, deadline_s=30))

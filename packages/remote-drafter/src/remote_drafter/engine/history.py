@@ -128,8 +128,10 @@ class History:
     def nbytes_max(self) -> int:
         return 4 * self.max_tokens + (2 * self.dtype.itemsize * self.window * self.feature if self.feature else 0)
 
-    def check(self, tokens: np.ndarray, rows: np.ndarray | None, opening: bool) -> str | None:
-        """Why (tokens, rows) cannot extend this history, or None."""
+    def check(self, tokens: np.ndarray, rows: np.ndarray | None, opening: bool,
+              finite: bool = False) -> str | None:
+        """Why (tokens, rows) cannot extend this history, or None. `finite`: the caller
+        found the rows finite already (a round's rows are checked in one pass)."""
         if len(tokens) == 0:
             return "no tokens"
         if not self.feature:
@@ -144,7 +146,7 @@ class History:
                 return f"open carries {have} hidden rows, needs the last {min(len(tokens) - 1, self.window)}"
         elif have != len(tokens):
             return f"{len(tokens)} new tokens need {len(tokens)} hidden rows, got {have}"
-        if rows is not None and not all_finite(rows):
+        if rows is not None and not finite and not all_finite(rows):
             return "hidden rows hold NaN or infinity"
         return None
 

@@ -1,13 +1,18 @@
-"""The drafter wire protocol (version 1), carried as ofl messages (where a round sits in a
+"""The drafter wire protocol (version 2), carried as ofl messages (where a round sits in a
 step: ARCHITECTURE.md § Drafting data path). Torch-free. One request holds one entry per
 running request of the engine, so a step costs one round trip and the worker drafts a batch:
 
-    RequestHeader (32 B): magic "DRQ1", version u16, kind u16, fingerprint 16 B,
-                          n_entries u32, client_id u32
-    per entry: Entry (48 B), tokens int32[n_tokens], rows[n_rows x feature] (row_dtype)
+    RequestHeader (40 B): magic "DRQ1", version u16, kind u16, fingerprint 16 B,
+                          n_entries u32, client_id u32, feature u32, row_dtype u8, pad 3 B
+    Entry (40 B) x n_entries, then every entry's tokens int32[n_tokens], then every
+    entry's rows [n_rows x feature] (row_dtype), each block in entry order
     ReplyHeader (16 B): magic "DRP1", version u16, kind u16, n_entries u32, vocab u32
-    per entry: ReplyEntry (24 B), tokens int32[n_drafts], probs float32[n_drafts x vocab]
-               when has_probs, message utf-8[msg_len]
+    ReplyEntry (24 B) x n_entries, then every entry's tokens int32[n_drafts], then the
+    probabilities float32[n_drafts x vocab] of those with has_probs, then the status
+    messages utf-8[msg_len]
+
+The entries are one table and their tokens and rows one block each, so a round is parsed
+and checked (ids in range, rows finite) in a few array operations, not per entry.
 
 An entry opens a request (its bounded history and `length`, the count of tokens committed in
 all, which fixes positions), continues one (the tokens committed since, their hidden rows,
@@ -33,7 +38,7 @@ from ofl.wire import decode_json
 
 from . import rows as rows_module
 
-VERSION = 1
+VERSION = 2
 REQUEST_MAGIC = b"DRQ1"
 REPLY_MAGIC = b"DRP1"
 KIND_ROUND, KIND_STATS = 1, 2
@@ -50,19 +55,19 @@ ROW_BYTES = {ROW_NONE: 0, ROW_F32: 4, ROW_F16: 2, ROW_BF16: 2}
 ROW_CODE_DTYPES = {code: rows_module.DTYPES[name] for name, code in ROW_DTYPES.items()}
 
 REQUEST_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
-                           ("fingerprint", "S16"), ("n_entries", "<u4"), ("client_id", "<u4")])
+                           ("fingerprint", "S16"), ("n_entries", "<u4"), ("client_id", "<u4"),
+                           ("feature", "<u4"), ("row_dtype", "u1"), ("pad", "u1", (3,))])
 ENTRY = np.dtype([("request_id", "<u8"), ("seed", "<u8"), ("length", "<u8"), ("temperature", "<f4"),
-                  ("n_tokens", "<u4"), ("n_rows", "<u4"), ("feature", "<u4"), ("k", "<u2"),
-                  ("op", "u1"), ("flags", "u1"), ("row_dtype", "u1"), ("pad", "u1", (3,))])
+                  ("n_tokens", "<u4"), ("n_rows", "<u4"), ("k", "<u2"), ("op", "u1"), ("flags", "u1")])
 REPLY_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
                          ("n_entries", "<u4"), ("vocab", "<u4")])
 REPLY_ENTRY = np.dtype([("request_id", "<u8"), ("latency_us", "<u4"), ("n_drafts", "<u2"),
                         ("status", "u1"), ("cache", "u1"), ("has_probs", "u1"), ("pad", "u1"),
                         ("msg_len", "<u2"), ("pad2", "u1", (4,))])
-# ENTRY and REPLY_ENTRY as struct packs and reads them: per entry, without numpy scalars
-ENTRY_FIELDS, REPLY_FIELDS = struct.Struct("<QQQfIIIHBBB3x"), struct.Struct("<QIHBBBxH4x")
+# ENTRY and REPLY_ENTRY as struct packs them: per entry, without numpy scalars
+ENTRY_FIELDS, REPLY_FIELDS = struct.Struct("<QQQfIIHBB"), struct.Struct("<QIHBBBxH4x")
 assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, ENTRY_FIELDS.size, REPLY_HEADER.itemsize,
-        REPLY_ENTRY.itemsize, REPLY_FIELDS.size) == (32, 48, 48, 16, 24, 24)
+        REPLY_ENTRY.itemsize, REPLY_FIELDS.size) == (40, 40, 40, 16, 24, 24)
 
 
 class ProtocolError(ValueError):
@@ -88,6 +93,8 @@ class Request:
     kind: int
     client_id: int
     entries: list[Entry]
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # every entry's, in order
+    rows: np.ndarray | None = None  # every entry's, in order ([n, feature]; None: no entry sent rows)
 
 
 @dataclass
@@ -115,29 +122,34 @@ def request_parts(entries: list[Entry], fingerprint: bytes, row_dtype: str = "fl
                   kind: int = KIND_ROUND, client_id: int = 0) -> list:
     """The request as the buffers it is made of, in order (a link sends them unjoined). Rows
     go as they are when they already have the wire's type (a bf16 engine's rows do), else
-    are cast once."""
+    are cast once. Every entry's rows are of one width (one engine's taps)."""
+    tokens = [np.ascontiguousarray(e.tokens, np.int32).reshape(-1) for e in entries]
+    rows = [e.rows if e.rows is not None and len(e.rows) else None for e in entries]
+    widths = {r.shape[1] for r in rows if r is not None}
+    if len(widths) > 1:
+        raise ValueError(f"one request carries rows of one width, these are {sorted(widths)} wide")
+    feature = widths.pop() if widths else 0
     head = np.zeros((), REQUEST_HEADER)
     head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
     head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
-    code, dtype = ROW_DTYPES[row_dtype], rows_module.DTYPES[row_dtype]
-    parts = [head.tobytes()]
-    for e in entries:
-        tokens = np.ascontiguousarray(e.tokens, np.int32).reshape(-1)
-        rows = e.rows if e.rows is not None and len(e.rows) else None
-        n_rows, feature = (0, 0) if rows is None else rows.shape
-        parts += [ENTRY_FIELDS.pack(e.request_id, e.seed, e.length, e.temperature, len(tokens), n_rows, feature,
-                                    e.k, e.op, FLAG_WANT_PROBS if e.want_probs else 0,
-                                    ROW_NONE if rows is None else code), tokens.view(np.uint8)]
-        if rows is not None:
-            parts.append(np.ascontiguousarray(rows_module.cast(rows, dtype)).reshape(-1).view(np.uint8))
-    return parts
+    head["feature"], head["row_dtype"] = feature, ROW_DTYPES[row_dtype] if feature else ROW_NONE
+    table = b"".join(ENTRY_FIELDS.pack(e.request_id, e.seed, e.length, e.temperature, len(t),
+                                       0 if r is None else len(r), e.k, e.op,
+                                       FLAG_WANT_PROBS if e.want_probs else 0)
+                     for e, t, r in zip(entries, tokens, rows))
+    dtype = rows_module.DTYPES[row_dtype]
+    return [head.tobytes(), table, *(t.view(np.uint8) for t in tokens if len(t)),
+            *(np.ascontiguousarray(rows_module.cast(r, dtype)).reshape(-1).view(np.uint8)
+              for r in rows if r is not None)]
 
 
 def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096,
                   max_bytes_per_entry: int = 64 << 20) -> Request:
-    """A request; ProtocolError when the message as a whole is unusable."""
-    if len(buf) < REQUEST_HEADER.itemsize:
-        raise ProtocolError(f"request of {len(buf)} bytes is shorter than its header")
+    """A request; ProtocolError when the message as a whole is unusable. Its entries'
+    tokens and rows are views of `buf` (a history copies what it keeps)."""
+    size, off = len(buf), REQUEST_HEADER.itemsize
+    if size < off:
+        raise ProtocolError(f"request of {size} bytes is shorter than its header")
     head = np.frombuffer(buf, REQUEST_HEADER, 1)[0]
     if bytes(head["magic"]) != REQUEST_MAGIC:
         raise ProtocolError(f"bad magic {bytes(head['magic'])!r} (not a drafter request)")
@@ -152,38 +164,39 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
         raise ProtocolError(f"identity mismatch: request fingerprint {got.hex()}, worker "
                             f"{fingerprint.hex()} (a client built for another target, "
                             "tokenizer or drafter)")
-    n = int(head["n_entries"])
+    n, feature, code = int(head["n_entries"]), int(head["feature"]), int(head["row_dtype"])
     if n > max_entries:
         raise ProtocolError(f"{n} entries exceed the limit of {max_entries}")
-    entries, off, seen = [], REQUEST_HEADER.itemsize, set()
-    for i in range(n):
-        if off + ENTRY.itemsize > len(buf):
-            raise ProtocolError(f"entry {i} is truncated")
-        rid, seed, length, temperature, n_tokens, n_rows, feature, k, op, flags, code = \
-            ENTRY_FIELDS.unpack_from(buf, off)
-        off += ENTRY.itemsize
-        if code not in ROW_BYTES or (n_rows and code == ROW_NONE):
-            raise ProtocolError(f"entry {i}: unknown row dtype code {code}")
-        size = 4 * n_tokens + n_rows * feature * ROW_BYTES[code]
-        if size > max_bytes_per_entry:
-            raise ProtocolError(f"entry {i}: {size} bytes exceed the per-entry limit")
-        if off + size > len(buf):
-            raise ProtocolError(f"entry {i}: {size} bytes of tokens and rows announced, "
-                                f"{len(buf) - off} left")
-        if rid in seen:
-            raise ProtocolError(f"request id {rid} appears twice in one round")
-        seen.add(rid)
-        # tokens and rows as sent, views of the message (a history copies what it keeps)
-        tokens = np.frombuffer(buf, np.int32, n_tokens, off)
-        off += 4 * n_tokens
-        rows = np.frombuffer(buf, ROW_CODE_DTYPES[code], n_rows * feature, off).reshape(n_rows, feature) \
-            if n_rows else None
-        off += n_rows * feature * ROW_BYTES[code]
-        entries.append(Entry(rid, op, tokens, rows, k, temperature, seed, bool(flags & FLAG_WANT_PROBS),
-                             feature, length))
-    if off != len(buf):
-        raise ProtocolError(f"{len(buf) - off} trailing bytes after {n} entries")
-    return Request(kind, int(head["client_id"]), entries)
+    if code not in ROW_BYTES:
+        raise ProtocolError(f"unknown row dtype code {code}")
+    if off + n * ENTRY.itemsize > size:
+        raise ProtocolError(f"{n} entries announced, the message is truncated within them")
+    table = np.frombuffer(buf, ENTRY, n, off)
+    off += n * ENTRY.itemsize
+    n_tokens, n_rows = table["n_tokens"].astype(np.int64), table["n_rows"].astype(np.int64)
+    row_bytes = feature * ROW_BYTES[code]
+    if n_rows.any() and not 0 < row_bytes <= max_bytes_per_entry:
+        raise ProtocolError(f"rows of {feature} x {ROW_BYTES[code]} bytes (row dtype code {code}) announced")
+    sizes = 4 * n_tokens + n_rows * row_bytes  # bounded: a row fits the per-entry limit
+    if len(over := np.flatnonzero(sizes > max_bytes_per_entry)):
+        raise ProtocolError(f"entry {over[0]}: {sizes[over[0]]} bytes exceed the per-entry limit")
+    all_tokens, all_rows = int(n_tokens.sum()), int(n_rows.sum())
+    if (end := off + int(sizes.sum())) != size:
+        raise ProtocolError(f"entries announced {end - off} bytes of tokens and rows, {size - off} follow"
+                            if end > size else f"{size - end} trailing bytes after {n} entries")
+    ids, counts = np.unique(table["request_id"], return_counts=True)
+    if len(ids) != n:
+        raise ProtocolError(f"request id {ids[counts > 1][0]} appears twice in one round")
+    tokens = np.frombuffer(buf, np.int32, all_tokens, off)
+    rows = np.frombuffer(buf, ROW_CODE_DTYPES[code], all_rows * feature, off + 4 * all_tokens).reshape(
+        all_rows, feature) if all_rows else None
+    entries, t0, r0 = [], 0, 0
+    for (rid, seed, length, temperature, _, nr, k, op, flags), t1, r1 in zip(
+            table.tolist(), np.cumsum(n_tokens).tolist(), np.cumsum(n_rows).tolist()):
+        entries.append(Entry(rid, op, tokens[t0:t1], rows[r0:r1] if nr else None, k, temperature, seed,
+                             bool(flags & FLAG_WANT_PROBS), feature, length))
+        t0, r0 = t1, r1
+    return Request(kind, int(head["client_id"]), entries, tokens, rows)
 
 
 # -- replies -------------------------------------------------------------------------------
@@ -191,16 +204,14 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
     head = np.zeros((), REPLY_HEADER)
     head["magic"], head["version"], head["kind"] = REPLY_MAGIC, VERSION, KIND_ROUND
     head["n_entries"], head["vocab"] = len(replies), vocab
-    parts = [head.tobytes()]
-    for r in replies:
-        tokens = np.ascontiguousarray(r.tokens, np.int32).reshape(-1)
-        message = r.message.encode()[:MAX_MESSAGE_BYTES]
-        parts += [REPLY_FIELDS.pack(r.request_id, min(r.latency_us, 2**32 - 1), len(tokens), r.status,
-                                    r.cache, r.probs is not None, len(message)), tokens.tobytes()]
-        if r.probs is not None:
-            parts.append(np.ascontiguousarray(r.probs[:len(tokens)], np.float32).tobytes())
-        parts.append(message)
-    return b"".join(parts)
+    tokens = [np.ascontiguousarray(r.tokens, np.int32).reshape(-1) for r in replies]
+    messages = [r.message.encode()[:MAX_MESSAGE_BYTES] if r.message else b"" for r in replies]
+    table = b"".join(REPLY_FIELDS.pack(r.request_id, min(r.latency_us, 2**32 - 1), len(t), r.status,
+                                       r.cache, r.probs is not None, len(m))
+                     for r, t, m in zip(replies, tokens, messages))
+    probs = [np.ascontiguousarray(r.probs[:len(t)], np.float32).tobytes()
+             for r, t in zip(replies, tokens) if r.probs is not None]
+    return b"".join([head.tobytes(), table, *(t.tobytes() for t in tokens), *probs, *messages])
 
 
 def ids_in_vocab(tokens: np.ndarray, vocab: int) -> bool:
@@ -217,35 +228,36 @@ def reply_entry_bytes(k: int, vocab: int = 0) -> int:
 
 def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
     """The client validates replies as strictly as the worker validates requests."""
-    if len(buf) < REPLY_HEADER.itemsize:
-        raise ProtocolError(f"reply of {len(buf)} bytes is shorter than its header")
+    size, off = len(buf), REPLY_HEADER.itemsize
+    if size < off:
+        raise ProtocolError(f"reply of {size} bytes is shorter than its header")
     head = np.frombuffer(buf, REPLY_HEADER, 1)[0]
     if bytes(head["magic"]) != REPLY_MAGIC or int(head["version"]) != VERSION:
         raise ProtocolError("not a drafter reply of protocol version %d" % VERSION)
-    vocab, off, out = int(head["vocab"]), REPLY_HEADER.itemsize, []
+    vocab, n = int(head["vocab"]), int(head["n_entries"])
     if vocab > max_vocab:
         raise ProtocolError(f"reply vocabulary {vocab} is implausible")
-    for i in range(int(head["n_entries"])):
-        if off + REPLY_ENTRY.itemsize > len(buf):
-            raise ProtocolError(f"reply entry {i} is truncated")
-        rid, latency_us, n, status, cache, has_probs, msg_len = REPLY_FIELDS.unpack_from(buf, off)
-        off += REPLY_ENTRY.itemsize
-        size = 4 * n + (4 * n * vocab if has_probs else 0) + msg_len
-        if off + size > len(buf):
-            raise ProtocolError(f"reply entry {i} announces {size} bytes, {len(buf) - off} left")
-        tokens = np.frombuffer(buf, np.int32, n, off).copy()
-        off += 4 * n
-        probs = None
-        if has_probs:
-            probs = np.frombuffer(buf, np.float32, n * vocab, off).reshape(n, vocab).copy()
-            off += 4 * n * vocab
+    if off + n * REPLY_ENTRY.itemsize > size:
+        raise ProtocolError(f"{n} reply entries announced, the reply is truncated within them")
+    table = np.frombuffer(buf, REPLY_ENTRY, n, off)
+    off += n * REPLY_ENTRY.itemsize
+    if len(bad := np.flatnonzero(table["status"] >= len(STATUS_NAMES))):
+        raise ProtocolError(f"reply entry {bad[0]}: unknown status {table['status'][bad[0]]}")
+    n_drafts, has_probs = table["n_drafts"].astype(np.int64), table["has_probs"] != 0
+    all_tokens, prob_rows = int(n_drafts.sum()), int(n_drafts[has_probs].sum())
+    if (end := off + 4 * all_tokens + 4 * prob_rows * vocab + int(table["msg_len"].sum())) != size:
+        raise ProtocolError(f"reply entries announced {end - off} bytes, {size - off} follow")
+    tokens = np.frombuffer(buf, np.int32, all_tokens, off).copy()
+    off += 4 * all_tokens
+    probs = np.frombuffer(buf, np.float32, prob_rows * vocab, off).reshape(prob_rows, vocab).copy()
+    off += 4 * prob_rows * vocab
+    out, t0, p0 = [], 0, 0
+    for rid, latency_us, nd, status, cache, has, _, msg_len, _ in table.tolist():
         message = bytes(buf[off:off + msg_len]).decode(errors="replace") if msg_len else ""
         off += msg_len
-        if status >= len(STATUS_NAMES):
-            raise ProtocolError(f"reply entry {i}: unknown status {status}")
-        out.append(Reply(rid, status, tokens, probs, cache, latency_us, message))
-    if off != len(buf):
-        raise ProtocolError(f"{len(buf) - off} trailing bytes in a reply")
+        out.append(Reply(rid, status, tokens[t0:t0 + nd], probs[p0:p0 + nd] if has else None, cache,
+                         latency_us, message))
+        t0, p0 = t0 + nd, p0 + (nd if has else 0)
     return out
 
 

@@ -34,6 +34,7 @@ from ofl.testing import link_delay
 from remote_drafter.engine import protocol as P
 from remote_drafter.engine.history import History
 from remote_drafter.engine.metrics import Metrics
+from remote_drafter.engine.rows import all_finite
 from remote_drafter.models.base import Drafter, DraftRequest
 
 from .speculation_cache import SpeculationCache
@@ -201,17 +202,17 @@ class DraftService:
         except P.ProtocolError:
             self.metrics.inc("rounds_refused")
             raise  # the ofl server turns it into an error reply and keeps serving
-        kind, client, entries = request.kind, request.client_id, request.entries
         self.metrics.inc("request_bytes", len(payload))
-        if kind == P.KIND_STATS:
+        if request.kind == P.KIND_STATS:
             return P.encode_stats_reply(self.stats())
         self.metrics.inc("rounds")
         started = time.perf_counter()
-        reply = self._round(client, entries, peer, started)
+        reply = self._round(request, peer, started)
         self.metrics.observe("round", time.perf_counter() - started)
         return reply
 
-    def _round(self, client: int, entries: list[P.Entry], peer: str, started: float) -> bytes:
+    def _round(self, request: P.Request, peer: str, started: float) -> bytes:
+        client, entries = request.client_id, request.entries
         if self.config.inject_delay_s:
             link_delay(self.config.inject_delay_s)
         replies: dict[int, P.Reply] = {}
@@ -223,13 +224,17 @@ class DraftService:
         # The drafter builds probabilities for the whole batch when any entry wants them, so
         # then every drafting entry is charged for its own, asked for or not.
         vocab = self.drafter.vocab_size if any(e.want_probs for e in drafting) else 0
+        # Every entry's ids and rows checked in one pass each; only when one is bad does
+        # each entry check its own (and the bad ones are refused).
+        screened = P.ids_in_vocab(request.tokens, self.drafter.vocab_size) and \
+            (request.rows is None or all_finite(request.rows))
         with self.state_lock:
             self._expire_idle()
             room = self.max_reply_bytes - P.REPLY_HEADER.itemsize
             for e in entries:
                 size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
                 fits = size <= room
-                reply, draft_request = self._apply((peer, client, e.request_id), e, cached, fits)
+                reply, draft_request = self._apply((peer, client, e.request_id), e, cached, fits, screened)
                 room -= size if fits else P.reply_entry_bytes(0)  # refused: status only (as the client counts)
                 if reply is not None:
                     replies[e.request_id] = reply
@@ -239,17 +244,18 @@ class DraftService:
             self._draft(peer, client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
 
-    def _apply(self, key: Key, e: P.Entry, cached: bool,
-               fits: bool) -> tuple[P.Reply | None, DraftRequest | None]:
+    def _apply(self, key: Key, e: P.Entry, cached: bool, fits: bool,
+               screened: bool) -> tuple[P.Reply | None, DraftRequest | None]:
         """Validate and apply one entry; (reply now, None) or (None, what to draft). `fits`:
-        its reply fits in what is left of the link's."""
+        its reply fits in what is left of the link's; `screened`: the round's ids are all in
+        the vocabulary and its rows all finite."""
         if e.op == P.OP_RELEASE:
             self._release(key)
             self.metrics.inc("releases")
             return P.Reply(e.request_id, P.STATUS_RELEASED), None
-        if (refused := self._refusal(e, fits)) is not None:
+        if (refused := self._refusal(e, fits, screened)) is not None:
             return refused, None
-        session = self._open(key, e) if e.op == P.OP_OPEN else self._continue(key, e)
+        session = self._open(key, e, screened) if e.op == P.OP_OPEN else self._continue(key, e, screened)
         if isinstance(session, P.Reply):
             return session, None
         if self.recorder is not None:
@@ -261,9 +267,9 @@ class DraftService:
             return P.Reply(e.request_id), None
         return self._draft_request(key, session, e, cached)
 
-    def _refusal(self, e: P.Entry, fits: bool) -> P.Reply | None:
+    def _refusal(self, e: P.Entry, fits: bool, screened: bool) -> P.Reply | None:
         """The reply refusing `e` before it changes any state; None when it may go on."""
-        if why := self._invalid(e):
+        if why := self._invalid(e, screened):
             return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
         if e.k and not fits:
             probs = f" with probabilities over {self.drafter.vocab_size} tokens" if e.want_probs else ""
@@ -276,10 +282,10 @@ class DraftService:
         self.metrics.inc(counter)
         return P.Reply(e.request_id, status, message=message)
 
-    def _open(self, key: Key, e: P.Entry) -> Session | P.Reply:
+    def _open(self, key: Key, e: P.Entry, screened: bool) -> Session | P.Reply:
         """(Re-)open e's request from the history it carries; its session, or the refusal."""
         history = self.drafter.new_history()
-        why = history.check(e.tokens, e.rows, opening=True)
+        why = history.check(e.tokens, e.rows, opening=True, finite=screened)
         if why is None and not len(e.tokens) <= e.length <= P.MAX_LENGTH:
             why = f"length {e.length} is not between the {len(e.tokens)} tokens sent and {P.MAX_LENGTH}"
         if why:
@@ -312,7 +318,7 @@ class DraftService:
         self.peers.setdefault(peer, PeerUsage()).requests += 1
         return None
 
-    def _continue(self, key: Key, e: P.Entry) -> Session | P.Reply:
+    def _continue(self, key: Key, e: P.Entry, screened: bool) -> Session | P.Reply:
         """Append e's tokens and rows to its request's history; its session, or the refusal
         (a request the worker does not hold, or holds at another length, is re-opened)."""
         session = self.sessions.get(key)
@@ -324,7 +330,7 @@ class DraftService:
             return self._refuse(e, "out_of_step", P.STATUS_UNKNOWN, (
                 f"out of step: the worker holds {session.history.length} tokens, the client "
                 f"{e.length - len(e.tokens)}: re-open it"))
-        if why := session.history.check(e.tokens, e.rows, opening=False):
+        if why := session.history.check(e.tokens, e.rows, opening=False, finite=screened):
             return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
         session.history.extend(e.tokens, e.rows)
         session.last_used = time.monotonic()
@@ -354,13 +360,13 @@ class DraftService:
             self.metrics.inc("spec_cache_misses")
         return None, request
 
-    def _invalid(self, e: P.Entry) -> str | None:
+    def _invalid(self, e: P.Entry, screened: bool) -> str | None:
         d = self.drafter
         if e.op not in (P.OP_CONTINUE, P.OP_OPEN):
             return f"unknown op {e.op}"
         if e.k > d.max_depth:
             return f"k = {e.k} exceeds this drafter's depth {d.max_depth}"
-        if not P.ids_in_vocab(e.tokens, d.vocab_size):
+        if not screened and not P.ids_in_vocab(e.tokens, d.vocab_size):
             return f"token ids outside [0, {d.vocab_size})"
         if not math.isfinite(e.temperature) or e.temperature < 0:
             return f"temperature {e.temperature} is not a finite value >= 0"
