@@ -1,12 +1,13 @@
-"""History's buffers (engine/history.py `Tail`): a snapshot reads the same items whatever
-the history appends afterwards, and a buffer nothing else holds is reused in place. CPU."""
+"""History's buffers (engine/history.py: tokens a `Tail`, rows `Chunks`): a snapshot reads
+the same items whatever the history appends afterwards, a token buffer nothing else holds is
+reused in place, and rows are copied once on append and never moved. CPU."""
 
 import copy
 import weakref
 
 import numpy as np
 
-from remote_drafter.engine.history import History, Tail
+from remote_drafter.engine.history import Chunks, History, Tail
 
 
 def test_a_tail_keeps_the_newest_items_and_moves_in_place_when_unshared():
@@ -25,17 +26,37 @@ def test_a_snapshot_reads_its_items_through_appends_and_moves():
     h.reset(np.arange(4, dtype=np.int32), np.arange(6, dtype=np.float32).reshape(3, 2))
     snap = copy.copy(h)
     tokens, rows = snap.tokens.copy(), snap.rows.copy()
-    shared_rows = h._rows.buf
-    for i in range(20):  # past both buffers' ends: each move must leave the shared one alone
+    shared_tokens = h._tokens.buf
+    for i in range(20):  # past the token buffer's end: each move must leave the shared one alone
         h.extend(np.array([100 + i], np.int32), np.full((1, 2), 100.0 + i, np.float32))
+        assert h.newest_rows(1)[0, 0] == 100.0 + i
     assert np.array_equal(snap.tokens, tokens) and np.array_equal(snap.rows, rows)
-    assert h._rows.buf is not shared_rows and h.tokens.tolist() == list(range(114, 120))
+    assert h._tokens.buf is not shared_tokens and h.tokens.tolist() == list(range(114, 120))
     assert h.rows[:, 0].tolist() == [117.0, 118.0, 119.0]
     del snap
-    kept = weakref.ref(h._rows.buf)
+    kept = weakref.ref(h._tokens.buf)
     for i in range(20):  # nothing shares it now: moved in place
         h.extend(np.array([200 + i], np.int32), np.full((1, 2), 200.0 + i, np.float32))
-    assert h._rows.buf is kept() and h.rows[:, 0].tolist() == [217.0, 218.0, 219.0]
+    assert h._tokens.buf is kept() and h.rows[:, 0].tolist() == [217.0, 218.0, 219.0]
+
+
+def test_rows_are_copied_once_held_as_appended_and_bounded_by_the_window():
+    c = Chunks(5, (2,), np.dtype(np.float32))
+    sent = np.arange(6, dtype=np.float32).reshape(3, 2)
+    c.append(sent)
+    sent[:] = -1  # the sender's buffer (a message) is reused: the chunk is a copy
+    assert c.view()[:, 0].tolist() == [0.0, 2.0, 4.0]
+    for i in range(3, 40):
+        c.append(np.full((1 + i % 2, 2), float(i), np.float32))
+        newest = c.newest(1 + i % 2)
+        assert np.shares_memory(newest, c.chunks[-1])  # the newest rows: a view, no copy
+        assert newest[:, 0].tolist() == [float(i)] * (1 + i % 2)
+        assert len(c) == 5 and c.count - len(c.chunks[0]) < 5  # only the oldest chunk reaches back
+    assert len(c.chunks) > 1 and c.view()[:, 0].tolist() == [37.0, 37.0, 38.0, 39.0, 39.0]
+    assert len(c.chunks) == 1 and c.newest(3)[:, 0].tolist() == [38.0, 39.0, 39.0]  # joined once
+    c.append(np.full((9, 2), 50.0, np.float32))  # more than it keeps: the newest five
+    assert c.chunks[-1].shape == (5, 2) and c.view()[:, 0].tolist() == [50.0] * 5
+    assert not c.view().flags.writeable and not c.newest(2).flags.writeable
 
 
 def test_a_view_handed_out_keeps_the_buffer_from_being_reused():

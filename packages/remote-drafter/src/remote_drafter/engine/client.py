@@ -171,8 +171,7 @@ class DrafterClient:
     @staticmethod
     def _pending_held(r: _Request) -> bool:
         """Whether the history still holds everything committed since the last round."""
-        rows = r.history.rows
-        return r.pending_tokens <= len(r.history.tokens) and r.pending_rows <= (0 if rows is None else len(rows))
+        return r.pending_tokens <= len(r.history.tokens) and r.pending_rows <= r.history.row_count
 
     def release(self, rid: int) -> None:
         if self.requests.pop(rid, None) is not None:
@@ -258,7 +257,7 @@ class DrafterClient:
             return P.Entry(rid, P.OP_OPEN, tokens, rows if info.feature else None, k,
                            r.temperature, r.seed, self.want_probs, length=length)
         # views of the history's newest tokens and rows (sent before it changes again)
-        rows = r.history.rows[-r.pending_rows:] if info.feature and r.pending_rows else None
+        rows = r.history.newest_rows(r.pending_rows) if info.feature and r.pending_rows else None
         return P.Entry(rid, P.OP_CONTINUE, r.history.tokens[-r.pending_tokens:], rows, k,
                        want_probs=self.want_probs, length=r.history.length)
 
@@ -474,7 +473,7 @@ class DrafterClient:
     def rows_held(self) -> int:
         """Hidden rows the client holds: each request's window (what waits to be sent is its
         newest rows)."""
-        return sum(0 if r.history.rows is None else len(r.history.rows) for r in self.requests.values())
+        return sum(r.history.row_count for r in self.requests.values())
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()

@@ -4,11 +4,11 @@ verification pass). Both sides keep one: the worker drafts from it, the client r
 request from it after the worker lost state, so drafts after a re-open equal drafts
 without one. Torch-free; not thread-safe (the service changes histories under its lock).
 
-Tokens and rows are each a `Tail`: appended in amortised O(new items), and never rewritten
-once handed out while anything else still shares them, so a shallow copy is a snapshot
-(what the service drafts from outside its lock). `lineage` and `rows_added` let a drafter
-keep its own copy of the rows (on its device) and fetch only the rows added since it last
-looked."""
+Tokens are a `Tail` and rows `Chunks`: appended in amortised O(new items), and never
+rewritten once handed out while anything else still shares them, so a shallow copy is a
+snapshot (what the service drafts from outside its lock). `lineage` and `rows_added` let a
+drafter keep its own copy of the rows (on its device) and fetch only the rows added since
+it last looked (`newest_rows`)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,52 @@ class Tail:
         buf[kept:kept + len(items)] = items
         self.buf, self.start, self.end = buf, 0, kept + len(items)
         self.written[0] = self.end
+
+
+class Chunks:
+    """The newest `keep` rows of an append-only sequence, held as the chunks they were
+    appended in: an append copies its rows once and nothing held is moved (a row is large;
+    a buffer that slides would copy each row a second time). The newest few rows are a view
+    of the newest chunk; all of them are joined into one chunk when asked for, which then
+    replaces the others. Chunks are never written once held: a shallow copy is a snapshot."""
+
+    def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
+        self.keep = keep
+        self.empty = np.empty((0, *shape), dtype)
+        self.empty.flags.writeable = False
+        self.chunks: list[np.ndarray] = []
+        self.count = 0  # rows the chunks hold: the oldest may reach back past those kept
+        self.kept = 0   # the newest rows kept: at most `keep` as of the last append
+
+    def __copy__(self) -> Chunks:
+        shared = object.__new__(Chunks)
+        shared.__dict__ = self.__dict__.copy()
+        shared.chunks = self.chunks.copy()
+        return shared
+
+    def __len__(self) -> int:
+        return self.kept
+
+    def append(self, items: np.ndarray) -> None:
+        chunk = np.array(items[max(len(items) - self.keep, 0):], self.empty.dtype)  # a copy
+        chunk.flags.writeable = False
+        self.chunks.append(chunk)
+        self.count += len(chunk)
+        self.kept = min(self.kept + len(chunk), self.keep)
+        while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept
+            self.count -= len(self.chunks.pop(0))
+
+    def newest(self, k: int) -> np.ndarray:
+        k = min(k, len(self))
+        last = self.chunks[-1] if self.chunks else self.empty
+        return last[len(last) - k:] if k <= len(last) else self.view()[len(self) - k:]
+
+    def view(self) -> np.ndarray:
+        if len(self.chunks) > 1:
+            joined = np.concatenate(self.chunks)
+            joined.flags.writeable = False
+            self.chunks = [joined]
+        return self.chunks[0][self.count - self.kept:] if self.chunks else self.empty
 
 
 class Lineage:
@@ -120,9 +166,18 @@ class History:
     @rows.setter
     def rows(self, rows: np.ndarray | None) -> None:
         self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
-        self._rows = Tail(self._window, (self.feature,), self.dtype)
+        self._rows = Chunks(self._window, (self.feature,), self.dtype)
         if self.feature and rows is not None and len(rows):
             self._append(rows)
+
+    @property
+    def row_count(self) -> int:
+        """How many hidden rows are kept (len(rows), without joining them)."""
+        return len(self._rows) if self.feature else 0
+
+    def newest_rows(self, k: int) -> np.ndarray:
+        """The newest k kept rows (a view: no copy while they came in one append)."""
+        return self._rows.newest(k)
 
     @property
     def nbytes_max(self) -> int:

@@ -66,7 +66,7 @@ class DeviceWindows(dict):
             ring, where = pool.ring(h)
             if len(where):  # the newest row is of position length - 2 (its token's row comes later)
                 k = len(where)
-                rows.append(h.rows[len(h.rows) - k:])
+                rows.append(h.newest_rows(k))
                 positions.append(np.arange(h.length - 1 - k, h.length - 1))
                 writes.append(where)
             rings.append(ring)
@@ -99,16 +99,16 @@ class RingPool:
         """h's ring (a fresh one for a new lineage, an older snapshot, or more new rows
         than kept), advanced past the newest rows it lacks (at most a window): and the flat
         store rows those go to, oldest first (the caller writes them)."""
-        ring, rows, n = self.rings.get(h.lineage), h.rows, self.window
+        ring, kept, n = self.rings.get(h.lineage), h.row_count, self.window
         new = -1 if ring is None else h.rows_added - ring.seen
-        if not 0 <= new <= len(rows):
+        if not 0 <= new <= kept:
             ring = self.rings[h.lineage] = RowRing(self._take_slot())
             weakref.finalize(ring, self._give_back, ring.slot)
-            new = len(rows)
+            new = kept
         k = min(new, n)
         where = ring.slot * n + (ring.head + np.arange(k)) % n
         ring.head, ring.seen = (ring.head + k) % n, h.rows_added
-        ring.m = min(n, ring.m + k, len(rows))  # a history may keep fewer rows than the window
+        ring.m = min(n, ring.m + k, kept)  # a history may keep fewer rows than the window
         return ring, where
 
     def _take_slot(self) -> int:
