@@ -40,22 +40,26 @@ def test_a_snapshot_reads_its_items_through_appends_and_moves():
     assert h._tokens.buf is kept() and h.rows[:, 0].tolist() == [217.0, 218.0, 219.0]
 
 
-def test_rows_are_copied_once_held_as_appended_and_bounded_by_the_window():
+def test_rows_are_copied_once_into_blocks_and_bounded_by_the_window():
     c = Chunks(5, (2,), np.dtype(np.float32))
     sent = np.arange(6, dtype=np.float32).reshape(3, 2)
     c.append(sent)
-    sent[:] = -1  # the sender's buffer (a message) is reused: the chunk is a copy
+    sent[:] = -1  # the sender's buffer (a message) is reused: the rows are a copy
     assert c.view()[:, 0].tolist() == [0.0, 2.0, 4.0]
+    blocks = {id(c.block)}
     for i in range(3, 40):
+        before = c.block
         c.append(np.full((1 + i % 2, 2), float(i), np.float32))
+        assert c.block is before or c.at == 1 + i % 2  # filled in place until the block is full
+        blocks.add(id(c.block))
         newest = c.newest(1 + i % 2)
-        assert np.shares_memory(newest, c.chunks[-1])  # the newest rows: a view, no copy
+        assert np.shares_memory(newest, c.block)  # the newest rows: a view, no copy
         assert newest[:, 0].tolist() == [float(i)] * (1 + i % 2)
-        assert len(c) == 5 and c.count - len(c.chunks[0]) < 5  # only the oldest chunk reaches back
-    assert len(c.chunks) > 1 and c.view()[:, 0].tolist() == [37.0, 37.0, 38.0, 39.0, 39.0]
-    assert len(c.chunks) == 1 and c.newest(3)[:, 0].tolist() == [38.0, 39.0, 39.0]  # joined once
+        assert len(c) == 5 and c.count - len(c.chunks[0]) < 5 and len(c.chunks) <= 3  # bounded
+    assert len(blocks) < 20  # a block per five rows or so, not one per append
+    assert c.view()[:, 0].tolist() == [37.0, 37.0, 38.0, 39.0, 39.0] and c.newest(3)[:, 0].tolist() == [38.0, 39.0, 39.0]
     c.append(np.full((9, 2), 50.0, np.float32))  # more than it keeps: the newest five
-    assert c.chunks[-1].shape == (5, 2) and c.view()[:, 0].tolist() == [50.0] * 5
+    assert c.view()[:, 0].tolist() == [50.0] * 5 and len(c.chunks) == 1
     assert not c.view().flags.writeable and not c.newest(2).flags.writeable
 
 

@@ -62,17 +62,19 @@ class Tail:
 
 
 class Chunks:
-    """The newest `keep` rows of an append-only sequence, held as the chunks they were
-    appended in: an append copies its rows once and nothing held is moved (a row is large;
-    a buffer that slides would copy each row a second time). The newest few rows are a view
-    of the newest chunk; all of them are joined into one chunk when asked for, which then
-    replaces the others. Chunks are never written once held: a shallow copy is a snapshot."""
+    """The newest `keep` rows of an append-only sequence, each row copied once: rows are
+    written into blocks of `keep` rows past the newest row, and nothing held is ever moved
+    (a row is large; a buffer that slides would copy each row a second time). The rows held
+    are views of at most two or three blocks (`chunks`, oldest first): the newest few rows
+    are a view of the newest, all of them a join. As with Tail, a block is written only past
+    the end of every copy sharing it (`written`), so a shallow copy is a snapshot."""
 
     def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
         self.keep = keep
         self.empty = np.empty((0, *shape), dtype)
         self.empty.flags.writeable = False
         self.chunks: list[np.ndarray] = []
+        self.block, self.at, self.written = None, 0, [0]  # the newest block, our end in it
         self.count = 0  # rows the chunks hold: the oldest may reach back past those kept
         self.kept = 0   # the newest rows kept: at most `keep` as of the last append
 
@@ -86,11 +88,22 @@ class Chunks:
         return self.kept
 
     def append(self, items: np.ndarray) -> None:
-        chunk = np.array(items[max(len(items) - self.keep, 0):], self.empty.dtype)  # a copy
+        items = items[max(len(items) - self.keep, 0):]
+        k, block, at = len(items), self.block, self.at
+        if block is not None and self.written[0] == at and at + k <= len(block):  # past every copy's end
+            start = at - len(self.chunks[-1])
+            self.chunks.pop()
+        else:
+            block = self.block = np.empty((max(self.keep, k), *self.empty.shape[1:]), self.empty.dtype)
+            start = at = 0
+            self.written = [0]
+        block[at:at + k] = items
+        self.at = self.written[0] = at + k
+        chunk = block[start:at + k]
         chunk.flags.writeable = False
         self.chunks.append(chunk)
-        self.count += len(chunk)
-        self.kept = min(self.kept + len(chunk), self.keep)
+        self.count += k
+        self.kept = min(self.kept + k, self.keep)
         while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept
             self.count -= len(self.chunks.pop(0))
 
@@ -100,11 +113,13 @@ class Chunks:
         return last[len(last) - k:] if k <= len(last) else self.view()[len(self) - k:]
 
     def view(self) -> np.ndarray:
-        if len(self.chunks) > 1:
-            joined = np.concatenate(self.chunks)
-            joined.flags.writeable = False
-            self.chunks = [joined]
-        return self.chunks[0][self.count - self.kept:] if self.chunks else self.empty
+        if len(self.chunks) == 1:
+            return self.chunks[0][self.count - self.kept:]
+        if not self.chunks:
+            return self.empty
+        joined = np.concatenate(self.chunks)[self.count - self.kept:]
+        joined.flags.writeable = False
+        return joined
 
 
 class Lineage:

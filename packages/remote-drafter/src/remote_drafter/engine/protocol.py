@@ -171,31 +171,31 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
         raise ProtocolError(f"unknown row dtype code {code}")
     if off + n * ENTRY.itemsize > size:
         raise ProtocolError(f"{n} entries announced, the message is truncated within them")
-    table = np.frombuffer(buf, ENTRY, n, off)
+    table = list(ENTRY_FIELDS.iter_unpack(memoryview(buf)[off:off + n * ENTRY.itemsize]))
     off += n * ENTRY.itemsize
-    n_tokens, n_rows = table["n_tokens"].astype(np.int64), table["n_rows"].astype(np.int64)
     row_bytes = feature * ROW_BYTES[code]
-    if n_rows.any() and not 0 < row_bytes <= max_bytes_per_entry:
-        raise ProtocolError(f"rows of {feature} x {ROW_BYTES[code]} bytes (row dtype code {code}) announced")
-    sizes = 4 * n_tokens + n_rows * row_bytes  # bounded: a row fits the per-entry limit
-    if len(over := np.flatnonzero(sizes > max_bytes_per_entry)):
-        raise ProtocolError(f"entry {over[0]}: {sizes[over[0]]} bytes exceed the per-entry limit")
-    all_tokens, all_rows = int(n_tokens.sum()), int(n_rows.sum())
-    if (end := off + int(sizes.sum())) != size:
+    all_tokens = all_rows = 0
+    for i, (_, _, _, _, n_tokens, n_rows, _, _, _) in enumerate(table):
+        if n_rows and not 0 < row_bytes <= max_bytes_per_entry:
+            raise ProtocolError(f"rows of {feature} x {ROW_BYTES[code]} bytes (row dtype code {code}) announced")
+        if (entry_size := 4 * n_tokens + n_rows * row_bytes) > max_bytes_per_entry:
+            raise ProtocolError(f"entry {i}: {entry_size} bytes exceed the per-entry limit")
+        all_tokens, all_rows = all_tokens + n_tokens, all_rows + n_rows
+    if (end := off + 4 * all_tokens + all_rows * row_bytes) != size:
         raise ProtocolError(f"entries announced {end - off} bytes of tokens and rows, {size - off} follow"
                             if end > size else f"{size - end} trailing bytes after {n} entries")
-    ids, counts = np.unique(table["request_id"], return_counts=True)
-    if len(ids) != n:
-        raise ProtocolError(f"request id {ids[counts > 1][0]} appears twice in one round")
+    if len({e[0] for e in table}) != n:
+        seen = set()
+        twice = next(e[0] for e in table if e[0] in seen or seen.add(e[0]))
+        raise ProtocolError(f"request id {twice} appears twice in one round")
     tokens = np.frombuffer(buf, np.int32, all_tokens, off)
     rows = np.frombuffer(buf, ROW_CODE_DTYPES[code], all_rows * feature, off + 4 * all_tokens).reshape(
         all_rows, feature) if all_rows else None
-    entries, t0, r0 = [], 0, 0
-    for (rid, seed, length, temperature, _, nr, k, op, flags), t1, r1 in zip(
-            table.tolist(), np.cumsum(n_tokens).tolist(), np.cumsum(n_rows).tolist()):
-        entries.append(Entry(rid, op, tokens[t0:t1], rows[r0:r1] if nr else None, k, temperature, seed,
-                             bool(flags & FLAG_WANT_PROBS), feature, length))
-        t0, r0 = t1, r1
+    entries, t, r = [], 0, 0
+    for rid, seed, length, temperature, n_tokens, n_rows, k, op, flags in table:
+        entries.append(Entry(rid, op, tokens[t:t + n_tokens], rows[r:r + n_rows] if n_rows else None, k,
+                             temperature, seed, bool(flags & FLAG_WANT_PROBS), feature, length))
+        t, r = t + n_tokens, r + n_rows
     return Request(kind, int(head["client_id"]), entries, tokens, rows)
 
 
@@ -239,25 +239,28 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
         raise ProtocolError(f"reply vocabulary {vocab} is implausible")
     if off + n * REPLY_ENTRY.itemsize > size:
         raise ProtocolError(f"{n} reply entries announced, the reply is truncated within them")
-    table = np.frombuffer(buf, REPLY_ENTRY, n, off)
+    table = list(REPLY_FIELDS.iter_unpack(memoryview(buf)[off:off + n * REPLY_ENTRY.itemsize]))
     off += n * REPLY_ENTRY.itemsize
-    if len(bad := np.flatnonzero(table["status"] >= len(STATUS_NAMES))):
-        raise ProtocolError(f"reply entry {bad[0]}: unknown status {table['status'][bad[0]]}")
-    n_drafts, has_probs = table["n_drafts"].astype(np.int64), table["has_probs"] != 0
-    all_tokens, prob_rows = int(n_drafts.sum()), int(n_drafts[has_probs].sum())
-    if (end := off + 4 * all_tokens + 4 * prob_rows * vocab + int(table["msg_len"].sum())) != size:
+    all_tokens = prob_rows = messages = 0
+    for i, (_, _, n_drafts, status, _, has_probs, msg_len) in enumerate(table):
+        if status >= len(STATUS_NAMES):
+            raise ProtocolError(f"reply entry {i}: unknown status {status}")
+        all_tokens, messages = all_tokens + n_drafts, messages + msg_len
+        prob_rows += n_drafts if has_probs else 0
+    if (end := off + 4 * all_tokens + 4 * prob_rows * vocab + messages) != size:
         raise ProtocolError(f"reply entries announced {end - off} bytes, {size - off} follow")
     tokens = np.frombuffer(buf, np.int32, all_tokens, off).copy()
     off += 4 * all_tokens
-    probs = np.frombuffer(buf, np.float32, prob_rows * vocab, off).reshape(prob_rows, vocab).copy()
+    probs = np.frombuffer(buf, np.float32, prob_rows * vocab, off).reshape(prob_rows, vocab).copy() \
+        if prob_rows else np.zeros((0, vocab), np.float32)
     off += 4 * prob_rows * vocab
-    out, t0, p0 = [], 0, 0
-    for rid, latency_us, nd, status, cache, has, _, msg_len, _ in table.tolist():
+    out, t, p = [], 0, 0
+    for rid, latency_us, n_drafts, status, cache, has_probs, msg_len in table:
         message = bytes(buf[off:off + msg_len]).decode(errors="replace") if msg_len else ""
         off += msg_len
-        out.append(Reply(rid, status, tokens[t0:t0 + nd], probs[p0:p0 + nd] if has else None, cache,
-                         latency_us, message))
-        t0, p0 = t0 + nd, p0 + (nd if has else 0)
+        out.append(Reply(rid, status, tokens[t:t + n_drafts], probs[p:p + n_drafts] if has_probs else None,
+                         cache, latency_us, message))
+        t, p = t + n_drafts, p + (n_drafts if has_probs else 0)
     return out
 
 
