@@ -61,6 +61,8 @@ def test_rows_are_copied_once_into_blocks_and_bounded_by_the_window():
     c.append(np.full((9, 2), 50.0, np.float32))  # more than it keeps: the newest five
     assert c.view()[:, 0].tolist() == [50.0] * 5 and len(c.chunks) == 1
     assert not c.view().flags.writeable and not c.newest(2).flags.writeable
+    c.append(np.zeros((0, 2), np.float32))  # nothing to add changes nothing
+    assert c.view()[:, 0].tolist() == [50.0] * 5 and len(Chunks(0, (2,), np.dtype(np.float32))) == 0
 
 
 def test_a_view_handed_out_keeps_the_buffer_from_being_reused():

@@ -90,6 +90,8 @@ class Chunks:
     def append(self, items: np.ndarray) -> None:
         items = items[max(len(items) - self.keep, 0):]
         k, block, at = len(items), self.block, self.at
+        if not k:
+            return
         if block is not None and self.written[0] == at and at + k <= len(block):  # past every copy's end
             start = at - len(self.chunks[-1])
             self.chunks.pop()
