@@ -10,12 +10,17 @@ smoke form, `--device cpu --width tiny`, in tests/test_dsv41_drafter.py).
    called in process) and through a worker over tcp loopback: eager (the chosen experts),
    then every expert at once with the round captured as CUDA graphs (the worker's default on
    CUDA, REMOTE_DRAFTER_CUDA_GRAPHS), and whether both give the same greedy drafts.
-Prints a table last and writes JSON (--out)."""
+Prints a table last and writes JSON (--out).
+
+With --own-process, only this: the round over tcp with the worker in a process of its own, as
+deployed (one per batch, so its status' draft p50 is that batch's), and the worker's own cost
+as the round p50 minus the p50 of the worker's `draft` calls."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +31,7 @@ import torch
 from remote_drafter.bench import drive_rounds, percentiles
 from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.identity import Manifest
-from remote_drafter.engine.transport import LocalTransport, RemoteTransport
+from remote_drafter.engine.transport import LocalTransport, RemoteTransport, worker_stats
 from remote_drafter.models.base import DraftRequest
 from remote_drafter.models.dsv41 import tiny
 from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, weight_table
@@ -154,6 +159,52 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
     return rows
 
 
+def worker_process(script: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """`script --serve ARGS` in a process of its own, which prints its worker's address and
+    serves until its stdin closes (leaving the `with` of the process closes it); and that
+    address."""
+    proc = subprocess.Popen([sys.executable, script, "--serve", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    address = proc.stdout.readline().strip()
+    if not address:
+        proc.kill()
+        raise RuntimeError(f"the worker process exited ({proc.wait()}) before serving")
+    return proc, address
+
+
+def serve(width: str, device: str, graphs: str) -> None:
+    """`measure_own_process`'s worker: the random drafter at `width` in bf16 (in CUDA graphs
+    when `graphs` is "graphs"), over tcp until stdin closes."""
+    drafter, _ = random_drafter(width, device, torch.bfloat16)
+    if graphs == "graphs":
+        drafter = Dsv41Drafter(drafter.model, drafter.manifest(), device, cuda_graphs=True)
+    with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+        print(worker.address, flush=True)
+        sys.stdin.read()
+
+
+def measure_own_process(width: str, device: str, graphs: str, batches: list[int], rounds: int) -> list[dict]:
+    rows = []
+    for batch in batches:
+        proc, address = worker_process(__file__, width, device, graphs)
+        with proc:
+            d = worker_stats(address)["drafter"]
+            client = DrafterClient(RemoteTransport(address, "tcp", Manifest()), f"64:{d['max_depth']}",
+                                   deadline_s=30.0, row_dtype="bfloat16")
+            try:  # a bf16 target's rows
+                r = drive_rounds(client, batch, rounds, d["max_depth"], d["vocab_size"], d["feature"],
+                                 "sync", 0.0, row_dtype="bfloat16")
+            finally:
+                client.close()
+            in_draft = worker_stats(address)["draft_p50_ms"]
+        tcp = r["drafting"]["p50_ms"]
+        rows.append({"batch": batch, "tcp_p50_ms": tcp, "worker_draft_p50_ms": in_draft,
+                     "worker_own_ms": round(tcp - in_draft, 3),
+                     "request_bytes_per_round": r["request_bytes_per_round"]})
+        print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
 def round_options(description: str, out: str, rounds: int = 30) -> argparse.ArgumentParser:
     """The options every round benchmark in this folder takes: --out, --batches, --rounds."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,14 +215,29 @@ def round_options(description: str, out: str, rounds: int = 30) -> argparse.Argu
 
 
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--serve"]:
+        serve(*sys.argv[2:5])
+        return 0
     ap = round_options(__doc__, "dsv41-gpu.json")
     ap.add_argument("--device", default="cuda", help="cuda (the GPU tier), or cpu with --width tiny "
                     "(a smoke run of this script) (default: %(default)s)")
     ap.add_argument("--width", default="flash", choices=["flash", "tiny"],
                     help="flash: the estimated V4.1-Flash drafter; tiny: the test checkpoint's sizes")
+    ap.add_argument("--own-process", action="store_true",
+                    help="only the round over tcp with the worker in its own process (above)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
+    if args.own_process:
+        graphs = "graphs" if cuda else "eager"
+        rows = measure_own_process(args.width, args.device, graphs, batches, args.rounds)
+        with open(args.out, "w") as f:
+            json.dump({"width": args.width, "device": args.device, "rounds_as": graphs,
+                       "worker_own_process": rows}, f, indent=1)
+        print("batch | over tcp p50 | the worker's draft p50 | worker's own cost (ms)")
+        for r in rows:
+            print(f"{r['batch']:>5} | {r['tcp_p50_ms']:>12.2f} | {r['worker_draft_p50_ms']:>22.2f} | {r['worker_own_ms']:.2f}")
+        return 0
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     if cuda:
         print("== tiny checkpoint: CPU vs CUDA float32", file=sys.stderr, flush=True)

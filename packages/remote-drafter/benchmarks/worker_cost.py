@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dsv41_gpu import random_drafter, random_rounds, round_options  # noqa: E402
+from dsv41_gpu import random_drafter, random_rounds, round_options, worker_process  # noqa: E402
 
 from remote_drafter.bench import drive_rounds  # noqa: E402
 from remote_drafter.engine import client as client_module  # noqa: E402
@@ -104,16 +103,6 @@ def serve(row_dtype: str) -> None:
         sys.stdin.read()
 
 
-def worker_process(row_dtype: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", row_dtype], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    address = proc.stdout.readline().strip()
-    if not address:
-        proc.kill()
-        raise RuntimeError(f"the worker process exited ({proc.wait()}) before serving")
-    return proc, address
-
-
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2])
@@ -125,7 +114,7 @@ def main(argv=None) -> int:
     # on both hosts (cast for the wire and back), the same bf16 on the wire both ways
     for row_dtype in ("bfloat16", "float32"):
         d = stub_drafter(row_dtype)
-        proc, apart = worker_process(row_dtype)
+        proc, apart = worker_process(__file__, row_dtype)
         with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker, proc:
             for batch in (int(b) for b in args.batches.split(",")):
                 for via in ("local", "tcp", "tcp_process"):

@@ -284,6 +284,19 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     assert row["tcp_worker_own_ms"] == round(row["tcp_p50_ms"] - row["tcp_inside_draft_p50_ms"], 3)
 
 
+def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
+    """dsv41_gpu.py --own-process: the worker in a process of its own (as deployed) per batch,
+    its draft p50 read from its status, the process waited for once its figure is taken."""
+    import json
+    out = tmp_path / "p.json"
+    assert benchmark_script("dsv41_gpu").main(["--own-process", "--device", "cpu", "--width", "tiny",
+                                               "--batches", "1", "--rounds", "3", "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["worker_own_process"]
+    assert row["batch"] == 1 and row["tcp_p50_ms"] > 0 and row["worker_draft_p50_ms"] > 0
+    assert row["worker_own_ms"] == round(row["tcp_p50_ms"] - row["worker_draft_p50_ms"], 3)
+    assert row["request_bytes_per_round"] > 0
+
+
 def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
     timed, local, over tcp to a worker thread and to a worker process (there the client's
