@@ -55,6 +55,12 @@ def test_rows_are_copied_once_into_blocks_and_bounded_by_the_window():
         assert newest[:, 0].tolist() == [float(i)] * k
         assert len(c) == 5 and c.count - len(c.chunks[0]) < 5 and len(c.chunks) <= 3  # bounded
     assert c.view()[:, 0].tolist() == [37.0, 37.0, 38.0, 39.0, 39.0] and c.newest(3)[:, 0].tolist() == [38.0, 39.0, 39.0]
+    two = Chunks(5, (1,), np.dtype(np.float32))
+    two.append(np.arange(4, dtype=np.float32)[:, None])
+    two.append(np.arange(4, 7, dtype=np.float32)[:, None])  # does not fit the first block
+    straddling = two.newest(4)  # one row of the first block, three of the second: joined
+    assert len(two.chunks) == 2 and straddling[:, 0].tolist() == [3.0, 4.0, 5.0, 6.0]
+    assert not straddling.flags.writeable and two.view()[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]
     c.append(np.full((9, 2), 50.0, np.float32))  # more than it keeps: the newest five
     assert c.view()[:, 0].tolist() == [50.0] * 5 and len(c.chunks) == 1
     assert not c.view().flags.writeable and not c.newest(2).flags.writeable

@@ -110,9 +110,20 @@ class Chunks:
             self.count -= len(self.chunks.pop(0))
 
     def newest(self, k: int) -> np.ndarray:
+        """The newest k rows: a view when they lie in one block, else a join of just them."""
         k = min(k, len(self))
         last = self.chunks[-1] if self.chunks else self.empty
-        return last[len(last) - k:] if k <= len(last) else self.view()[len(self) - k:]
+        if k <= len(last):
+            return last[len(last) - k:]
+        parts, need = [], k
+        for chunk in reversed(self.chunks):
+            parts.append(chunk[max(len(chunk) - need, 0):])
+            need -= len(parts[-1])
+            if not need:
+                break
+        joined = np.concatenate(parts[::-1])
+        joined.flags.writeable = False
+        return joined
 
     def view(self) -> np.ndarray:
         if len(self.chunks) == 1:
