@@ -126,13 +126,7 @@ class Chunks:
         return joined
 
     def view(self) -> np.ndarray:
-        if len(self.chunks) == 1:
-            return self.chunks[0][self.count - self.kept:]
-        if not self.chunks:
-            return self.empty
-        joined = np.concatenate(self.chunks)[self.count - self.kept:]
-        joined.flags.writeable = False
-        return joined
+        return self.newest(self.kept)
 
 
 class Lineage:
