@@ -108,7 +108,7 @@ def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
                for n, (s, _) in table.items() if n not in linears}
     sizes = {n: t.numel() * t.element_size() for n, t in weights.items()}
     for name, m in linears.items():
-        sizes[name] = sum(x.stored_bytes for x in ([m] if isinstance(m, exl3.Exl3Linear) else m.groups))
+        sizes[name] = m.stored_bytes
     return Dsv41Model(config, weights, "cuda", linears=linears), sizes
 
 
@@ -120,8 +120,7 @@ def exl3_head_rounds(model: Dsv41Model, manifest, sizes, floors, batches, rounds
     shape = weight_table(model.config)["head.weight"][0]
     model.head.proj = random_exl3(shape, HEAD_BITS, torch.Generator(device="cuda").manual_seed(2), "cuda")
     change = model.head.proj.stored_bytes - sizes["head.weight"]
-    head_floors = [floor_entry(f["experts_chosen_per_layer"], f["routed_expert_bytes"], f["other_bytes"] + change,
-                               bandwidth) for f in floors]
+    head_floors = shifted(floors, [change] * len(floors), bandwidth)
     try:
         drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
         return rounds_of(drafter, sizes, batches, rounds, bandwidth, head_floors)
@@ -158,6 +157,22 @@ def round_floor(drafter: Dsv41Drafter, sizes: dict[str, int], batch: int, bandwi
     routed = sum(sizes[f"mtp.{j}.ffn.experts.{e}.{w}.weight"] for j, es in chosen.items()
                  for e in es for w in ("w1", "w3", "w2"))
     return floor_entry([len(chosen[j]) for j in sorted(chosen)], routed, fixed, bandwidth)
+
+
+def shifted(floors: list[dict], changes: list[int], bandwidth: float) -> list[dict]:
+    """The same rounds' floors with each one's other bytes changed (a weight served otherwise)."""
+    return [floor_entry(f["experts_chosen_per_layer"], f["routed_expert_bytes"], f["other_bytes"] + change,
+                        bandwidth) for f, change in zip(floors, changes)]
+
+
+def dense_floors(model: Dsv41Model, sizes: dict[str, int], floors: list[dict], batches: list[int],
+                 bandwidth: float) -> list[dict]:
+    """The floors of rounds whose EXL3 linears read their dense copies where the block's rows
+    take them (exl3_dense.py), in place of their trellises."""
+    def change(batch: int) -> int:
+        rows = batch * model.config.block_size
+        return sum(model.served[c.name].dense_bytes - sizes[c.name] for c in model.dense_exl3 if c.from_rows <= rows)
+    return shifted(floors, [change(b) for b in batches], bandwidth)
 
 
 def floor_entry(experts_chosen: list[int], routed: int, fixed: int, bandwidth: float) -> dict:
@@ -311,7 +326,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
     model, sizes = exl3_flash_model()
     tag = "random-flash-exl3"
     manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
-    per_matrix = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, fuse_experts=False)
+    per_matrix = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, fuse_experts=False, dense_mib=0)
     e = res["exl3_4"] = {"linear_bytes": sum(b for n, b in sizes.items() if n in model.served),
                          "per_matrix_eager": rounds_of(per_matrix, sizes, batches, max(3, rounds // 4), bandwidth)}
     reference = greedy_drafts(per_matrix, batches)
@@ -320,7 +335,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
               for r in e["per_matrix_eager"]]
     save()
     say("== EXL3 4 bits, fused experts, eager")
-    fused_eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False)
+    fused_eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, dense_mib=0)
     e["experts"] = fused_eager.experts
     if model.experts_fused:
         e["fused_eager"] = rounds_of(fused_eager, sizes, batches, rounds, bandwidth, floors)
@@ -330,15 +345,25 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         say("== one MoE layer: ours vs exllamav3's BlockSparseMLP")
         res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
         save()
-        say("== EXL3 4 bits, fused experts, CUDA graphs")
+        say("== EXL3 4 bits, fused experts, CUDA graphs, exllamav3's kernels only (the dense copies' baseline)")
+        kernels_only = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, dense_mib=0)
+        e["rounds_kernels_only"] = rounds_of(kernels_only, sizes, batches, rounds, bandwidth, floors)
+        kernels_only_drafts = greedy_drafts(kernels_only, batches)
+        del kernels_only
+        save()
+        say("== EXL3 4 bits, fused experts, CUDA graphs, dense copies where faster (as served)")
         t0 = time.monotonic()
         graphed = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
-        e["graphs_capture_s"] = round(time.monotonic() - t0, 1)
+        e["graphs_capture_s"] = round(time.monotonic() - t0, 1)  # with the dense copies' timing
         e["graphs"] = graphed.describe()["cuda_graphs"]
+        e["dense"] = graphed.describe()["exl3_dense"]
+        say(f"    dense copies: {e['dense']}")
+        floors = dense_floors(model, sizes, floors, batches, bandwidth)
         e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
         e["round_kernels"] = graphed.describe()["round_kernels"]
         graphed_drafts = greedy_drafts(graphed, batches)
         e["graphs_vs_eager"] = draft_agreement(eager_drafts, graphed_drafts)
+        e["dense_vs_kernels_only"] = draft_agreement(kernels_only_drafts, graphed_drafts)
         say("== the same, the mixes and the top two in torch (the round kernels' baseline)")
         in_torch = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, round_kernels=False)
         e["rounds_torch_kernels"] = rounds_of(in_torch, sizes, batches, rounds, bandwidth, floors)
@@ -371,16 +396,18 @@ def print_table(res: dict) -> None:
     print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: "
           f"{e.get('experts')}; round kernels: {e.get('round_kernels')}")
     print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
-          "| graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
+          "| kernels only (x its floor) | graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
     def cell(rows, i, key, fmt="{:.2f}"):
         return fmt.format(rows[i][key]) if rows and i < len(rows) and key in rows[i] else "-"
     for i, b in enumerate(res["batches"]):
         def at(rows, key, fmt="{:.2f}", i=i):
             return cell(rows, i, key, fmt)
         g, bf, hd = e.get("rounds"), res.get("bf16", {}).get("rounds"), e.get("rounds_exl3_head")
+        ko = e.get("rounds_kernels_only")
         print(f"{b:5d} | {at(e.get('per_matrix_eager'), 'p50_ms'):>15} | {at(e.get('fused_eager'), 'p50_ms'):>16} | "
               f"{at(g, 'p50_ms'):>13} / {at(g, 'p99_ms'):<12} | {at(g, 'floor_ms', '{:.3f}')} "
               f"({at(g, 'rtx3090_floor_ms_estimate', '{:.2f}')}) | {at(g, 'p50_over_floor', '{}'):>7} | "
+              f"{at(ko, 'p50_ms'):>12} ({at(ko, 'p50_over_floor', '{}')}) | "
               f"{at(e.get('rounds_torch_kernels'), 'p50_ms'):>15} | "
               f"{at(hd, 'p50_ms'):>14} ({at(hd, 'p50_over_floor', '{}')}) | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
     tcp, eager = res.get("worker_tcp", {}).get("rounds"), res.get("worker_tcp_encode_eager", {}).get("rounds")

@@ -1,7 +1,8 @@
 """GPU tier (CUDA and exllamav3; CI has neither and skips it: `benchmarks/gpu.sh` with
 ONLY_DRAFTER_ROUND=tests runs it on an H200 with the [exl3] extra's wheels carried): DeepSeek's
 drafter's EXL3 experts through exllamav3's fused kernels against the per-matrix path, on the
-same tiny pack, at row counts that take each tier."""
+same tiny pack, at row counts that take each tier; and the dense copies of the other EXL3
+linears (models/exl3_dense.py) against their kernels."""
 
 import copy
 
@@ -168,3 +169,69 @@ def test_two_slices_of_a_pack_each_read_their_experts_and_sum_to_the_whole(pack)
             got = ranks[0].layers[j].moe(x).float() + ranks[1].layers[j].moe(x).float()
             error = float((got - want).norm() / want.norm())
             assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
+
+
+def fused_model(pack: str) -> Dsv41Model:
+    """A model of its own EXL3 linears (dense copies are held per linear), experts fused."""
+    loaded = exl3_pack.load(pack, torch.bfloat16, DEVICE)
+    model = Dsv41Model(loaded.config, loaded.weights, DEVICE, linears=loaded.linears)
+    assert model.fuse_exl3_experts() is None
+    return model
+
+
+def test_a_dense_copy_gives_the_kernels_product_from_its_row_count_up(pack):
+    """Every EXL3 linear outside the experts (wo_a's groups as one): exllamav3's reconstruction
+    as a dense GEMM gives the kernel's product, and keep_dense(R) takes it from R rows up."""
+    model = fused_model(pack)
+    outside = {n: m for n, m in model.served.items() if ".ffn." not in n}
+    assert any(isinstance(m, exl3.Exl3Groups) for m in outside.values())
+    for name, linear in outside.items():
+        dense = linear.dense()
+        assert dense.dtype == torch.half and dense.numel() * 2 == linear.dense_bytes
+        for rows in (1, 5, 80):
+            x = linear.probe(rows)
+            want, got = linear.run(x, None).float(), linear.run(x, dense).float()
+            err = float((got - want).norm() / want.norm())
+            assert got.shape == want.shape and err < 1e-2, (name, rows, err)
+        took, run = [], linear.run
+        linear.run = lambda x, weight, run=run, took=took: took.append(weight is not None) or run(x, weight)
+        linear.keep_dense(5)
+        for rows in (1, 4, 5, 80):
+            linear(linear.probe(rows))
+        assert took == [False, False, True, True], name
+
+
+def test_dense_copies_chosen_at_start_up_fit_their_budget_stay_and_draft_as_the_kernels(pack):
+    manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
+    chosen_model = fused_model(pack)
+    budget_mib = 1
+    d = Dsv41Drafter(chosen_model, manifest, DEVICE, cuda_graphs=None, dense_mib=budget_mib)
+    status = d.describe()["exl3_dense"]
+    print(f"tiny pack, dense copies chosen within {budget_mib} MiB: {status}")
+    assert status["bytes"] <= budget_mib << 20
+    for name, from_rows in status["from_rows"].items():
+        linear = chosen_model.served[name]
+        assert linear.dense_weight is not None and linear.dense_from == from_rows and ".ffn." not in name
+    again = Dsv41Drafter(chosen_model, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
+    assert again.describe()["exl3_dense"] == status  # kept: the first drafter's graphs read them
+    # every copy forced from one row up, in graphs, against the kernels alone
+    kernels, dense = fused_model(pack), fused_model(pack)
+    for name, linear in dense.served.items():
+        if ".ffn." not in name:
+            linear.keep_dense(1)
+    by_kernels = Dsv41Drafter(kernels, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
+    by_dense = Dsv41Drafter(dense, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
+    assert by_kernels.describe()["exl3_dense"] == {"bytes": 0, "from_rows": {}}
+    rng = np.random.default_rng(5)
+    a, b = [], []
+    for batch in (1, 4, 16):
+        requests = []
+        for _ in range(batch):
+            h = by_kernels.new_history()
+            n = int(rng.integers(2, 160))
+            h.reset(rng.integers(0, by_kernels.vocab_size, n).astype(np.int32),
+                    rng.standard_normal((n - 1, by_kernels.feature)).astype(np.float32))
+            requests.append(DraftRequest(h, by_kernels.max_depth))
+        a += by_kernels.draft(requests, True)
+        b += by_dense.draft(requests, True)
+    assert_near_ties_only(draft_agreement(a, b), "dense copies vs exllamav3's kernels, graphs")

@@ -87,6 +87,14 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "through exllamav3's fused kernels (the chosen experts only, no host read of the routing), "
     "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
     "(per matrix: each served expert on every row).")
+REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
+    "REMOTE_DRAFTER_EXL3_DENSE_MIB", "1024",
+    "Worker, dsv41 drafter with EXL3 weights on CUDA: GPU memory (MiB) for dense fp16 copies of "
+    "the quantised linears outside the experts (attention, the taps' projection, an EXL3 head). "
+    "At start-up each is timed against exllamav3's kernel at the row counts the rounds run; a "
+    "copy serves from the row count where it is faster, those saving the most time per byte "
+    "first, within this budget (status `exl3_dense`). Same weights, more bytes read: it pays "
+    "where the GPU's arithmetic, not its memory, bounds the kernel. 0 = the kernels only.")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
@@ -105,7 +113,7 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_STANDBYS, REMOTE_DRAFTER_BACKEND, 
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
        REMOTE_DRAFTER_LOCK_DIR, REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT,
        REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF,
-       REMOTE_DRAFTER_CUDA_GRAPHS]
+       REMOTE_DRAFTER_CUDA_GRAPHS, REMOTE_DRAFTER_EXL3_DENSE_MIB]
 
 
 def capacity_mode() -> bool:

@@ -181,7 +181,8 @@ def stored_sizes(trellis: torch.Tensor) -> tuple[int, int]:
 
 class Exl3Linear(nn.Module):
     """x @ W.T with W in EXL3 form: exllamav3's LinearEXL3 on fp16 rows (its kernels' input),
-    the result back in x's dtype."""
+    the result back in x's dtype. From `dense_from` rows up (keep_dense; exl3_dense.py picks
+    where), a dense fp16 GEMM over exllamav3's reconstruction of the same W instead."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                  device: str):
@@ -197,6 +198,9 @@ class Exl3Linear(nn.Module):
                                     suh=t["suh"], svh=t["svh"], trellis=t["trellis"],
                                     mcg=t.get("mcg"), mul1=t.get("mul1"), out_dtype=torch.half)
         self.stored_bytes = sum(v.numel() * v.element_size() for v in t.values())
+        self.device = t["trellis"].device
+        self.dense_weight: torch.Tensor | None = None
+        self.dense_from: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.half_rows(x.reshape(-1, x.shape[-1]).half())
@@ -204,29 +208,84 @@ class Exl3Linear(nn.Module):
 
     def half_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """fp16 rows [N, in] -> fp16 [N, out] (no casts: the caller's)."""
+        dense = self.dense_from is not None and rows.shape[0] >= self.dense_from
+        return self.run(rows, self.dense_weight if dense else None)
+
+    def run(self, rows: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        """fp16 rows [N, in] through exllamav3's kernel, or (dense: this linear's dense()) a GEMM."""
+        if dense is not None:
+            return F.linear(rows, dense)
         if self.in_stored != self.in_features:
             rows = F.pad(rows, (0, self.in_stored - self.in_features))
         return self.inner.forward(rows.contiguous(), {})[:, :self.out_features]
+
+    def probe(self, rows: int) -> torch.Tensor:
+        """Random fp16 input of `rows` rows, as run takes it."""
+        return random_half((rows, self.in_features), self.device)
 
     def dense(self) -> torch.Tensor:
         """W [out, in] as exllamav3 reconstructs it (fp16)."""
         return self.inner.get_weight_tensor()[:self.in_features, :self.out_features].T.contiguous()
 
+    def keep_dense(self, from_rows: int) -> None:
+        """Hold dense() and take it from `from_rows` rows up. Held for good: a CUDA graph
+        captured over it reads its memory."""
+        if self.dense_weight is None:
+            self.dense_weight = self.dense()
+        self.dense_from = from_rows
+
+    @property
+    def dense_bytes(self) -> int:
+        return 2 * self.in_features * self.out_features
+
 
 class Exl3Groups(nn.Module):
     """A grouped projection (DeepSeek's wo_a): group g's rows through its own EXL3 linear, as
-    exllamav3 stores wo_a (`wo_a.slice.<g>`); x [..., G, in] -> [..., G, out]."""
+    exllamav3 stores wo_a (`wo_a.slice.<g>`); x [..., G, in] -> [..., G, out]. From
+    `dense_from` rows up, one batched GEMM over every group's reconstruction instead."""
 
     def __init__(self, groups: list[Exl3Linear]):
         super().__init__()
         self.groups = nn.ModuleList(groups)
+        self.stored_bytes = sum(g.stored_bytes for g in groups)
+        self.dense_weight: torch.Tensor | None = None
+        self.dense_from: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One cast to fp16 in and one back for all groups (not one each way per group)."""
-        x16 = x.half()
-        y = torch.stack([g.half_rows(x16[..., i, :].reshape(-1, x.shape[-1]))
-                         for i, g in enumerate(self.groups)], -2)
+        x16 = x.half().reshape(-1, *x.shape[-2:])
+        dense = self.dense_from is not None and x16.shape[0] >= self.dense_from
+        y = self.run(x16, self.dense_weight if dense else None)
         return y.to(x.dtype).reshape(*x.shape[:-2], len(self.groups), -1)
+
+    def run(self, x16: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        """fp16 [N, G, in] -> [N, G, out], each group through its kernel, or (dense: dense()) one bmm."""
+        if dense is not None:
+            return torch.einsum("ngi,goi->ngo", x16, dense)
+        return torch.stack([g.run(x16[:, i], None) for i, g in enumerate(self.groups)], -2)
+
+    def probe(self, rows: int) -> torch.Tensor:
+        g = self.groups[0]
+        return random_half((rows, len(self.groups), g.in_features), g.device)
+
+    def dense(self) -> torch.Tensor:
+        """Every group's W [G, out, in] (fp16)."""
+        return torch.stack([g.dense() for g in self.groups])
+
+    def keep_dense(self, from_rows: int) -> None:
+        if self.dense_weight is None:
+            self.dense_weight = self.dense()
+        self.dense_from = from_rows
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(g.dense_bytes for g in self.groups)
+
+
+def random_half(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A fixed random fp16 input of `shape` (exl3_dense.py times the two paths on it)."""
+    gen = torch.Generator(device=device).manual_seed(shape[0])
+    return torch.randn(shape, generator=gen, device=device).half()
 
 
 def linear_from(state: dict[str, torch.Tensor], module: str, shape: tuple[int, int],

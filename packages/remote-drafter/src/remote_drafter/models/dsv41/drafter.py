@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from remote_drafter import env
 from remote_drafter.engine.identity import Manifest, target_digest, tokenizer_digest
 from remote_drafter.engine.sampling import is_greedy
-from remote_drafter.models import exl3
+from remote_drafter.models import exl3, exl3_dense
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
 from remote_drafter.models.pick import Picker, chain_arrays, split
@@ -43,17 +43,27 @@ GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds 
 ENCODE_BUCKETS = [4, 16, 64, 256]
 
 
+def dense_budget_mib() -> int:
+    """REMOTE_DRAFTER_EXL3_DENSE_MIB, checked."""
+    text = env.REMOTE_DRAFTER_EXL3_DENSE_MIB.get().strip()
+    if not text.isdigit():
+        raise ValueError(f"REMOTE_DRAFTER_EXL3_DENSE_MIB={text!r}: a whole number of MiB "
+                         "(0: exllamav3's kernels only)")
+    return int(text)
+
+
 class Dsv41Drafter(Drafter):
     kind = "dsv41"
 
     def __init__(self, model: Dsv41Model, manifest: Manifest, device="cpu",
                  confidence_cutoff: float = 0.0, cuda_graphs: bool | None = False,
-                 fuse_experts: bool = True, round_kernels: bool = True):
+                 fuse_experts: bool = True, round_kernels: bool = True, dense_mib: int | None = None):
         """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
         expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
         baseline the fused kernels are measured against). round_kernels False: the
         hyper-connection mixes, RoPE, the norms and the greedy chain's top two in torch on
-        CUDA too (the baseline of kernels.py)."""
+        CUDA too (the baseline of kernels.py). dense_mib: the budget of EXL3 linears' dense
+        copies (default REMOTE_DRAFTER_EXL3_DENSE_MIB; 0: exllamav3's kernels only)."""
         c = model.config
         if confidence_cutoff > 0 and model.confidence is None:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -83,12 +93,26 @@ class Dsv41Drafter(Drafter):
             if why:
                 log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
             self.experts = "exl3 fused" if why is None else f"exl3 per matrix ({why})"
+            self._keep_dense(dense_mib)
         if cuda_graphs is None:
             cuda_graphs = not model.served or model.experts_fused
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
             self.prepare_graphs()
             self._forward.capture(GRAPH_BATCHES, self._blank)
             self._encode_rows.capture(ENCODE_BUCKETS, self._blank_rows)
+
+    def _keep_dense(self, mib: int | None) -> None:
+        """Dense copies of EXL3 linears where they are faster here, measured at the row counts
+        this drafter's captured rounds and encodings run (before the capture, which bakes
+        them in)."""
+        if mib is None:
+            mib = dense_budget_mib()
+        rows = [b * self.max_depth for b in GRAPH_BATCHES] + ENCODE_BUCKETS
+        chosen = self.model.keep_dense_exl3(rows, mib << 20)
+        if chosen:
+            log.info("EXL3: %d linears also hold dense fp16 copies (%.0f MiB), faster on this GPU "
+                     "from %d rows", len(chosen), sum(c.nbytes for c in chosen) / 2**20,
+                     min(c.from_rows for c in chosen))
 
     def prepare_graphs(self) -> None:
         """Experts whose round a CUDA graph can hold (no host read of the routing): dense
@@ -183,6 +207,7 @@ class Dsv41Drafter(Drafter):
         return {**super().describe(), "confidence_head": self.model.confidence is not None,
                 "confidence_cutoff": self.confidence_cutoff,
                 "experts": self.experts, "round_kernels": self.round_kernels,
+                "exl3_dense": exl3_dense.describe(self.model.dense_exl3) if self.model.served else "no EXL3 weights",
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)",
                 "encode_graphs": sorted(self._encode_rows.graphs) or "off (eager)"}
 

@@ -93,6 +93,7 @@ class Dsv41Model(Module):
         self.head = Head(numerics, source, last_stage(config))
         self.markov = MarkovHead(numerics, source, markov_names(config))
         self.confidence = ConfidenceHead(numerics, source, confidence) if confidence in table else None
+        self.dense_exl3: list = []  # exl3_dense.Choice of each EXL3 linear holding a dense copy
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,6 +196,18 @@ class Dsv41Model(Module):
     @property
     def experts_fused(self) -> bool:
         return all(layer.moe.experts.includes_shared for layer in self.layers)
+
+    def keep_dense_exl3(self, row_counts: list[int], budget_bytes: int) -> list:
+        """The EXL3 linears outside the experts (attention, the taps' projection, an EXL3 head)
+        hold a dense fp16 copy where it measured faster on this GPU at `row_counts`, within
+        `budget_bytes` in all (exl3_dense.py). Copies chosen before stay: another drafter's
+        CUDA graphs may read them."""
+        from remote_drafter.models import exl3_dense
+        held = sum(c.nbytes for c in self.dense_exl3)
+        open_ = {n: m for n, m in self.served.items()
+                 if ".ffn." not in n and hasattr(m, "keep_dense") and m.dense_weight is None}
+        self.dense_exl3 += exl3_dense.choose(open_, row_counts, budget_bytes - held)
+        return self.dense_exl3
 
     def stack_experts(self) -> str | None:
         """Every layer's dense experts stacked, the chosen ones in grouped GEMMs where those

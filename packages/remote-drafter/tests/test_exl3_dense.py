@@ -1,0 +1,76 @@
+"""Which EXL3 linears keep a dense copy (models/exl3_dense.py), on measured times: the
+choice alone, on the CPU (the timing and the copies themselves run on CUDA:
+tests/test_exl3_experts_gpu.py, by benchmarks/gpu.sh with ONLY_DRAFTER_ROUND=tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+
+from remote_drafter.models import exl3_dense  # noqa: E402
+from remote_drafter.models.dsv41.drafter import dense_budget_mib  # noqa: E402
+
+
+class Linear:
+    """A linear as choose sees it: its dense copy's size, and where keep_dense put it."""
+
+    def __init__(self, nbytes: int, times: dict[int, tuple[float, float]]):
+        self.dense_bytes, self.times, self.kept, self.timed = nbytes, times, None, 0
+
+    def keep_dense(self, from_rows: int) -> None:
+        self.kept = from_rows
+
+
+def timing(linear: Linear, counts: list[int]) -> dict[int, tuple[float, float]]:
+    linear.timed += 1
+    return {rows: linear.times[rows] for rows in counts}
+
+
+def test_a_copy_serves_from_the_fewest_rows_where_it_wins_at_every_count_above():
+    assert exl3_dense.threshold({5: (1.0, 2.0), 20: (1.0, 0.5), 80: (2.0, 0.6)}) == 20
+    assert exl3_dense.threshold({5: (1.0, 0.5), 20: (1.0, 0.5), 80: (2.0, 0.6)}) == 5
+    # faster at few rows but not at the most: no copy (an eager round above the buckets would lose)
+    assert exl3_dense.threshold({5: (1.0, 0.5), 80: (1.0, 1.5)}) is None
+    # a win inside the margin is not worth the memory
+    assert exl3_dense.threshold({5: (1.0, 0.95), 80: (1.0, 0.95)}) is None
+    # a loss below a win cuts the range there
+    assert exl3_dense.threshold({4: (1.0, 0.1), 16: (1.0, 2.0), 64: (1.0, 0.1)}) == 64
+
+
+def test_the_copies_saving_most_per_byte_are_kept_within_the_budget():
+    linears = {
+        "wide": Linear(600, {5: (1.0, 2.0), 80: (3.0, 1.0)}),       # saves 2.0 ms for 600 B
+        "dense": Linear(100, {5: (1.0, 0.5), 80: (2.0, 1.0)}),      # saves 1.5 ms for 100 B
+        "mid": Linear(500, {5: (1.0, 0.2), 80: (1.0, 0.2)}),        # saves 1.6 ms for 500 B
+        "never": Linear(50, {5: (1.0, 1.2), 80: (1.0, 1.1)}),       # never wins
+        "huge": Linear(10_000, {5: (9.0, 0.1), 80: (9.0, 0.1)}),    # larger than the budget
+    }
+    chosen = exl3_dense.choose(linears, [80, 5, 5], 1000, timing)
+    # per byte: dense 0.015, mid 0.0032, wide 0.0033 -> dense, wide; mid no longer fits
+    assert [c.name for c in chosen] == ["dense", "wide"]
+    assert {n: lin.kept for n, lin in linears.items()} == \
+        {"wide": 80, "dense": 5, "mid": None, "never": None, "huge": None}
+    assert chosen[1] == exl3_dense.Choice("wide", 80, 2.0, 600)
+    assert linears["huge"].timed == 0  # not even timed: it could never fit
+    assert all(lin.timed == 1 for n, lin in linears.items() if n != "huge")  # all counts in one call
+    assert exl3_dense.describe(chosen) == {"bytes": 700, "from_rows": {"dense": 5, "wide": 80}}
+
+
+def test_a_zero_budget_keeps_no_copy_and_times_nothing():
+    lin = Linear(100, {5: (1.0, 0.1)})
+    assert exl3_dense.choose({"a": lin}, [5], 0, timing) == []
+    assert lin.kept is None and lin.timed == 0
+
+
+@pytest.mark.parametrize("value, want", [("1024", 1024), ("0", 0), (" 64 ", 64)])
+def test_the_budget_variable_reads_whole_mib(monkeypatch, value, want):
+    monkeypatch.setenv("REMOTE_DRAFTER_EXL3_DENSE_MIB", value)
+    assert dense_budget_mib() == want
+
+
+@pytest.mark.parametrize("value", ["1.5", "-1", "lots", ""])
+def test_a_bad_budget_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("REMOTE_DRAFTER_EXL3_DENSE_MIB", value)
+    with pytest.raises(ValueError, match="REMOTE_DRAFTER_EXL3_DENSE_MIB=.*whole number of MiB"):
+        dense_budget_mib()
