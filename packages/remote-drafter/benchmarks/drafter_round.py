@@ -165,13 +165,12 @@ def shifted(floors: list[dict], changes: list[int], bandwidth: float) -> list[di
                         bandwidth) for f, change in zip(floors, changes)]
 
 
-def dense_floors(model: Dsv41Model, sizes: dict[str, int], floors: list[dict], batches: list[int],
-                 bandwidth: float) -> list[dict]:
+def dense_floors(model: Dsv41Model, floors: list[dict], batches: list[int], bandwidth: float) -> list[dict]:
     """The floors of rounds whose EXL3 linears read their dense copies where the block's rows
     take them (exl3_dense.py), in place of their trellises."""
     def change(batch: int) -> int:
         rows = batch * model.config.block_size
-        return sum(model.served[c.name].dense_bytes - sizes[c.name] for c in model.dense_exl3 if c.from_rows <= rows)
+        return sum(c.nbytes - c.stored_bytes for c in model.dense_exl3 if c.from_rows <= rows)
     return shifted(floors, [change(b) for b in batches], bandwidth)
 
 
@@ -358,7 +357,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         e["graphs"] = graphed.describe()["cuda_graphs"]
         e["dense"] = graphed.describe()["exl3_dense"]
         say(f"    dense copies: {e['dense']}")
-        floors = dense_floors(model, sizes, floors, batches, bandwidth)
+        floors = dense_floors(model, floors, batches, bandwidth)
         e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
         e["round_kernels"] = graphed.describe()["round_kernels"]
         graphed_drafts = greedy_drafts(graphed, batches)

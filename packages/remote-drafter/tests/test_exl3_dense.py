@@ -16,7 +16,8 @@ class Linear:
     """A linear as choose sees it: its dense copy's size, and where keep_dense put it."""
 
     def __init__(self, nbytes: int, times: dict[int, tuple[float, float]]):
-        self.dense_bytes, self.times, self.kept, self.timed = nbytes, times, None, 0
+        self.dense_bytes, self.stored_bytes = nbytes, nbytes // 4
+        self.times, self.kept, self.timed = times, None, 0
 
     def keep_dense(self, from_rows: int) -> None:
         self.kept = from_rows
@@ -51,7 +52,7 @@ def test_the_copies_saving_most_per_byte_are_kept_within_the_budget():
     assert [c.name for c in chosen] == ["dense", "wide"]
     assert {n: lin.kept for n, lin in linears.items()} == \
         {"wide": 80, "dense": 5, "mid": None, "never": None, "huge": None}
-    assert chosen[1] == exl3_dense.Choice("wide", 80, 2.0, 600)
+    assert chosen[1] == exl3_dense.Choice("wide", 80, 2.0, 600, 150)
     assert linears["huge"].timed == 0  # not even timed: it could never fit
     assert all(lin.timed == 1 for n, lin in linears.items() if n != "huge")  # all counts in one call
     assert exl3_dense.describe(chosen) == {"bytes": 700, "from_rows": {"dense": 5, "wide": 80}}

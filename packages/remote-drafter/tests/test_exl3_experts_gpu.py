@@ -180,17 +180,20 @@ def fused_model(pack: str) -> Dsv41Model:
 
 
 def test_a_dense_copy_gives_the_kernels_product_from_its_row_count_up(pack):
-    """Every EXL3 linear outside the experts (wo_a's groups as one): exllamav3's reconstruction
-    as a dense GEMM gives the kernel's product, and keep_dense(R) takes it from R rows up."""
+    """Every EXL3 linear outside the routed experts (wo_a's groups as one, each fused layer's
+    shared expert as one): exllamav3's reconstruction in dense GEMMs gives the kernels'
+    product, and keep_dense(R) takes it from R rows up."""
     model = fused_model(pack)
     outside = {n: m for n, m in model.served.items() if ".ffn." not in n}
     assert any(isinstance(m, exl3.Exl3Groups) for m in outside.values())
+    outside.update({f"shared {j}": layer.moe.fused_shared() for j, layer in enumerate(model.layers)})
+    assert all(m is not None for m in outside.values())
     for name, linear in outside.items():
         dense = linear.dense()
-        assert dense.dtype == torch.half and dense.numel() * 2 == linear.dense_bytes
-        for rows in (1, 5, 80):
+        assert sum(w.numel() * 2 for w in (dense if isinstance(dense, tuple) else [dense])) == linear.dense_bytes
+        for rows in (1, 5, 80, COOP_SLOTS + 3):
             x = linear.probe(rows)
-            want, got = linear.run(x, None).float(), linear.run(x, dense).float()
+            want, got = linear.run(x, None).float().clone(), linear.run(x, dense).float()
             err = float((got - want).norm() / want.norm())
             assert got.shape == want.shape and err < 1e-2, (name, rows, err)
         took, run = [], linear.run

@@ -27,13 +27,15 @@ class Choice:
     from_rows: int      # the dense copy serves from this many rows up
     saved_ms: float     # kernel minus dense time, summed over the measured row counts it serves
     nbytes: int         # the dense copy's size
+    stored_bytes: int   # the EXL3 weights' size (what the kernel reads instead)
 
 
 Timing = Callable[[object, list[int]], dict[int, tuple[float, float]]]  # {rows: (kernel ms, dense ms)}
 
 
 def time_paths(linear, counts: list[int]) -> dict[int, tuple[float, float]]:
-    """Milliseconds a call of `linear` (exl3.Exl3Linear or Exl3Groups) takes at each row count
+    """Milliseconds a call of `linear` (exl3.Exl3Linear, Exl3Groups or exl3_experts'
+    Exl3SharedExpert: probe, run, dense, keep_dense) takes at each row count
     through exllamav3's kernel and as a dense GEMM, each the mean of REPEATS calls after WARMUP."""
     dense, times = linear.dense(), {}
     for rows in counts:
@@ -77,7 +79,7 @@ def choose(linears: dict[str, object], row_counts: Iterable[int], budget_bytes: 
         from_rows = threshold(times)
         if from_rows is not None:
             saved = sum(k - d for rows, (k, d) in times.items() if rows >= from_rows)
-            candidates.append(Choice(name, from_rows, saved, linear.dense_bytes))
+            candidates.append(Choice(name, from_rows, saved, linear.dense_bytes, linear.stored_bytes))
     chosen, left = [], budget_bytes
     for c in sorted(candidates, key=lambda c: c.saved_ms / c.nbytes, reverse=True):
         if c.nbytes <= left:

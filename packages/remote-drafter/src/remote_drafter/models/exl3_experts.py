@@ -6,8 +6,8 @@ the routing on the host and launches three kernels per chosen expert).
 Two tiers, as exllamav3's own BlockSparseMLP has them, both reading each chosen expert's
 weights once per call:
 * up to COOP_SLOTS routed slots (rows x top-k): `exl3_moe_coop`, gate/up, activation, down
-  and the weighted sum in two launches; the shared expert is a one-expert launch whose
-  output the routed launch adds;
+  and the weighted sum in two launches; the shared expert is a one-expert launch (or, where
+  it measured faster, three dense GEMMs: exl3_dense.py) whose output the routed launch adds;
 * more rows: `exl3_moe` over the assignments sorted by expert, then `exl3_moe_gather` sums
   each row's slots in a fixed order (deterministic), the shared expert added after.
 The routing stays the model's (dsv41/modules/moe.py MoE.route); its weights go in as fp16, as exllamav3's
@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
-from .exl3 import Exl3Linear, load_exllamav3
+from .exl3 import Exl3Linear, load_exllamav3, random_half
 
 SILU = 0  # exllamav3's MOE_COOP_ACT_SILU == MOE_ACT_SILU
 COOP_SLOTS = 256  # exl3_moe_coop's scratch holds 1..256 slots
@@ -85,6 +86,64 @@ class _CoopScratch:
         self.out = torch.empty(rows, width, **f32)
 
 
+def _coop(projections, scratch: _CoopScratch, x, sel, rw, shared, limit: float) -> None:
+    gate, up, down = projections
+    _ext().exl3_moe_coop(
+        x, sel, rw, -1, -1, gate.in_stored, *gate.tables, *up.tables, *down.tables, None, None, None,
+        gate.bits, up.bits, down.bits, gate.mcg, gate.mul1, SILU, limit, True,
+        scratch.had_g, scratch.had_u, scratch.gu_g, scratch.gu_u, scratch.act, scratch.d_out,
+        scratch.ctr, scratch.out, shared, None)
+
+
+class Exl3SharedExpert:
+    """A layer's shared expert on every row, fp16 x [rows, H] -> float32 [rows, H]: a
+    one-expert coop launch per COOP_SLOTS rows (its result in its buffers until the next
+    call), or from `dense_from` rows up (keep_dense: exl3_dense.py) three dense GEMMs over
+    exllamav3's reconstruction of its weights, with the kernels' activation."""
+
+    def __init__(self, linears: tuple[Exl3Linear, Exl3Linear, Exl3Linear], limit: float, width: int, device):
+        self.linears, self.limit, self.width, self.device = linears, limit, width, device
+        self.projections = tuple(_Projection.of([m], device) for m in linears)
+        Exl3Experts.check(*self.projections)
+        gate, _, down = self.projections
+        self.scratch = _CoopScratch(COOP_SLOTS, COOP_SLOTS, gate, down, width, device)
+        self.one_expert = (torch.zeros(COOP_SLOTS, 1, dtype=torch.long, device=device),
+                           torch.ones(COOP_SLOTS, 1, dtype=torch.half, device=device))
+        self.stored_bytes = sum(m.stored_bytes for m in linears)
+        self.dense_bytes = sum(m.dense_bytes for m in linears)
+        self.dense_weight: tuple[torch.Tensor, ...] | None = None
+        self.dense_from: int | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self.dense_from is not None and x.shape[0] >= self.dense_from
+        return self.run(x, self.dense_weight if dense else None)
+
+    def run(self, x: torch.Tensor, dense: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        if dense is not None:
+            w1, w3, w2 = dense
+            gate, up = F.silu(F.linear(x, w1).float()), F.linear(x, w3).float()
+            if self.limit:
+                gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return F.linear((gate * up).half(), w2).float()
+        rows = x.shape[0]
+        if rows > COOP_SLOTS:
+            return torch.cat([self.run(x[i:i + COOP_SLOTS], None).clone() for i in range(0, rows, COOP_SLOTS)])
+        sel, rw = self.one_expert
+        _coop(self.projections, self.scratch, x, sel[:rows], rw[:rows], None, self.limit)
+        return self.scratch.out[:rows]
+
+    def probe(self, rows: int) -> torch.Tensor:
+        return random_half((rows, self.width), self.device)
+
+    def dense(self) -> tuple[torch.Tensor, ...]:
+        return tuple(m.dense() for m in self.linears)
+
+    def keep_dense(self, from_rows: int) -> None:
+        if self.dense_weight is None:
+            self.dense_weight = self.dense()
+        self.dense_from = from_rows
+
+
 class Exl3Experts:
     """Layer j's MoE in EXL3: call with x [rows, H], the routing (weights [rows, k], chosen
     experts [rows, k] int64) -> [rows, H] float32, routed sum plus the shared expert. The
@@ -101,17 +160,10 @@ class Exl3Experts:
         self.top_k, self.experts = top_k, len(routed)
         self.limit = float(limit or 0.0)
         self.width = routed[0][2].out_features
-        self._check(self.gate, self.up, self.down)
+        self.check(self.gate, self.up, self.down)
         self.coop_rows = COOP_SLOTS // top_k
         self.coop = _CoopScratch(self.coop_rows * top_k, self.coop_rows, self.gate, self.down, self.width, self.device)
-        self.shared = None
-        if shared is not None:
-            sg, su, sd = (_Projection.of([m], self.device) for m in shared)
-            self._check(sg, su, sd)
-            self.shared = (sg, su, sd)
-            self.shared_scratch = _CoopScratch(COOP_SLOTS, COOP_SLOTS, sg, sd, self.width, self.device)
-            self.one_expert = (torch.zeros(COOP_SLOTS, 1, dtype=torch.long, device=self.device),
-                               torch.ones(COOP_SLOTS, 1, dtype=torch.half, device=self.device))
+        self.shared = None if shared is None else Exl3SharedExpert(shared, self.limit, self.width, self.device)
         # the exl3_moe tier reads rows unpadded: every expert dimension exact
         self.fused_tier = sorted_tier and self.gate.in_stored == self.width == self.down.out_stored and \
             routed[0][0].out_features == self.gate.out_stored
@@ -119,7 +171,7 @@ class Exl3Experts:
         self.concurrency = _ext().exl3_moe_max_concurrency(index)
 
     @staticmethod
-    def _check(gate: _Projection, up: _Projection, down: _Projection) -> None:
+    def check(gate: _Projection, up: _Projection, down: _Projection) -> None:
         why = None
         if (gate.mcg, gate.mul1) != (up.mcg, up.mul1) or (up.mcg, up.mul1) != (down.mcg, down.mul1):
             why = "gate, up and down use different codebooks"
@@ -136,9 +188,9 @@ class Exl3Experts:
         rows = x.shape[0]
         x = x.to(torch.half).contiguous()
         sel, rw = experts.contiguous(), weights.to(torch.half).contiguous()
-        shared = self._shared(x) if self.shared is not None else None
+        shared = self.shared(x) if self.shared is not None else None
         if rows <= self.coop_rows:
-            self._coop((self.gate, self.up, self.down), self.coop, x, sel, rw, shared)
+            _coop((self.gate, self.up, self.down), self.coop, x, sel, rw, shared, self.limit)
             return self.coop.out[:rows]
         if not self.fused_tier:  # padded dimensions: coop in chunks
             return torch.cat([self(x[i:i + self.coop_rows], weights[i:i + self.coop_rows],
@@ -146,23 +198,6 @@ class Exl3Experts:
                               for i in range(0, rows, self.coop_rows)])
         out = self._sorted(x, sel, rw)
         return out if shared is None else out.add_(shared)
-
-    def _coop(self, projections, scratch: _CoopScratch, x, sel, rw, shared) -> None:
-        gate, up, down = projections
-        _ext().exl3_moe_coop(
-            x, sel, rw, -1, -1, gate.in_stored, *gate.tables, *up.tables, *down.tables, None, None, None,
-            gate.bits, up.bits, down.bits, gate.mcg, gate.mul1, SILU, self.limit, True,
-            scratch.had_g, scratch.had_u, scratch.gu_g, scratch.gu_u, scratch.act, scratch.d_out,
-            scratch.ctr, scratch.out, shared, None)
-
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert on every row: a one-expert coop launch per COOP_SLOTS rows."""
-        rows = x.shape[0]
-        if rows > COOP_SLOTS:
-            return torch.cat([self._shared(x[i:i + COOP_SLOTS]).clone() for i in range(0, rows, COOP_SLOTS)])
-        s, (sel, rw) = self.shared_scratch, self.one_expert
-        self._coop(self.shared, s, x, sel[:rows], rw[:rows], None)
-        return s.out[:rows]
 
     def _sorted(self, x: torch.Tensor, sel: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
         """exl3_moe over the assignments sorted by expert, counts without a host read."""

@@ -198,14 +198,18 @@ class Dsv41Model(Module):
         return all(layer.moe.experts.includes_shared for layer in self.layers)
 
     def keep_dense_exl3(self, row_counts: list[int], budget_bytes: int) -> list:
-        """The EXL3 linears outside the experts (attention, the taps' projection, an EXL3 head)
-        hold a dense fp16 copy where it measured faster on this GPU at `row_counts`, within
-        `budget_bytes` in all (exl3_dense.py). Copies chosen before stay: another drafter's
-        CUDA graphs may read them."""
+        """The EXL3 linears outside the routed experts (attention, the taps' projection, an
+        EXL3 head, each fused layer's shared expert) hold a dense fp16 copy where it measured
+        faster on this GPU at `row_counts`, within `budget_bytes` in all (exl3_dense.py).
+        Copies chosen before stay: another drafter's CUDA graphs may read them."""
         from remote_drafter.models import exl3_dense
         held = sum(c.nbytes for c in self.dense_exl3)
-        open_ = {n: m for n, m in self.served.items()
-                 if ".ffn." not in n and hasattr(m, "keep_dense") and m.dense_weight is None}
+        candidates = {n: m for n, m in self.served.items() if ".ffn." not in n and hasattr(m, "keep_dense")}
+        for layer in self.layers:
+            shared = layer.moe.fused_shared()
+            if shared is not None:
+                candidates[f"{layer.moe.prefix}ffn.shared_experts"] = shared
+        open_ = {n: m for n, m in candidates.items() if m.dense_weight is None}
         self.dense_exl3 += exl3_dense.choose(open_, row_counts, budget_bytes - held)
         return self.dense_exl3
 

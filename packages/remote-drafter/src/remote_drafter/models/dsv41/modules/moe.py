@@ -181,6 +181,10 @@ class MoE(Module):
             out = self.sum_over_ranks(out)
         return out.to(x.dtype, copy=True).view_as(x)  # a copy: fused results live in their buffers
 
+    def fused_shared(self):
+        """The shared expert as the fused kernels run it (exl3_experts.Exl3SharedExpert), or None."""
+        return self.experts.kernels.shared if isinstance(self.experts, FusedExperts) else None
+
     # -- choosing the implementation -----------------------------------------------------
     def every_expert_on_every_row(self) -> None:
         """Per-matrix experts without a host read of the routing (what a graph captures)."""
