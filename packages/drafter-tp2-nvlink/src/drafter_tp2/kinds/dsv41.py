@@ -160,7 +160,9 @@ class Dsv41Kind:
                            experts=self.held)
         del self.loaded
         split(model, self.rank, data, self.tally)
-        self.drafter = PairDrafter(model, manifest, self.device, cuda_graphs=False)
+        # dense_mib=0: each rank would time the dense copies on its own card and might choose
+        # otherwise, and the replicated linears must compute alike on both
+        self.drafter = PairDrafter(model, manifest, self.device, cuda_graphs=False, dense_mib=0)
         self.drafter.tally = self.tally
 
     def blank(self, b: int, c: int) -> tuple[torch.Tensor, ...]:
