@@ -75,3 +75,21 @@ def test_a_bad_budget_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("REMOTE_DRAFTER_EXL3_DENSE_MIB", value)
     with pytest.raises(ValueError, match="REMOTE_DRAFTER_EXL3_DENSE_MIB=.*whole number of MiB"):
         dense_budget_mib()
+
+
+def test_a_kept_copy_serves_from_its_row_count_and_is_made_once():
+    class Copyable(exl3_dense.DenseCopy):
+        made = 0
+
+        def dense(self):
+            self.made += 1
+            return object()
+
+    lin = Copyable()
+    assert lin.weight_for(1000) is None  # no copy kept: the kernel at every row count
+    lin.keep_dense(5)
+    weight = lin.dense_weight
+    assert [lin.weight_for(r) for r in (1, 4)] == [None, None]
+    assert lin.weight_for(5) is weight and lin.weight_for(80) is weight
+    lin.keep_dense(20)  # chosen again: the same copy (a graph may read it), a new threshold
+    assert lin.made == 1 and lin.dense_weight is weight and lin.weight_for(5) is None

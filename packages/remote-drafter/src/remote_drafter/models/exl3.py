@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .exl3_dense import DenseCopy
+
 EXTRA = "pip install 'dsv41-remote-drafter[exl3]'"
 PACK_FILE = "exl3.json"
 STORED = ("trellis", "suh", "svh", "mcg", "mul1")  # LinearEXL3.get_tensors' subkeys we keep
@@ -179,7 +181,7 @@ def stored_sizes(trellis: torch.Tensor) -> tuple[int, int]:
     return trellis.shape[0] * 16, trellis.shape[1] * 16
 
 
-class Exl3Linear(nn.Module):
+class Exl3Linear(DenseCopy, nn.Module):
     """x @ W.T with W in EXL3 form: exllamav3's LinearEXL3 on fp16 rows (its kernels' input),
     the result back in x's dtype. From `dense_from` rows up (keep_dense; exl3_dense.py picks
     where), a dense fp16 GEMM over exllamav3's reconstruction of the same W instead."""
@@ -199,8 +201,6 @@ class Exl3Linear(nn.Module):
                                     mcg=t.get("mcg"), mul1=t.get("mul1"), out_dtype=torch.half)
         self.stored_bytes = sum(v.numel() * v.element_size() for v in t.values())
         self.device = t["trellis"].device
-        self.dense_weight: torch.Tensor | None = None
-        self.dense_from: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.half_rows(x.reshape(-1, x.shape[-1]).half())
@@ -208,8 +208,7 @@ class Exl3Linear(nn.Module):
 
     def half_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """fp16 rows [N, in] -> fp16 [N, out] (no casts: the caller's)."""
-        dense = self.dense_from is not None and rows.shape[0] >= self.dense_from
-        return self.run(rows, self.dense_weight if dense else None)
+        return self.run(rows, self.weight_for(rows.shape[0]))
 
     def run(self, rows: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
         """fp16 rows [N, in] through exllamav3's kernel, or (dense: this linear's dense()) a GEMM."""
@@ -227,19 +226,12 @@ class Exl3Linear(nn.Module):
         """W [out, in] as exllamav3 reconstructs it (fp16)."""
         return self.inner.get_weight_tensor()[:self.in_features, :self.out_features].T.contiguous()
 
-    def keep_dense(self, from_rows: int) -> None:
-        """Hold dense() and take it from `from_rows` rows up. Held for good: a CUDA graph
-        captured over it reads its memory."""
-        if self.dense_weight is None:
-            self.dense_weight = self.dense()
-        self.dense_from = from_rows
-
     @property
     def dense_bytes(self) -> int:
         return 2 * self.in_features * self.out_features
 
 
-class Exl3Groups(nn.Module):
+class Exl3Groups(DenseCopy, nn.Module):
     """A grouped projection (DeepSeek's wo_a): group g's rows through its own EXL3 linear, as
     exllamav3 stores wo_a (`wo_a.slice.<g>`); x [..., G, in] -> [..., G, out]. From
     `dense_from` rows up, one batched GEMM over every group's reconstruction instead."""
@@ -248,14 +240,11 @@ class Exl3Groups(nn.Module):
         super().__init__()
         self.groups = nn.ModuleList(groups)
         self.stored_bytes = sum(g.stored_bytes for g in groups)
-        self.dense_weight: torch.Tensor | None = None
-        self.dense_from: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One cast to fp16 in and one back for all groups (not one each way per group)."""
         x16 = x.half().reshape(-1, *x.shape[-2:])
-        dense = self.dense_from is not None and x16.shape[0] >= self.dense_from
-        y = self.run(x16, self.dense_weight if dense else None)
+        y = self.run(x16, self.weight_for(x16.shape[0]))
         return y.to(x.dtype).reshape(*x.shape[:-2], len(self.groups), -1)
 
     def run(self, x16: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
@@ -271,11 +260,6 @@ class Exl3Groups(nn.Module):
     def dense(self) -> torch.Tensor:
         """Every group's W [G, out, in] (fp16)."""
         return torch.stack([g.dense() for g in self.groups])
-
-    def keep_dense(self, from_rows: int) -> None:
-        if self.dense_weight is None:
-            self.dense_weight = self.dense()
-        self.dense_from = from_rows
 
     @property
     def dense_bytes(self) -> int:

@@ -21,6 +21,25 @@ MARGIN = 0.9  # dense must take at most this fraction of the kernel's time: copi
 WARMUP, REPEATS = 3, 20  # exllamav3 tunes a kernel's launch on its first calls: warmed up first
 
 
+class DenseCopy:
+    """What a linear that may hold a dense copy shares (exl3.Exl3Linear, Exl3Groups,
+    exl3_experts.Exl3SharedExpert); each also has probe(rows), run(x, weight or None),
+    dense() and the sizes dense_bytes and stored_bytes."""
+    dense_weight = None  # dense(), once kept
+    dense_from: int | None = None
+
+    def keep_dense(self, from_rows: int) -> None:
+        """Hold dense() and take it from `from_rows` rows up. Held for good: a CUDA graph
+        captured over it reads its memory."""
+        if self.dense_weight is None:
+            self.dense_weight = self.dense()
+        self.dense_from = from_rows
+
+    def weight_for(self, rows: int):
+        """The dense copy if it serves `rows` rows, else None (the kernel)."""
+        return self.dense_weight if self.dense_from is not None and rows >= self.dense_from else None
+
+
 @dataclass(frozen=True)
 class Choice:
     name: str

@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from .exl3 import Exl3Linear, load_exllamav3, random_half
+from .exl3_dense import DenseCopy
 
 SILU = 0  # exllamav3's MOE_COOP_ACT_SILU == MOE_ACT_SILU
 COOP_SLOTS = 256  # exl3_moe_coop's scratch holds 1..256 slots
@@ -95,7 +96,7 @@ def _coop(projections, scratch: _CoopScratch, x, sel, rw, shared, limit: float) 
         scratch.ctr, scratch.out, shared, None)
 
 
-class Exl3SharedExpert:
+class Exl3SharedExpert(DenseCopy):
     """A layer's shared expert on every row, fp16 x [rows, H] -> float32 [rows, H]: a
     one-expert coop launch per COOP_SLOTS rows (its result in its buffers until the next
     call), or from `dense_from` rows up (keep_dense: exl3_dense.py) three dense GEMMs over
@@ -111,12 +112,9 @@ class Exl3SharedExpert:
                            torch.ones(COOP_SLOTS, 1, dtype=torch.half, device=device))
         self.stored_bytes = sum(m.stored_bytes for m in linears)
         self.dense_bytes = sum(m.dense_bytes for m in linears)
-        self.dense_weight: tuple[torch.Tensor, ...] | None = None
-        self.dense_from: int | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dense = self.dense_from is not None and x.shape[0] >= self.dense_from
-        return self.run(x, self.dense_weight if dense else None)
+        return self.run(x, self.weight_for(x.shape[0]))
 
     def run(self, x: torch.Tensor, dense: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
         if dense is not None:
@@ -137,11 +135,6 @@ class Exl3SharedExpert:
 
     def dense(self) -> tuple[torch.Tensor, ...]:
         return tuple(m.dense() for m in self.linears)
-
-    def keep_dense(self, from_rows: int) -> None:
-        if self.dense_weight is None:
-            self.dense_weight = self.dense()
-        self.dense_from = from_rows
 
 
 class Exl3Experts:
