@@ -73,19 +73,26 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
     assert graphed.describe()["experts"] == "exl3 fused" and graphed.describe()["cuda_graphs"] != "off (eager rounds)"
     assert eager.describe()["experts"].startswith("exl3 per matrix") and \
         eager.describe()["cuda_graphs"] == "off (eager rounds)"
-    rng = np.random.default_rng(0)
-    eager_drafts, graphed_drafts = [], []
-    for batch in (1, 4, 16, 20):  # 20: above every bucket, eager with the fused experts
+    # 20: above every bucket, eager with the fused experts
+    eager_drafts, graphed_drafts = same_rounds(eager, graphed, (1, 4, 16, 20), seed=0)
+    assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "fused + graphs vs per matrix eager")
+
+
+def same_rounds(a: Dsv41Drafter, b: Dsv41Drafter, batches, seed: int) -> tuple[list, list]:
+    """Both drafters' drafts (with probabilities) of the same random rounds, one per batch size."""
+    rng = np.random.default_rng(seed)
+    drafts_a, drafts_b = [], []
+    for batch in batches:
         requests = []
         for _ in range(batch):
-            h = eager.new_history()
+            h = a.new_history()
             n = int(rng.integers(2, 160))
-            h.reset(rng.integers(0, eager.vocab_size, n).astype(np.int32),
-                    rng.standard_normal((n - 1, eager.feature)).astype(np.float32))
-            requests.append(DraftRequest(h, eager.max_depth))
-        eager_drafts += eager.draft(requests, True)
-        graphed_drafts += graphed.draft(requests, True)
-    assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "fused + graphs vs per matrix eager")
+            h.reset(rng.integers(0, a.vocab_size, n).astype(np.int32),
+                    rng.standard_normal((n - 1, a.feature)).astype(np.float32))
+            requests.append(DraftRequest(h, a.max_depth))
+        drafts_a += a.draft(requests, True)
+        drafts_b += b.draft(requests, True)
+    return drafts_a, drafts_b
 
 
 def assert_near_ties_only(agreement: dict, what: str) -> None:
@@ -225,16 +232,5 @@ def test_dense_copies_chosen_at_start_up_fit_their_budget_stay_and_draft_as_the_
     by_kernels = Dsv41Drafter(kernels, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
     by_dense = Dsv41Drafter(dense, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
     assert by_kernels.describe()["exl3_dense"] == {"bytes": 0, "from_rows": {}}
-    rng = np.random.default_rng(5)
-    a, b = [], []
-    for batch in (1, 4, 16):
-        requests = []
-        for _ in range(batch):
-            h = by_kernels.new_history()
-            n = int(rng.integers(2, 160))
-            h.reset(rng.integers(0, by_kernels.vocab_size, n).astype(np.int32),
-                    rng.standard_normal((n - 1, by_kernels.feature)).astype(np.float32))
-            requests.append(DraftRequest(h, by_kernels.max_depth))
-        a += by_kernels.draft(requests, True)
-        b += by_dense.draft(requests, True)
+    a, b = same_rounds(by_kernels, by_dense, (1, 4, 16), seed=5)
     assert_near_ties_only(draft_agreement(a, b), "dense copies vs exllamav3's kernels, graphs")
