@@ -87,3 +87,24 @@ def test_a_copy_that_went_further_is_never_overwritten():
     assert b.rows[:, 0].tolist() == [0.0, 5.0] and a.rows[:, 0].tolist() == [0.0, 7.0]
     assert b.tokens.tolist() == [0, 1, 5] and a.tokens.tolist() == [0, 1, 7]
     assert a.lineage is not b.lineage  # the device windows tell them apart
+
+
+def test_a_dropped_block_is_written_again_unless_a_copy_or_a_view_holds_it():
+    c = Chunks(4, (2,), np.dtype(np.float32))
+    blocks = []  # each new block, weakly: holding them would keep them from reuse
+    for i in range(40):
+        before = c.block
+        c.append(np.full((1, 2), float(i), np.float32))
+        if c.block is not before:
+            blocks.append(weakref.ref(c.block))
+        del before
+    # a block a window long, dropped once the next is full, then written again: two in turn
+    assert len(blocks) == 10 and all(b() is blocks[k % 2]() is not None for k, b in enumerate(blocks))
+    assert c.view()[:, 0].tolist() == [36.0, 37.0, 38.0, 39.0]
+    snapshot, view = copy.copy(c), c.newest(4)  # both hold the current block
+    held = c.block
+    for i in range(40, 60):
+        c.append(np.full((1, 2), float(i), np.float32))
+        assert c.block is not held  # never written again while they hold it
+    assert snapshot.view()[:, 0].tolist() == view[:, 0].tolist() == [36.0, 37.0, 38.0, 39.0]
+    assert c.view()[:, 0].tolist() == [56.0, 57.0, 58.0, 59.0]

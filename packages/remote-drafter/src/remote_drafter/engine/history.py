@@ -67,7 +67,10 @@ class Chunks:
     (a row is large; a buffer that slides would copy each row a second time). The rows held
     are views of at most two or three blocks (`chunks`, oldest first): the newest few rows
     are a view of the newest, all of them a join. As with Tail, a block is written only past
-    the end of every copy sharing it (`written`), so a shallow copy is a snapshot."""
+    the end of every copy sharing it (`written`), so a shallow copy is a snapshot. A block
+    whose rows all fell out of those kept is written again as the next new block if nothing
+    else (a copy, a view handed out) still holds it: memory already touched, where a fresh
+    one costs a page fault every few kilobytes on its first write."""
 
     def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
         self.keep = keep
@@ -77,11 +80,12 @@ class Chunks:
         self.block, self.at, self.written = None, 0, [0]  # the newest block, our end in it
         self.count = 0  # rows the chunks hold: the oldest may reach back past those kept
         self.kept = 0   # the newest rows kept: at most `keep` as of the last append
+        self.spare = None  # the block last dropped, written again if nothing else holds it
 
     def __copy__(self) -> Chunks:
         shared = object.__new__(Chunks)
         shared.__dict__ = self.__dict__.copy()
-        shared.chunks = self.chunks.copy()
+        shared.chunks, shared.spare = self.chunks.copy(), None
         return shared
 
     def __len__(self) -> int:
@@ -96,7 +100,7 @@ class Chunks:
             start = at - len(self.chunks[-1])
             self.chunks.pop()
         else:
-            block = self.block = np.empty((max(self.keep, k), *self.empty.shape[1:]), self.empty.dtype)
+            block = self.block = self._new_block(max(self.keep, k))
             start = at = 0
             self.written = [0]
         block[at:at + k] = items
@@ -107,7 +111,17 @@ class Chunks:
         self.count += k
         self.kept = min(self.kept + k, self.keep)
         while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept
-            self.count -= len(self.chunks.pop(0))
+            dropped = self.chunks.pop(0)
+            self.count -= len(dropped)
+            if dropped.base is not block:
+                self.spare = dropped.base
+
+    def _new_block(self, rows: int) -> np.ndarray:
+        spare, self.spare = self.spare, None
+        # held here (`spare`) and by the call alone: no copy's chunks or block, no view
+        if spare is not None and len(spare) >= rows and sys.getrefcount(spare) <= 2:
+            return spare
+        return np.empty((rows, *self.empty.shape[1:]), self.empty.dtype)
 
     def newest(self, k: int) -> np.ndarray:
         """The newest k rows: a view when they lie in one block, else a join of just them."""
