@@ -19,8 +19,16 @@ if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter 
 fi
 if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the Flash width
   # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
-  # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first)
+  # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
+  # =profile the kernel profile alone
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by
+    # kernel, through this script: run by hand after it, exllamav3 built its extension again
+    # (seen on the H200: a 5-minute import)
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --batches 1,16 \
+      --profile "$OUT/drafter-round-profile.txt" 2>&1 | tail -60
+    exit
+  fi
   if [[ $ONLY_DRAFTER_ROUND != bench ]]; then
     python3 -m pytest -q -p no:cacheprovider -s packages/remote-drafter/tests/test_exl3_experts_gpu.py \
       packages/remote-drafter/tests/test_dsv41_kernels.py \
