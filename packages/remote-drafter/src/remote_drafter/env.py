@@ -90,7 +90,8 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
 REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "REMOTE_DRAFTER_EXL3_DENSE_MIB", "1024",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: GPU memory (MiB) for dense fp16 copies of "
-    "the quantised linears outside the experts (attention, the taps' projection, an EXL3 head). "
+    "the quantised linears outside the routed experts (attention, the taps' projection, each "
+    "layer's shared expert, an EXL3 head). "
     "At start-up each is timed against exllamav3's kernel at the row counts the rounds run; a "
     "copy serves from the row count where it is faster, those saving the most time per byte "
     "first, within this budget (status `exl3_dense`). Same weights, more bytes read: it pays "
