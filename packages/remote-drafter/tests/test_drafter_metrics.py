@@ -56,3 +56,25 @@ def test_a_counter_never_goes_down():
     else:
         raise AssertionError("a negative increment was taken")
     assert m.value("n") == 0
+
+
+def test_a_rounds_counts_at_once_equal_them_one_by_one():
+    one, many = (Metrics("t", {"rounds": "R", "drafts": "D"}, {"round": "T"}) for _ in range(2))
+    times = [5e-5, 1e-4, 3e-4, 2.0, 7e-3]
+    for seconds in times:
+        one.observe("round", seconds)
+    one.inc("rounds", 2)
+    one.inc("drafts", 9)
+    many.observe_all("round", times)
+    many.add({"rounds": 2, "drafts": 9})
+    many.observe_all("round", [])  # an empty round observes nothing
+    many.add({})
+    assert scrape(many) == scrape(one)
+    assert many.snapshot() == one.snapshot()
+    try:
+        many.add({"rounds": 1, "drafts": -1})
+    except ValueError as exc:
+        assert "decreased" in str(exc)
+    else:
+        raise AssertionError("a negative count was taken")
+    assert many.value("rounds") == 2  # refused whole: no counter of the call changed

@@ -318,7 +318,7 @@ class DrafterClient:
         for e, r in zip(entries, replies):
             if r.status == P.STATUS_OK and e.op != P.OP_RELEASE:
                 self._check(e, r, info)
-        out, unknown = {}, []
+        out, unknown, drafts, hits = {}, [], 0, 0
         for e, r in zip(entries, replies):
             if e.op == P.OP_RELEASE:
                 continue
@@ -326,8 +326,8 @@ class DrafterClient:
                 if e.k and len(r.tokens):
                     out[e.request_id] = Drafts(r.tokens, r.probs if e.want_probs else None,
                                                r.cache == P.CACHE_HIT)
-                    self.metrics.inc("drafts", len(r.tokens))
-                    self.metrics.inc("cache_hits", r.cache == P.CACHE_HIT)
+                    drafts += len(r.tokens)
+                    hits += r.cache == P.CACHE_HIT
                 continue
             self.metrics.inc("entries_failed")
             if e.request_id in self.requests:
@@ -341,6 +341,7 @@ class DrafterClient:
             else:
                 self._warn("request %d: worker answered %s: %s", e.request_id,
                            P.STATUS_NAMES[r.status], r.message)
+        self.metrics.add({"drafts": drafts, "cache_hits": hits})  # once a round, not per entry
         return out, unknown
 
     def depth(self, k: int | None) -> int:

@@ -35,12 +35,25 @@ class Metrics:
         with self._lock:
             self._values[name] += amount
 
-    def observe(self, name: str, seconds: float) -> None:
+    def add(self, counts: dict[str, float]) -> None:
+        """Several counters at once, under one lock (a round's per-entry counts)."""
+        if any(amount < 0 for amount in counts.values()):
+            raise ValueError(f"a counter decreased: {counts}")
         with self._lock:
-            self._buckets[name][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            self._sums[name] += seconds
-            samples = self._samples[name]
-            samples.append(seconds)
+            for name, amount in counts.items():
+                self._values[name] += amount
+
+    def observe(self, name: str, seconds: float) -> None:
+        self.observe_all(name, [seconds])
+
+    def observe_all(self, name: str, seconds: list[float]) -> None:
+        """Several observations of one histogram, under one lock."""
+        with self._lock:
+            buckets, samples = self._buckets[name], self._samples[name]
+            for value in seconds:
+                buckets[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+            self._sums[name] += sum(seconds)
+            samples.extend(seconds)
             if len(samples) > MAX_SAMPLES:
                 del samples[: len(samples) // 2]
 

@@ -395,6 +395,7 @@ class DraftService:
                     self.metrics.inc("draft_errors")
                     drafts = [self._draft_alone(r, want_probs) for _, r in batch]
         self.metrics.observe("draft", time.perf_counter() - t0)
+        served, waits = [], []  # counted once for the round: a lock per entry costs
         with self.state_lock:
             for (e, request), draft in zip(batch, drafts):
                 if isinstance(draft, Exception):
@@ -403,13 +404,15 @@ class DraftService:
                     continue
                 replies[e.request_id] = self._reply(e, draft, P.CACHE_MISS if cached else
                                                     P.CACHE_NONE, started)
-                self._count_drafts(draft.tokens[:e.k])
-                self.metrics.observe("entry_fresh", time.perf_counter() - started)
+                served.append(len(draft.tokens[:e.k]))
+                waits.append(time.perf_counter() - started)
                 key = (peer, client, e.request_id)
                 session = self.sessions.get(key)
                 if cached and session is not None \
                         and session.history.length == request.history.length:
                     self.cache.plan(key, session, draft, e.k, request, e.want_probs)
+        self.metrics.add({"entries_drafted": len(served), "drafts": sum(served)})
+        self.metrics.observe_all("entry_fresh", waits)
 
     def _draft_alone(self, request: DraftRequest, want_probs: bool):
         """One request's drafts, or the exception drafting it raised."""
@@ -437,8 +440,7 @@ class DraftService:
                        int(1e6 * (time.perf_counter() - started)))
 
     def _count_drafts(self, tokens: np.ndarray) -> None:
-        self.metrics.inc("entries_drafted")
-        self.metrics.inc("drafts", len(tokens))
+        self.metrics.add({"entries_drafted": 1, "drafts": len(tokens)})
 
     # -- lifetime of requests --------------------------------------------------------------
     def _release(self, key: Key) -> None:
