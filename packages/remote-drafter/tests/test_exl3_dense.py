@@ -25,6 +25,7 @@ class Linear:
 
 def timing(linear: Linear, counts: list[int]) -> dict[int, tuple[float, float]]:
     linear.timed += 1
+    assert counts == sorted(set(counts))
     return {rows: linear.times[rows] for rows in counts}
 
 
@@ -46,21 +47,26 @@ def test_the_copies_saving_most_per_byte_are_kept_within_the_budget():
         "mid": Linear(500, {5: (1.0, 0.2), 80: (1.0, 0.2)}),        # saves 1.6 ms for 500 B
         "never": Linear(50, {5: (1.0, 1.2), 80: (1.0, 1.1)}),       # never wins
         "huge": Linear(10_000, {5: (9.0, 0.1), 80: (9.0, 0.1)}),    # larger than the budget
+        # wins at 5 rows, loses at 80, but runs only at 5 (an encoding-only linear, say)
+        "few": Linear(50, {5: (1.0, 0.5), 80: (1.0, 2.0)}),         # saves 0.5 ms for 50 B
     }
-    chosen = exl3_dense.choose(linears, [80, 5, 5], 1000, timing)
-    # per byte: dense 0.015, mid 0.0032, wide 0.0033 -> dense, wide; mid no longer fits
-    assert [c.name for c in chosen] == ["dense", "wide"]
+    counts = {name: [80, 5, 5] for name in linears}
+    counts["few"] = [5]
+    chosen = exl3_dense.choose({n: (lin, counts[n]) for n, lin in linears.items()}, 1000, timing)
+    # per byte: dense 0.015, few 0.01, wide 0.0033, mid 0.0032 -> dense, few, wide; mid no longer fits
+    assert [c.name for c in chosen] == ["dense", "few", "wide"]
     assert {n: lin.kept for n, lin in linears.items()} == \
-        {"wide": 80, "dense": 5, "mid": None, "never": None, "huge": None}
-    assert chosen[1] == exl3_dense.Choice("wide", 80, 2.0, 600, 150)
+        {"wide": 80, "dense": 5, "mid": None, "never": None, "huge": None, "few": 5}
+    assert chosen[2] == exl3_dense.Choice("wide", 80, 2.0, 600, 150)
     assert linears["huge"].timed == 0  # not even timed: it could never fit
     assert all(lin.timed == 1 for n, lin in linears.items() if n != "huge")  # all counts in one call
-    assert exl3_dense.describe(chosen) == {"bytes": 700, "from_rows": {"dense": 5, "wide": 80}}
+    assert exl3_dense.describe(chosen) == {"bytes": 750, "from_rows": {"dense": 5, "few": 5, "wide": 80}}
 
 
 def test_a_zero_budget_keeps_no_copy_and_times_nothing():
     lin = Linear(100, {5: (1.0, 0.1)})
-    assert exl3_dense.choose({"a": lin}, [5], 0, timing) == []
+    assert exl3_dense.choose({"a": (lin, [5])}, 0, timing) == []
+    assert exl3_dense.choose({"a": (lin, [])}, 1000, timing) == []  # runs at no row count measured
     assert lin.kept is None and lin.timed == 0
 
 

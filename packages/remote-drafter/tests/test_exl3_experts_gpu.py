@@ -191,10 +191,9 @@ def test_a_dense_copy_gives_the_kernels_product_from_its_row_count_up(pack):
     shared expert as one): exllamav3's reconstruction in dense GEMMs gives the kernels'
     product, and keep_dense(R) takes it from R rows up."""
     model = fused_model(pack)
-    outside = {n: m for n, m in model.served.items() if ".ffn." not in n}
+    outside = {n: m for n, (m, _) in model.dense_candidates([5], [4]).items()}
     assert any(isinstance(m, exl3.Exl3Groups) for m in outside.values())
-    outside.update({f"shared {j}": layer.moe.fused_shared() for j, layer in enumerate(model.layers)})
-    assert all(m is not None for m in outside.values())
+    assert sum(n.endswith(".ffn.shared_experts") for n in outside) == len(model.layers)
     for name, linear in outside.items():
         dense = linear.dense()
         assert sum(w.numel() * 2 for w in (dense if isinstance(dense, tuple) else [dense])) == linear.dense_bytes
@@ -219,16 +218,16 @@ def test_dense_copies_chosen_at_start_up_fit_their_budget_stay_and_draft_as_the_
     status = d.describe()["exl3_dense"]
     print(f"tiny pack, dense copies chosen within {budget_mib} MiB: {status}")
     assert status["bytes"] <= budget_mib << 20
+    candidates = chosen_model.dense_candidates([5], [4])
     for name, from_rows in status["from_rows"].items():
-        linear = chosen_model.served[name]
-        assert linear.dense_weight is not None and linear.dense_from == from_rows and ".ffn." not in name
+        linear = candidates[name][0]
+        assert linear.dense_weight is not None and linear.dense_from == from_rows
     again = Dsv41Drafter(chosen_model, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
     assert again.describe()["exl3_dense"] == status  # kept: the first drafter's graphs read them
     # every copy forced from one row up, in graphs, against the kernels alone
     kernels, dense = fused_model(pack), fused_model(pack)
-    for name, linear in dense.served.items():
-        if ".ffn." not in name:
-            linear.keep_dense(1)
+    for linear, _ in dense.dense_candidates([5], [4]).values():  # the shared experts too
+        linear.keep_dense(1)
     by_kernels = Dsv41Drafter(kernels, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
     by_dense = Dsv41Drafter(dense, manifest, DEVICE, cuda_graphs=None, dense_mib=0)
     assert by_kernels.describe()["exl3_dense"] == {"bytes": 0, "from_rows": {}}

@@ -108,3 +108,16 @@ def test_a_dropped_block_is_written_again_unless_a_copy_or_a_view_holds_it():
         assert c.block is not held  # never written again while they hold it
     assert snapshot.view()[:, 0].tolist() == view[:, 0].tolist() == [36.0, 37.0, 38.0, 39.0]
     assert c.view()[:, 0].tolist() == [56.0, 57.0, 58.0, 59.0]
+
+
+def test_one_view_or_one_copy_alone_keeps_a_dropped_block_from_reuse():
+    """The refcount rule at its edge: a single holder of either kind is enough."""
+    for hold in ("view", "copy"):
+        c = Chunks(2, (1,), np.dtype(np.float32))
+        for i in range(4):
+            c.append(np.full((1, 1), float(i), np.float32))
+        held = c.newest(2) if hold == "view" else copy.copy(c)
+        for i in range(4, 12):
+            c.append(np.full((1, 1), float(i), np.float32))
+        rows = held if hold == "view" else held.view()
+        assert rows[:, 0].tolist() == [2.0, 3.0], hold

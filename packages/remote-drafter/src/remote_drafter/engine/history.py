@@ -19,6 +19,16 @@ import numpy as np
 from .rows import all_finite, cast
 
 
+def _held_once() -> int:
+    """What sys.getrefcount says of an array one local name holds (Pythons differ: some
+    count the call's own reference, some borrow it)."""
+    alone = np.empty(1)
+    return sys.getrefcount(alone)
+
+
+HELD_ONCE = _held_once()
+
+
 class Tail:
     """The newest `keep` items of an append-only sequence: a buffer of up to 2 x keep items,
     written past its newest item and moved to the front only when full, so a move costs at
@@ -53,7 +63,7 @@ class Tail:
         kept = min(self.end - self.start, max(n - k, 0))
         items = items[max(k - n, 0):]
         size = min(2 * n, 2 * (kept + len(items)))
-        if len(buf) < size or sys.getrefcount(buf) > 3:  # held here, by `buf` and the call
+        if len(buf) < size or sys.getrefcount(buf) > HELD_ONCE + 1:  # held by self.buf and `buf` alone
             buf, self.written = np.empty((size, *buf.shape[1:]), buf.dtype), [0]
         buf[:kept] = self.buf[self.end - kept:self.end]  # overlapping in place: numpy copies safely
         buf[kept:kept + len(items)] = items
@@ -118,8 +128,8 @@ class Chunks:
 
     def _new_block(self, rows: int) -> np.ndarray:
         spare, self.spare = self.spare, None
-        # held here (`spare`) and by the call alone: no copy's chunks or block, no view
-        if spare is not None and len(spare) >= rows and sys.getrefcount(spare) <= 2:
+        # held by `spare` alone: no copy's chunks or block, no view
+        if spare is not None and len(spare) >= rows and sys.getrefcount(spare) <= HELD_ONCE:
             return spare
         return np.empty((rows, *self.empty.shape[1:]), self.empty.dtype)
 

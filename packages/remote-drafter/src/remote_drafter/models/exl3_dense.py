@@ -5,14 +5,16 @@ exllamav3's kernels decode every weight from its trellis as they read it. With f
 GPU whose arithmetic keeps up with its memory (an RTX 3090) that costs little; with more rows,
 or on a GPU whose bandwidth outruns its arithmetic (an H200), a dense GEMM over exllamav3's
 own reconstruction of the same weights is faster although it reads four times the bytes.
-Which holds where is measured on the serving GPU at start-up, at the row counts its rounds
-run, and the copies that save the most time per byte are kept within a memory budget. The
-weights are the same either way: the kernel and the GEMM differ only in summation order.
+Which holds where is measured on the serving GPU at start-up, at the row counts each linear
+runs at in the rounds and encodings, and the copies that save the most time per byte are
+kept within a memory budget. The weights are the same either way; the GEMM sums in another
+order, and the shared expert's (exl3_experts.py) rounds its gate, up and down products to
+fp16 where exllamav3's kernel keeps them in fp32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +56,23 @@ Timing = Callable[[object, list[int]], dict[int, tuple[float, float]]]  # {rows:
 
 def time_paths(linear, counts: list[int]) -> dict[int, tuple[float, float]]:
     """Milliseconds a call of `linear` (exl3.Exl3Linear, Exl3Groups or exl3_experts'
-    Exl3SharedExpert: probe, run, dense, keep_dense) takes at each row count
-    through exllamav3's kernel and as a dense GEMM, each the mean of REPEATS calls after WARMUP."""
+    Exl3SharedExpert) takes at each row count through exllamav3's kernel and as a dense GEMM,
+    each the mean of REPEATS calls after WARMUP, timed on the linear's own GPU."""
     dense, times = linear.dense(), {}
     for rows in counts:
         x, pair = linear.probe(rows), []
-        for weight in (None, dense):
-            for _ in range(WARMUP):
-                linear.run(x, weight)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(REPEATS):
-                linear.run(x, weight)
-            end.record()
-            end.synchronize()
-            pair.append(start.elapsed_time(end) / REPEATS)
+        with torch.cuda.device(x.device):
+            stream = torch.cuda.current_stream(x.device)
+            for weight in (None, dense):
+                for _ in range(WARMUP):
+                    linear.run(x, weight)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                for _ in range(REPEATS):
+                    linear.run(x, weight)
+                end.record(stream)
+                end.synchronize()
+                pair.append(start.elapsed_time(end) / REPEATS)
         times[rows] = (pair[0], pair[1])
     return times
 
@@ -85,16 +89,16 @@ def threshold(times: dict[int, tuple[float, float]]) -> int | None:
     return from_rows
 
 
-def choose(linears: dict[str, object], row_counts: Iterable[int], budget_bytes: int,
+def choose(linears: dict[str, tuple[object, list[int]]], budget_bytes: int,
            timing: Timing = time_paths) -> list[Choice]:
-    """Measure each linear at `row_counts`, then keep the dense copies that save the most
-    time per byte while they fit in `budget_bytes` (keep_dense on each chosen linear)."""
-    counts = sorted(set(row_counts))
+    """Measure each linear at its row counts ({name: (linear, the row counts it runs at)}),
+    then keep the dense copies that save the most time per byte while they fit in
+    `budget_bytes` (keep_dense on each chosen linear)."""
     candidates = []
-    for name, linear in linears.items():
-        if budget_bytes < linear.dense_bytes:
+    for name, (linear, counts) in linears.items():
+        if budget_bytes < linear.dense_bytes or not counts:
             continue
-        times = timing(linear, counts)
+        times = timing(linear, sorted(set(counts)))
         from_rows = threshold(times)
         if from_rows is not None:
             saved = sum(k - d for rows, (k, d) in times.items() if rows >= from_rows)
@@ -102,7 +106,7 @@ def choose(linears: dict[str, object], row_counts: Iterable[int], budget_bytes: 
     chosen, left = [], budget_bytes
     for c in sorted(candidates, key=lambda c: c.saved_ms / c.nbytes, reverse=True):
         if c.nbytes <= left:
-            linears[c.name].keep_dense(c.from_rows)
+            linears[c.name][0].keep_dense(c.from_rows)
             chosen.append(c)
             left -= c.nbytes
     return chosen

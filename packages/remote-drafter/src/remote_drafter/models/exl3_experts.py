@@ -100,7 +100,8 @@ class Exl3SharedExpert(DenseCopy):
     """A layer's shared expert on every row, fp16 x [rows, H] -> float32 [rows, H]: a
     one-expert coop launch per COOP_SLOTS rows (its result in its buffers until the next
     call), or from `dense_from` rows up (keep_dense: exl3_dense.py) three dense GEMMs over
-    exllamav3's reconstruction of its weights, with the kernels' activation."""
+    exllamav3's reconstruction of its weights, with the kernels' activation (their products
+    rounded to fp16, where the kernels keep fp32)."""
 
     def __init__(self, linears: tuple[Exl3Linear, Exl3Linear, Exl3Linear], limit: float, width: int, device):
         self.linears, self.limit, self.width, self.device = linears, limit, width, device

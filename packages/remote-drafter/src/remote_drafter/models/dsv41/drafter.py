@@ -63,7 +63,8 @@ class Dsv41Drafter(Drafter):
         baseline the fused kernels are measured against). round_kernels False: the
         hyper-connection mixes, RoPE, the norms and the greedy chain's top two in torch on
         CUDA too (the baseline of kernels.py). dense_mib: the budget of EXL3 linears' dense
-        copies (default REMOTE_DRAFTER_EXL3_DENSE_MIB; 0: exllamav3's kernels only)."""
+        copies (default REMOTE_DRAFTER_EXL3_DENSE_MIB; 0: no new copies, those an earlier
+        drafter of this model chose still serve)."""
         c = model.config
         if confidence_cutoff > 0 and model.confidence is None:
             raise ValueError("a confidence cut-off needs the checkpoint's confidence head, "
@@ -107,8 +108,8 @@ class Dsv41Drafter(Drafter):
         them in)."""
         if mib is None:
             mib = dense_budget_mib()
-        rows = [b * self.max_depth for b in GRAPH_BATCHES] + ENCODE_BUCKETS
-        chosen = self.model.keep_dense_exl3(rows, mib << 20)
+        chosen = self.model.keep_dense_exl3([b * self.max_depth for b in GRAPH_BATCHES], ENCODE_BUCKETS,
+                                            mib << 20)
         if chosen:
             log.info("EXL3: %d linears also hold dense fp16 copies (%.0f MiB), faster on this GPU "
                      "from %d rows", len(chosen), sum(c.nbytes for c in chosen) / 2**20,

@@ -197,20 +197,32 @@ class Dsv41Model(Module):
     def experts_fused(self) -> bool:
         return all(layer.moe.experts.includes_shared for layer in self.layers)
 
-    def keep_dense_exl3(self, row_counts: list[int], budget_bytes: int) -> list:
-        """The EXL3 linears outside the routed experts (attention, the taps' projection, an
-        EXL3 head, each fused layer's shared expert) hold a dense fp16 copy where it measured
-        faster on this GPU at `row_counts`, within `budget_bytes` in all (exl3_dense.py).
-        Copies chosen before stay: another drafter's CUDA graphs may read them."""
+    def dense_candidates(self, block_rows: list[int], encode_rows: list[int]) -> dict[str, tuple]:
+        """The EXL3 linears that may hold a dense copy (exl3_dense.py), those outside the
+        routed experts (attention, the taps' projection, an EXL3 head, each fused layer's
+        shared expert), each with the row counts it runs at: a round's block rows, or the
+        encoding's new rows (the taps' projection; `wkv` both)."""
+        out = {}
+        for name, m in self.served.items():
+            if ".ffn." in name or not hasattr(m, "keep_dense"):
+                continue
+            encoded = name.endswith(".main_proj.weight") or name.endswith(".attn.wkv.weight")
+            blocked = not name.endswith(".main_proj.weight")
+            out[name] = (m, (block_rows if blocked else []) + (encode_rows if encoded else []))
+        for layer in self.layers:
+            if (shared := layer.moe.fused_shared()) is not None:
+                out[f"{layer.moe.prefix}ffn.shared_experts"] = (shared, block_rows)
+        return out
+
+    def keep_dense_exl3(self, block_rows: list[int], encode_rows: list[int], budget_bytes: int) -> list:
+        """dense_candidates hold a dense fp16 copy where it measured faster on this GPU,
+        within `budget_bytes` in all (exl3_dense.choose). Copies chosen before stay, and
+        serve: another drafter's CUDA graphs may read them."""
         from remote_drafter.models import exl3_dense
         held = sum(c.nbytes for c in self.dense_exl3)
-        candidates = {n: m for n, m in self.served.items() if ".ffn." not in n and hasattr(m, "keep_dense")}
-        for layer in self.layers:
-            shared = layer.moe.fused_shared()
-            if shared is not None:
-                candidates[f"{layer.moe.prefix}ffn.shared_experts"] = shared
-        open_ = {n: m for n, m in candidates.items() if m.dense_weight is None}
-        self.dense_exl3 += exl3_dense.choose(open_, row_counts, budget_bytes - held)
+        open_ = {n: (m, rows) for n, (m, rows) in self.dense_candidates(block_rows, encode_rows).items()
+                 if m.dense_weight is None}
+        self.dense_exl3 += exl3_dense.choose(open_, budget_bytes - held)
         return self.dense_exl3
 
     def stack_experts(self) -> str | None:
