@@ -90,6 +90,20 @@ def test_bad_replies_fail_closed(reply, why, caplog):
     assert why in caplog.text
 
 
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_one_bad_draft_among_a_rounds_entries_fails_the_round_and_is_named(bad, caplog):
+    """The round's drafts are checked in one pass; the entry that fails it is named."""
+    def reply(p):
+        return P.encode_reply([P.Reply(1, tokens=np.array([1, 2], np.int32)),
+                               P.Reply(2, tokens=np.array([3, bad], np.int32))], VOCAB)
+    client = DrafterClient(Recording(ngram(), reply), "8:3")
+    client.add_request(1, [1, 2, 3, 1, 2])
+    client.add_request(2, [1, 2, 3, 1, 2])
+    assert client.propose() == {}
+    assert client.counters()["rounds_failed"] == 1
+    assert "reply for request 2 carries invalid drafts" in caplog.text
+
+
 def test_bad_seed_or_temperature_from_the_engine():
     client = DrafterClient(Recording(None), "8:3")
     client.add_request(1, [1, 2], seed=-5)  # masked to 64 bits, never an OverflowError later

@@ -299,10 +299,11 @@ class DrafterClient:
                    why, self.metrics.value("rounds_failed"))
         return {}
 
-    def _check(self, e: P.Entry, r: P.Reply, info: WorkerInfo) -> None:
-        """A reply entry must be one this request could get; else the whole reply is refused."""
+    def _check(self, e: P.Entry, r: P.Reply, info: WorkerInfo, ids_checked: bool) -> None:
+        """A reply entry must be one this request could get; else the whole reply is refused.
+        ids_checked: the round's drafts are all in the vocabulary (one pass for all entries)."""
         n = len(r.tokens)
-        if n > e.k or not P.ids_in_vocab(r.tokens, info.vocab):
+        if n > e.k or not (ids_checked or P.ids_in_vocab(r.tokens, info.vocab)):
             raise P.ProtocolError(f"reply for request {e.request_id} carries invalid drafts")
         if not (e.want_probs and n):
             return
@@ -315,9 +316,11 @@ class DrafterClient:
         """Drafts per request; also the requests the worker did not know (to re-open)."""
         if [r.request_id for r in replies] != [e.request_id for e in entries]:
             raise P.ProtocolError("reply entries do not match the request's")
-        for e, r in zip(entries, replies):
-            if r.status == P.STATUS_OK and e.op != P.OP_RELEASE:
-                self._check(e, r, info)
+        served = [(e, r) for e, r in zip(entries, replies) if r.status == P.STATUS_OK and e.op != P.OP_RELEASE]
+        drafted = [r.tokens for _, r in served if len(r.tokens)]
+        ids_checked = not drafted or P.ids_in_vocab(np.concatenate(drafted), info.vocab)
+        for e, r in served:
+            self._check(e, r, info, ids_checked)
         out, unknown, drafts, hits = {}, [], 0, 0
         for e, r in zip(entries, replies):
             if e.op == P.OP_RELEASE:
