@@ -167,12 +167,13 @@ def shifted(floors: list[dict], changes: list[int], bandwidth: float) -> list[di
 
 def dense_floors(model: Dsv41Model, floors: list[dict], batches: list[int], bandwidth: float) -> list[dict]:
     """The floors of rounds whose EXL3 linears read their dense copies where the block's rows
-    take them (exl3_dense.py), in place of their trellises. The taps' projection runs only in
-    the encoding of new rows, which a timed round (windows already current) does not run."""
+    take them (exl3_dense.py), in place of their trellises. Only the linears a block runs: a
+    timed round (windows already current) runs no encoding of new rows."""
+    in_block = {n for n, (_, rows) in model.dense_candidates([1], []).items() if rows}
+
     def change(batch: int) -> int:
         rows = batch * model.config.block_size
-        return sum(c.nbytes - c.stored_bytes for c in model.dense_exl3
-                   if c.from_rows <= rows and not c.name.endswith(".main_proj.weight"))
+        return sum(c.nbytes - c.stored_bytes for c in model.dense_exl3 if c.from_rows <= rows and c.name in in_block)
     return shifted(floors, [change(b) for b in batches], bandwidth)
 
 

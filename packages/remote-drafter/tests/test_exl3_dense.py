@@ -1,15 +1,18 @@
 """Which EXL3 linears keep a dense copy (models/exl3_dense.py), on measured times: the
-choice alone, on the CPU (the timing and the copies themselves run on CUDA:
+choice alone and the row counts each candidate runs at, on the CPU (the timing and the copies themselves run on CUDA:
 tests/test_exl3_experts_gpu.py, by benchmarks/gpu.sh with ONLY_DRAFTER_ROUND=tests)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
 
 from remote_drafter.models import exl3_dense  # noqa: E402
+from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
+from remote_drafter.models.dsv41.config import linear_names  # noqa: E402
 from remote_drafter.models.dsv41.drafter import dense_budget_mib  # noqa: E402
+from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 
 
 class Linear:
@@ -99,3 +102,33 @@ def test_a_kept_copy_serves_from_its_row_count_and_is_made_once():
     assert lin.weight_for(5) is weight and lin.weight_for(80) is weight
     lin.keep_dense(20)  # chosen again: the same copy (a graph may read it), a new threshold
     assert lin.made == 1 and lin.dense_weight is weight and lin.weight_for(5) is None
+
+
+class Served(exl3_dense.DenseCopy):
+    """A served linear as dense_candidates sees one: x @ W.T, and may keep a copy."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def __call__(self, x):
+        return x @ self.weight.T
+
+
+def test_each_candidate_is_timed_at_the_row_counts_it_runs_at(tmp_path):
+    """The block's linears at a round's rows, the taps' projection at the encoding's new
+    rows, wkv (a block's and the context's key/value rows) at both; the routed and shared
+    experts' linears are not candidates (the shared expert is one once its layer is fused)."""
+    tiny.write_tiny(str(tmp_path))
+    loaded = checkpoint.load(str(tmp_path), torch.float32)
+    c, w = loaded.config, loaded.weights
+    names = [n for n in linear_names(c) if not n.endswith(".attn.wo_a.weight")]
+    model = Dsv41Model(c, {n: t for n, t in w.items() if n not in names},
+                       linears={n: Served(w[n]) for n in names})
+    got = {n: rows for n, (_, rows) in model.dense_candidates([5, 10], [4]).items()}
+    assert got and not any(".ffn." in n for n in got)
+    for name, rows in got.items():
+        want = [4] if name.endswith(".main_proj.weight") else \
+            [5, 10, 4] if name.endswith(".attn.wkv.weight") else [5, 10]
+        assert rows == want, name
+    assert sum(n.endswith(".main_proj.weight") for n in got) == 1
+    assert sum(n.endswith(".attn.wkv.weight") for n in got) == c.n_mtp_layers

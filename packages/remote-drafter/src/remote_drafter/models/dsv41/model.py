@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from remote_drafter.models import exl3_dense
+
 from .config import (
     Dsv41DrafterConfig,
     first_stage,
@@ -200,15 +202,17 @@ class Dsv41Model(Module):
     def dense_candidates(self, block_rows: list[int], encode_rows: list[int]) -> dict[str, tuple]:
         """The EXL3 linears that may hold a dense copy (exl3_dense.py), those outside the
         routed experts (attention, the taps' projection, an EXL3 head, each fused layer's
-        shared expert), each with the row counts it runs at: a round's block rows, or the
-        encoding's new rows (the taps' projection; `wkv` both)."""
+        shared expert), each with the row counts it runs at: a round's block rows, the
+        encoding's new rows (the taps' projection), or both (`wkv`: encode_rows' context_rows)."""
+        encoded_only = {id(self.taps.proj)}
+        encoded_too = {id(layer.attention.wkv) for layer in self.layers}
         out = {}
         for name, m in self.served.items():
             if ".ffn." in name or not hasattr(m, "keep_dense"):
                 continue
-            encoded = name.endswith(".main_proj.weight") or name.endswith(".attn.wkv.weight")
-            blocked = not name.endswith(".main_proj.weight")
-            out[name] = (m, (block_rows if blocked else []) + (encode_rows if encoded else []))
+            rows = ([] if id(m) in encoded_only else block_rows) + \
+                (encode_rows if id(m) in encoded_only | encoded_too else [])
+            out[name] = (m, rows)
         for layer in self.layers:
             if (shared := layer.moe.fused_shared()) is not None:
                 out[f"{layer.moe.prefix}ffn.shared_experts"] = (shared, block_rows)
@@ -218,7 +222,6 @@ class Dsv41Model(Module):
         """dense_candidates hold a dense fp16 copy where it measured faster on this GPU,
         within `budget_bytes` in all (exl3_dense.choose). Copies chosen before stay, and
         serve: another drafter's CUDA graphs may read them."""
-        from remote_drafter.models import exl3_dense
         held = sum(c.nbytes for c in self.dense_exl3)
         open_ = {n: (m, rows) for n, (m, rows) in self.dense_candidates(block_rows, encode_rows).items()
                  if m.dense_weight is None}
