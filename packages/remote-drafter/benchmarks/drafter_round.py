@@ -414,10 +414,12 @@ def print_table(res: dict) -> None:
               f"{at(hd, 'p50_ms'):>14} ({at(hd, 'p50_over_floor', '{}')}) | {at(bf, 'p50_ms'):>11} | {at(bf, 'floor_ms', '{:.3f}'):>10} | {at(bf, 'p50_over_floor', '{}')}")
     tcp, eager = res.get("worker_tcp", {}).get("rounds"), res.get("worker_tcp_encode_eager", {}).get("rounds")
     if tcp:
-        print("batch | over tcp p50 | device round | in draft() | worker's own | new rows encoded eagerly: over tcp / in draft()")
+        print("batch | over tcp p50 | device round | in draft() | worker's own | its payload over a plain socket "
+              "| own beyond that | new rows encoded eagerly: over tcp / in draft()")
         for i, r in enumerate(tcp):
             print(f"{r['batch']:5d} | {r['tcp_p50_ms']:12.2f} | {r['device_p50_ms']:12.2f} | "
                   f"{r['tcp_inside_draft_p50_ms']:10.2f} | {r['tcp_worker_own_ms']:12.2f} | "
+                  f"{cell(tcp, i, 'wire_p50_ms'):>31} | {cell(tcp, i, 'tcp_worker_own_beyond_wire_ms'):>15} | "
                   f"{cell(eager, i, 'tcp_p50_ms')} / {cell(eager, i, 'tcp_inside_draft_p50_ms')}")
 
 

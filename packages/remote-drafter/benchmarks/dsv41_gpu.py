@@ -28,7 +28,9 @@ import time
 import numpy as np
 import torch
 
+from ofl.bench import raw_message_round_trip
 from remote_drafter.bench import drive_rounds, percentiles
+from remote_drafter.engine import protocol as P
 from remote_drafter.engine.client import DrafterClient
 from remote_drafter.engine.identity import Manifest
 from remote_drafter.engine.transport import LocalTransport, RemoteTransport, worker_stats
@@ -122,7 +124,9 @@ def round_times(drafter, batch: int, rounds: int) -> dict:
 def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
     """Round p50 per batch: the drafter alone (its windows current), the service in process, a
     worker over tcp; and the time the worker's rounds spent inside drafter.draft (the new rows'
-    encoding included), so tcp minus that is the worker's own cost: protocol, copies, Python."""
+    encoding included), so tcp minus that is the worker's own cost: protocol, copies, Python;
+    and the same payload's round trip over a plain socket (ofl.bench's baseline), so the own
+    cost less that is what the worker adds beyond the link's own time."""
     rows = []
     service = DraftService(drafter, ServiceConfig(max_requests=64))
     inside, draft = [], drafter.draft
@@ -150,11 +154,16 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
                     del drafter.draft
                 via[name]["inside_p50_ms"] = percentiles(inside[3:rounds + 3])["p50_ms"]
             tcp, in_draft = via["tcp"]["drafting"]["p50_ms"], via["tcp"]["inside_p50_ms"]
+            sent = via["tcp"]["request_bytes_per_round"]
+            # the same payload over a plain socket to a process of its own: its time on this link
+            wire = raw_message_round_trip(sent, P.REPLY_HEADER.itemsize + batch * (
+                P.REPLY_ENTRY.itemsize + 4 * drafter.max_depth), rounds)["p50_ms"]
             rows.append({"batch": batch, "device_p50_ms": device_ms,
                          "local_p50_ms": via["local"]["drafting"]["p50_ms"],
                          "tcp_p50_ms": tcp, "tcp_inside_draft_p50_ms": in_draft,
                          "tcp_worker_own_ms": round(tcp - in_draft, 3),
-                         "tcp_request_bytes_per_round": via["tcp"]["request_bytes_per_round"]})
+                         "tcp_request_bytes_per_round": sent, "wire_p50_ms": round(wire, 3),
+                         "tcp_worker_own_beyond_wire_ms": round(tcp - in_draft - wire, 3)})
             print(f"  batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 

@@ -7,7 +7,8 @@ float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the 
 Local (the service in process), a worker over tcp loopback in a thread of this process, and
 one in its own process (as deployed: the engine's and the worker's Python never share a
 lock), batch 1 / 4 / 16; per phase the p50 over the timed rounds (the worker's phases where
-it runs in this process).
+it runs in this process); over tcp, beside it, the same payload's round trip over a plain
+socket to a process of its own (the link's own time, ofl.bench's baseline).
 
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ofl.bench import raw_message_round_trip
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsv41_gpu import random_drafter, random_rounds, round_options, worker_process  # noqa: E402
@@ -132,8 +135,13 @@ def main(argv=None) -> int:
                                  "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
                                  "request_bytes_per_round": int(r["request_bytes_per_round"]),
                                  "phases_p50_ms": timer.per_round(args.rounds)})
+                    if via != "local":  # the same payload over a plain socket: the link's own time
+                        wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
+                            protocol.REPLY_ENTRY.itemsize + 4 * d.max_depth), args.rounds)["p50_ms"]
+                        rows[-1].update(wire_p50_ms=round(wire, 3), own_beyond_wire_ms=round(rows[-1]["own_p50_ms"] - wire, 3))
                     print(f"{row_dtype} rows, batch {batch:2d} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
-                          f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round", flush=True)
+                          f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
+                          + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:
         json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)
     for r in rows:

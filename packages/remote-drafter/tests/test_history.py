@@ -1,13 +1,18 @@
-"""History's buffers (engine/history.py: tokens a `Tail`, rows `Chunks`): a snapshot reads
-the same items whatever the history appends afterwards, a token buffer nothing else holds is
-reused in place, and rows are copied once on append and never moved. CPU."""
+"""History's buffers (engine/history.py: tokens a `Tail`, rows `Chunks` drawing blocks from a
+`BlockPool`): a snapshot reads the same items whatever the history appends afterwards, a token
+buffer nothing else holds is reused in place, rows are copied once on append and never moved,
+and a block nothing holds any more serves the next history. CPU."""
 
 import copy
 import weakref
 
 import numpy as np
 
-from remote_drafter.engine.history import Chunks, History, Tail
+from remote_drafter.engine.client import DrafterClient
+from remote_drafter.engine.history import BlockPool, Chunks, History, Tail
+from remote_drafter.engine.transport import LocalTransport
+from remote_drafter.models.ngram import NgramDrafter
+from remote_drafter.worker.service import DraftService
 
 
 def test_a_tail_keeps_the_newest_items_and_moves_in_place_when_unshared():
@@ -90,7 +95,7 @@ def test_a_copy_that_went_further_is_never_overwritten():
 
 
 def test_a_dropped_block_is_written_again_unless_a_copy_or_a_view_holds_it():
-    c = Chunks(4, (2,), np.dtype(np.float32))
+    c = Chunks(4, (2,), np.dtype(np.float32), BlockPool(1 << 20))
     blocks = []  # each new block, weakly: holding them would keep them from reuse
     for i in range(40):
         before = c.block
@@ -113,7 +118,7 @@ def test_a_dropped_block_is_written_again_unless_a_copy_or_a_view_holds_it():
 def test_one_view_or_one_copy_alone_keeps_a_dropped_block_from_reuse():
     """The refcount rule at its edge: a single holder of either kind is enough."""
     for hold in ("view", "copy"):
-        c = Chunks(2, (1,), np.dtype(np.float32))
+        c = Chunks(2, (1,), np.dtype(np.float32), BlockPool(1 << 20))
         for i in range(4):
             c.append(np.full((1, 1), float(i), np.float32))
         held = c.newest(2) if hold == "view" else copy.copy(c)
@@ -121,3 +126,82 @@ def test_one_view_or_one_copy_alone_keeps_a_dropped_block_from_reuse():
             c.append(np.full((1, 1), float(i), np.float32))
         rows = held if hold == "view" else held.view()
         assert rows[:, 0].tolist() == [2.0, 3.0], hold
+
+
+def test_a_released_history_s_blocks_serve_the_next_unless_a_snapshot_holds_them():
+    pool = BlockPool(1 << 20)
+    a = Chunks(4, (2,), np.dtype(np.float32), pool)
+    a.append(np.ones((6, 2), np.float32))  # two blocks
+    blocks = [weakref.ref(c.base) for c in a.chunks]
+    snapshot = copy.copy(a)
+    a.release()
+    assert len(a) == 0 and a.block is None and not a.chunks
+    b = Chunks(4, (2,), np.dtype(np.float32), pool)
+    b.append(np.full((1, 2), 7.0, np.float32))
+    assert all(b.block is not ref() for ref in blocks)  # the snapshot holds both
+    assert snapshot.view()[:, 0].tolist() == [1.0] * 4
+    del snapshot
+    c = Chunks(4, (2,), np.dtype(np.float32), pool)
+    c.append(np.full((1, 2), 8.0, np.float32))
+    assert any(c.block is ref() for ref in blocks)  # free now: no fresh memory
+    assert Chunks(4, (3,), np.dtype(np.float32), pool).pool.take(4, (3,), np.dtype(np.float32)).shape == (4, 3)
+    assert b.view()[:, 0].tolist() == [7.0] and c.view()[:, 0].tolist() == [8.0]
+    deep = copy.deepcopy(c)  # its chunks are arrays of their own, not views of a block
+    deep.append(np.full((4, 2), 9.0, np.float32))  # drops its first chunk
+    deep.release()
+    assert deep.pool is pool and c.view()[:, 0].tolist() == [8.0]
+
+
+def test_the_pool_keeps_at_most_its_bytes_and_only_blocks_of_the_shape_asked_for():
+    pool = BlockPool(16 * 4 * 2 * 4)  # sixteen blocks of 4 x 2 float32
+    blocks = [np.empty((4, 2), np.float32) for _ in range(17)]
+    for block in blocks + blocks[-1:]:  # a block given twice is kept once
+        pool.give(block)
+    assert pool.kept == 16 * blocks[0].nbytes
+    refs = [weakref.ref(b) for b in blocks]
+    del blocks, block
+    assert refs[0]() is None and all(r() is not None for r in refs[1:])  # the oldest left
+    pool.give(np.empty((5, 2), np.float32))  # a sixteenth of the pool or more: not kept
+    assert pool.kept == 16 * 4 * 2 * 4
+    assert pool.take(4, (3,), np.dtype(np.float32)) is not refs[1]()  # another shape: a new one
+    assert pool.take(8, (2,), np.dtype(np.float32)).shape == (8, 2)  # longer: a new one too
+    taken = [pool.take(4, (2,), np.dtype(np.float32)) for _ in range(16)]
+    assert [t is r() for t, r in zip(taken, refs[::-1])] == [True] * 16  # the newest first
+    assert pool.kept == 0
+
+
+class RowReadingNgram(NgramDrafter):
+    """An n-gram drafter that takes hidden rows, as a DSpark drafter does."""
+    feature, hidden_layers = 1024, (3,)
+
+    def __init__(self):
+        super().__init__(vocab_size=100, max_depth=2)
+        self.window = 8
+
+
+def test_a_released_request_s_rows_go_to_the_next_request_on_both_hosts():
+    """The client and the worker each hand a released request's blocks to the next one: a
+    new request's first rows land in memory already touched."""
+    service = DraftService(RowReadingNgram())
+    client = DrafterClient(LocalTransport(service), "8:2", row_dtype="float32")
+    tokens, rows = np.arange(12, dtype=np.int32) % 7, np.ones((11, 1024), np.float32)
+
+    def blocks(rid: int) -> tuple:
+        (session,) = [s for key, s in service.sessions.items() if key[2] == rid]
+        return session.history._rows.block, client.requests[rid].history._rows.block
+
+    client.add_request(1, tokens, rows)
+    client.propose()
+    first = [weakref.ref(b) for b in blocks(1)]
+    client.release(1)
+    client.add_request(2, tokens, rows)
+    client.propose()  # the release goes with this round, before the open
+    assert [b is ref() for b, ref in zip(blocks(2), first)] == [True, True]
+    client.release(2)
+    client.add_request(2, tokens, rows)  # the id reused at once: the worker re-opens it
+    client.propose()
+    assert [b is ref() for b, ref in zip(blocks(2), first)] == [True, True]
+    client.add_request(2, tokens, rows)  # and without a release
+    client.propose()
+    assert [b is ref() for b, ref in zip(blocks(2), first)] == [True, True]
+    assert client.counters()["rounds_failed"] == 0

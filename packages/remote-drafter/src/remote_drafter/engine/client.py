@@ -146,6 +146,8 @@ class DrafterClient:
             raise ValueError(f"temperature {temperature} is not a finite value >= 0")
         if rid in self.releases:  # an id reused before its release went out: the open resets it
             self.releases.remove(rid)
+        if (replaced := self.requests.pop(rid, None)) is not None:
+            replaced.history.release()
         rows = as_rows(hidden)
         # Until the worker has said how many rows it looks at, keep them all (trimmed then).
         window = self.window if self._adopted else self.history_tokens
@@ -174,7 +176,8 @@ class DrafterClient:
         return r.pending_tokens <= len(r.history.tokens) and r.pending_rows <= r.history.row_count
 
     def release(self, rid: int) -> None:
-        if self.requests.pop(rid, None) is not None:
+        if (r := self.requests.pop(rid, None)) is not None:
+            r.history.release()
             self.releases.append(rid)
             del self.releases[:-self.max_pending_releases]  # the worker's idle timeout covers the rest
 

@@ -13,6 +13,7 @@ it last looked (`newest_rows`)."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
@@ -71,31 +72,75 @@ class Tail:
         self.written[0] = self.end
 
 
+class BlockPool:
+    """Row blocks the histories of this process no longer write (rows that left a window, a
+    released or re-opened request's), kept for the next history that needs a block of that
+    shape: memory already touched, where a fresh block page-faults every few kilobytes on its
+    first write (each new request's first rows, on both hosts). A block is handed out again
+    only when nothing else holds it (a snapshot's chunks, a view handed out); the newest
+    blocks given, up to `max_bytes`, are kept, older ones left to the allocator."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.kept = max_bytes, 0
+        self._free: list[np.ndarray] = []  # newest last: the one most likely still cached
+        self._lock = threading.Lock()  # the engine's and the service's histories share it
+
+    def __deepcopy__(self, memo) -> BlockPool:
+        return self  # a deep copy of a history still draws on its process's pool
+
+    def give(self, block: np.ndarray) -> None:
+        """Keep `block` for a later take; the oldest kept go when they exceed `max_bytes`."""
+        with self._lock:
+            # a block of a sixteenth of the pool or more (a client's, before it learns the
+            # worker's window) would crowd out the window-sized ones the pool is for
+            if 16 * block.nbytes > self.max_bytes or any(b is block for b in self._free):
+                return
+            self._free.append(block)
+            self.kept += block.nbytes
+            while self.kept > self.max_bytes:
+                self.kept -= self._free.pop(0).nbytes
+
+    def take(self, rows: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A block of `rows` rows of `shape` and `dtype`: a free one kept, else a new one."""
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                block = self._free[i]
+                # held by the list and `block` alone: no history's chunks, no view
+                if block.shape == (rows, *shape) and block.dtype == dtype \
+                        and sys.getrefcount(block) <= HELD_ONCE + 1:
+                    del self._free[i]
+                    self.kept -= block.nbytes
+                    return block
+                del block
+        return np.empty((rows, *shape), dtype)
+
+
+POOL = BlockPool(256 << 20)  # the process's: a few dozen Flash-wide window blocks
+
+
 class Chunks:
     """The newest `keep` rows of an append-only sequence, each row copied once: rows are
     written into blocks of `keep` rows past the newest row, and nothing held is ever moved
     (a row is large; a buffer that slides would copy each row a second time). The rows held
     are views of at most two or three blocks (`chunks`, oldest first): the newest few rows
     are a view of the newest, all of them a join. As with Tail, a block is written only past
-    the end of every copy sharing it (`written`), so a shallow copy is a snapshot. A block
-    whose rows all fell out of those kept is written again as the next new block if nothing
-    else (a copy, a view handed out) still holds it: memory already touched, where a fresh
-    one costs a page fault every few kilobytes on its first write."""
+    the end of every copy sharing it (`written`), so a shallow copy is a snapshot. Blocks come
+    from `pool`, and go back to it when their rows all fall out of those kept (`release`:
+    all of them)."""
 
-    def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
-        self.keep = keep
+    def __init__(self, keep: int, shape: tuple, dtype: np.dtype, pool: BlockPool = POOL):
+        self.keep, self.pool = keep, pool
         self.empty = np.empty((0, *shape), dtype)
         self.empty.flags.writeable = False
         self.chunks: list[np.ndarray] = []
         self.block, self.at, self.written = None, 0, [0]  # the newest block, our end in it
         self.count = 0  # rows the chunks hold: the oldest may reach back past those kept
         self.kept = 0   # the newest rows kept: at most `keep` as of the last append
-        self.spare = None  # the block last dropped, written again if nothing else holds it
 
     def __copy__(self) -> Chunks:
         shared = object.__new__(Chunks)
         shared.__dict__ = self.__dict__.copy()
-        shared.chunks, shared.spare = self.chunks.copy(), None
+        shared.chunks = self.chunks.copy()
         return shared
 
     def __len__(self) -> int:
@@ -110,7 +155,7 @@ class Chunks:
             start = at - len(self.chunks[-1])
             self.chunks.pop()
         else:
-            block = self.block = self._new_block(max(self.keep, k))
+            block = self.block = self.pool.take(max(self.keep, k), self.empty.shape[1:], self.empty.dtype)
             start = at = 0
             self.written = [0]
         block[at:at + k] = items
@@ -123,15 +168,17 @@ class Chunks:
         while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept
             dropped = self.chunks.pop(0)
             self.count -= len(dropped)
-            if dropped.base is not block:
-                self.spare = dropped.base
+            if dropped.base is not None and dropped.base is not block:  # (a deep copy's are not views)
+                self.pool.give(dropped.base)
 
-    def _new_block(self, rows: int) -> np.ndarray:
-        spare, self.spare = self.spare, None
-        # held by `spare` alone: no copy's chunks or block, no view
-        if spare is not None and len(spare) >= rows and sys.getrefcount(spare) <= HELD_ONCE:
-            return spare
-        return np.empty((rows, *self.empty.shape[1:]), self.empty.dtype)
+    def release(self) -> None:
+        """Hand every block to the pool and hold none: this object is done with."""
+        bases = {id(c.base): c.base for c in self.chunks if c.base is not None}
+        if self.block is not None:
+            bases[id(self.block)] = self.block
+        self.chunks, self.block, self.count, self.kept = [], None, 0, 0
+        for block in bases.values():
+            self.pool.give(block)
 
     def newest(self, k: int) -> np.ndarray:
         """The newest k rows: a view when they lie in one block, else a join of just them."""
@@ -212,9 +259,15 @@ class History:
     @rows.setter
     def rows(self, rows: np.ndarray | None) -> None:
         self.lineage, self.rows_added = Lineage(), 0  # rows_added: on this lineage, by this history
+        if "_rows" in self.__dict__:
+            self._rows.release()
         self._rows = Chunks(self._window, (self.feature,), self.dtype)
         if self.feature and rows is not None and len(rows):
             self._append(rows)
+
+    def release(self) -> None:
+        """Its rows' blocks to the pool, for the next request's (this one is done)."""
+        self.rows = None
 
     @property
     def row_count(self) -> int:

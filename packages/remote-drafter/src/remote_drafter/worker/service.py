@@ -292,6 +292,8 @@ class DraftService:
             return self._refuse(e, "invalid_entries", P.STATUS_INVALID, why)
         if key not in self.sessions and (refused := self._admit(key[0], e)) is not None:
             return refused  # a re-open keeps the slot it holds
+        if (reopened := self.sessions.get(key)) is not None:
+            reopened.history.release()  # its blocks can take the new rows
         history.reset(e.tokens, e.rows, e.length)
         session = self.sessions[key] = Session(history, e.temperature, e.seed, time.monotonic())
         if self.recorder is not None:
@@ -446,7 +448,8 @@ class DraftService:
     def _release(self, key: Key) -> None:
         if self.recorder is not None:
             self.recorder.forget(key)
-        if self.sessions.pop(key, None) is not None:
+        if (session := self.sessions.pop(key, None)) is not None:
+            session.history.release()
             usage = self.peers[key[0]]
             usage.requests -= 1
             if not usage.requests:
