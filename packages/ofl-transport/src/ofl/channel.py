@@ -4,12 +4,16 @@ Both sides use it: the server for its connection loop, the client for its calls.
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
 caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
-declared length reserves no more memory than the peer has already sent in one payload.
+declared length reserves no more memory than the peer has already sent in one payload. The
+last payload's buffer is received into again once nothing holds it: memory already touched,
+where a fresh buffer page-faults on each new page (most of what a large message costs beyond
+the socket's own copy).
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +23,16 @@ from .errors import ConnectionLost, DeadlineExceeded
 
 IOV_MAX = 1024  # Linux limit of iovecs per sendmsg
 GROW_FROM = 64 << 10  # a payload buffer starts this large and doubles as bytes arrive
+
+
+def _held_once() -> int:
+    """What sys.getrefcount says of an object one local name holds (Pythons differ: some
+    count the call's own reference, some borrow it)."""
+    alone = bytearray(1)
+    return sys.getrefcount(alone)
+
+
+HELD_ONCE = _held_once()
 
 
 def set_socket_options(sock: socket.socket) -> None:
@@ -56,6 +70,7 @@ class Channel:
         self.sock = sock
         self.max_payload = max_payload
         self.largest = 0  # the largest payload received whole: a later one starts this large
+        self._last: bytearray | None = None  # the last payload's buffer, for the next one
         set_socket_options(sock)
 
     # -- deadlines -----------------------------------------------------------------------
@@ -136,14 +151,28 @@ class Channel:
     def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
         """The payload, in a buffer at most twice the bytes received so far at any moment
         (or as large as the largest payload this peer sent before, which rounds of one size
-        then fill without growing)."""
-        buf = bytearray(min(header.length, max(GROW_FROM, self.largest)))
+        then fill without growing). A large one lands in the last large one's buffer when its
+        caller no longer holds it: a caller that keeps a payload (or a view of it) keeps it
+        from being reused."""
+        start = min(header.length, max(GROW_FROM, self.largest))
+        large = header.length > GROW_FROM  # a small one is cheap: it leaves the large one be
+        buf = self._last if large else None
+        if buf is not None and sys.getrefcount(buf) <= HELD_ONCE + 1:  # here and _last: let go of
+            self._last = None
+            if len(buf) > start:
+                del buf[start:]
+            else:
+                buf.extend(bytes(start - len(buf)))
+        else:
+            buf = bytearray(start)
         got = 0
         while True:
             self.recv_into(memoryview(buf)[got:], deadline)
             got = len(buf)
             if got == header.length:
                 self.largest = max(self.largest, got)
+                if large:
+                    self._last = buf
                 return buf
             buf.extend(bytes(min(got, header.length - got)))
 

@@ -328,6 +328,7 @@ class Server:
                 self.stats.add("bad_requests")
                 self._send_error(ch, header.request_id,
                                  f"{header.kind.name} is not a request this server takes")
+            del payload  # let go of it: the channel receives the next large one into it
 
     def _send_reply(self, ch: Channel, parts: list) -> None:
         try:
