@@ -272,8 +272,8 @@ def benchmark_script(name: str):
 def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     """benchmarks/dsv41_gpu.py (the GPU tier's figures for this drafter) at the tiny width on
     the CPU: it builds the drafter from random weights and times rounds locally and through a
-    worker over tcp, the worker's own cost apart from the time inside the drafter, so the GPU
-    run cannot fail on a rotten script."""
+    worker over tcp, the worker's own cost apart from the time inside the drafter and from the
+    payload's time over a plain socket, so the GPU run cannot fail on a rotten script."""
     import json
     out = tmp_path / "r.json"
     assert benchmark_script("dsv41_gpu").main(["--device", "cpu", "--width", "tiny", "--batches", "1",
@@ -282,6 +282,8 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     assert row["batch"] == 1 and min(row["device_p50_ms"], row["local_p50_ms"], row["tcp_p50_ms"]) > 0
     assert 0 < row["tcp_inside_draft_p50_ms"] < row["tcp_p50_ms"]
     assert row["tcp_worker_own_ms"] == round(row["tcp_p50_ms"] - row["tcp_inside_draft_p50_ms"], 3)
+    assert row["wire_p50_ms"] > 0  # the same payload over a plain socket
+    assert abs(row["tcp_worker_own_beyond_wire_ms"] - (row["tcp_worker_own_ms"] - row["wire_p50_ms"])) < 2e-3
 
 
 def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
@@ -299,14 +301,18 @@ def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
 
 def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
-    timed, local, over tcp to a worker thread and to a worker process (there the client's
-    phases only), rows bf16 end to end then float32 on the hosts (bf16 on the wire both ways:
-    the same bytes); the phases restored afterwards (the service times nothing)."""
+    timed and its page faults counted, local (no link: no messages received), over tcp to a
+    worker thread and to a worker process (there the client's phases only, and its receives),
+    with the same payload over a plain socket beside each; rows bf16 end to end then float32
+    on the hosts (bf16 on the wire both ways: the same bytes); the phases restored afterwards
+    (the service times nothing)."""
     import json
+
+    from ofl.channel import Channel
 
     from remote_drafter.worker.service import DraftService
     script = benchmark_script("worker_cost")
-    apply = DraftService._apply
+    apply, receive = DraftService._apply, Channel.recv_payload
     out = tmp_path / "w.json"
     assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -316,10 +322,15 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     for r in result["rows"]:
         labels = {label for _, _, label in script.PHASES}
         if r["via"] == "tcp_process":
-            labels = {label for label in labels if label.startswith("client")}
-        assert set(r["phases_p50_ms"]) == labels
+            labels = {label for label in labels if not label.startswith("worker")}
+        if r["via"] == "local":
+            labels = {label for label in labels if not label.startswith("both")}
+        assert set(r["phases_p50_ms"]) == set(r["phases_page_faults_per_round"]) == labels
         assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
-    assert DraftService._apply is apply
+        assert ("wire_p50_ms" in r) == ("own_beyond_wire_ms" in r) == (r["via"] != "local")
+        if "wire_p50_ms" in r:
+            assert r["wire_p50_ms"] > 0 and abs(r["own_beyond_wire_ms"] - (r["own_p50_ms"] - r["wire_p50_ms"])) < 2e-3
+    assert DraftService._apply is apply and Channel.recv_payload is receive
 
 
 def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(folders):

@@ -146,6 +146,11 @@ def test_a_released_history_s_blocks_serve_the_next_unless_a_snapshot_holds_them
     assert any(c.block is ref() for ref in blocks)  # free now: no fresh memory
     assert Chunks(4, (3,), np.dtype(np.float32), pool).pool.take(4, (3,), np.dtype(np.float32)).shape == (4, 3)
     assert b.view()[:, 0].tolist() == [7.0] and c.view()[:, 0].tolist() == [8.0]
+    partly = Chunks(4, (2,), np.dtype(np.float32), pool)
+    partly.append(np.ones((2, 2), np.float32))
+    unwritten, kept = weakref.ref(partly.block), pool.kept
+    partly.release()  # a block written only partly faults past its rows: left to the allocator
+    assert unwritten() is None and pool.kept == kept
     deep = copy.deepcopy(c)  # its chunks are arrays of their own, not views of a block
     deep.append(np.full((4, 2), 9.0, np.float32))  # drops its first chunk
     deep.release()

@@ -92,6 +92,7 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         return cast(rng.standard_normal((n, feature)).astype(np.float32), DTYPES[row_dtype]) if feature else None
 
     text = {rid: (p[-8:], 0) for rid, p in prompts.items()}  # (phrase, position in it)
+    before = client.counters()  # a client that drove rounds before counts on from there
     for rid, p in prompts.items():
         client.add_request(rid, p, rows(len(p) - 1))
     steps, drafting, drafted = [], [], 0
@@ -129,8 +130,8 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         client.release(rid)
     return {"drafting": percentiles(drafting), "step_p50_ms": percentiles(steps)["p50_ms"],
             "drafts_per_s": drafted / sum(steps), "drafts_per_round": drafted / rounds,
-            "request_bytes_per_round": client.counters()["request_bytes"] / (rounds + 3),
-            "rounds_failed": client.counters()["rounds_failed"]}
+            "request_bytes_per_round": (client.counters()["request_bytes"] - before["request_bytes"]) / (rounds + 3),
+            "rounds_failed": client.counters()["rounds_failed"] - before["rounds_failed"]}
 
 
 def bench_rounds(paths, args, width) -> list[dict]:

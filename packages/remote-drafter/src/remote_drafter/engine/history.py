@@ -73,10 +73,11 @@ class Tail:
 
 
 class BlockPool:
-    """Row blocks the histories of this process no longer write (rows that left a window, a
-    released or re-opened request's), kept for the next history that needs a block of that
-    shape: memory already touched, where a fresh block page-faults every few kilobytes on its
-    first write (each new request's first rows, on both hosts). A block is handed out again
+    """Row blocks the histories of this process wrote through and no longer write (rows that
+    left a window, a released or re-opened request's), kept for the next history that needs a
+    block of that shape: memory already touched, where a fresh block page-faults every few
+    kilobytes on its first write (each new request's first rows, on both hosts; the allocator
+    reuses freed memory too, but not always touched memory). A block is handed out again
     only when nothing else holds it (a snapshot's chunks, a view handed out); the newest
     blocks given, up to `max_bytes`, are kept, older ones left to the allocator."""
 
@@ -172,12 +173,14 @@ class Chunks:
                 self.pool.give(dropped.base)
 
     def release(self) -> None:
-        """Hand every block to the pool and hold none: this object is done with."""
-        bases = {id(c.base): c.base for c in self.chunks if c.base is not None}
-        if self.block is not None:
-            bases[id(self.block)] = self.block
+        """Hand the blocks written through to the pool and hold none: this object is done
+        with. The newest block, written only up to its end, is left to the allocator: a
+        block that faults past where it was written is what the pool exists to avoid."""
+        full = {id(c.base): c.base for c in self.chunks if c.base is not None and c.base is not self.block}
+        if self.block is not None and self.at == len(self.block):
+            full[id(self.block)] = self.block
         self.chunks, self.block, self.count, self.kept = [], None, 0, 0
-        for block in bases.values():
+        for block in full.values():
             self.pool.give(block)
 
     def newest(self, k: int) -> np.ndarray:
