@@ -309,7 +309,6 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     import json
 
     from ofl.channel import Channel
-
     from remote_drafter.worker.service import DraftService
     script = benchmark_script("worker_cost")
     apply, receive = DraftService._apply, Channel.recv_payload
