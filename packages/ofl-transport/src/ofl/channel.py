@@ -27,7 +27,8 @@ GROW_FROM = 64 << 10  # a payload buffer starts this large and doubles as bytes 
 
 def _held_once() -> int:
     """What sys.getrefcount says of an object one local name holds (Pythons differ: some
-    count the call's own reference, some borrow it)."""
+    count the call's own reference, some borrow it). Whoever reuses a buffer only when
+    nothing else holds it compares with this (here; remote-drafter's histories)."""
     alone = bytearray(1)
     return sys.getrefcount(alone)
 
@@ -157,7 +158,7 @@ class Channel:
         start = min(header.length, max(GROW_FROM, self.largest))
         large = header.length > GROW_FROM  # a small one is cheap: it leaves the large one be
         buf = self._last if large else None
-        if buf is not None and sys.getrefcount(buf) <= HELD_ONCE + 1:  # here and _last: let go of
+        if buf is not None and sys.getrefcount(buf) <= HELD_ONCE + 1:  # only `buf` and _last: let go of
             self._last = None
             if len(buf) > start:
                 del buf[start:]

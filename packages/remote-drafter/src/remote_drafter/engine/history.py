@@ -17,17 +17,9 @@ import threading
 
 import numpy as np
 
+from ofl.channel import HELD_ONCE  # sys.getrefcount of what one local name holds
+
 from .rows import all_finite, cast
-
-
-def _held_once() -> int:
-    """What sys.getrefcount says of an array one local name holds (Pythons differ: some
-    count the call's own reference, some borrow it)."""
-    alone = np.empty(1)
-    return sys.getrefcount(alone)
-
-
-HELD_ONCE = _held_once()
 
 
 class Tail:
