@@ -66,5 +66,8 @@ def all_finite(rows: np.ndarray) -> bool:
         return bool(np.isfinite(rows).all())
     if not rows.size:
         return True
-    # without its sign, a half is infinite or NaN from its exponent's all-ones pattern up
-    return int((rows.view(np.uint16) & 0x7FFF).max()) < exponent
+    # A half is infinite or NaN from its exponent's all-ones pattern up: as a positive, the
+    # largest values read as int16, as a negative, the largest read as uint16 (two maxima,
+    # no masked copy of the rows).
+    bits = rows.view(np.uint16)
+    return int(bits.view(np.int16).max()) < exponent and int(bits.max()) < (0x8000 | exponent)
