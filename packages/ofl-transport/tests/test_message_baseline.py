@@ -50,4 +50,7 @@ def test_a_large_payload_lands_in_the_last_ones_buffer_only_when_nothing_holds_i
         assert seen[3] != seen[2] and kept[0][0] == 1 and kept[0][-1] == 1  # never overwritten
         assert conn.request(b"\4small\4") == b"\4\4" and conn.request(big[5]) == b"\5\5"
         assert seen[5] == seen[3]  # a small one in between left the large one be
+        third = bytes([7]) + bytes(100 << 10) + bytes([7])  # large, but under half: its own buffer
+        assert conn.request(third) == b"\7\7" and conn.request(big[4]) == b"\4\4"
+        assert seen[6] != seen[5] and seen[7] == seen[5]  # the large one kept its size for the next
         conn.close()

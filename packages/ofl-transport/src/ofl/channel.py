@@ -71,7 +71,8 @@ class Channel:
         self.sock = sock
         self.max_payload = max_payload
         self.largest = 0  # the largest payload received whole: a later one starts this large
-        self._last: bytearray | None = None  # the last payload's buffer, for the next one
+        self._last: bytearray | None = None  # the last large payload's buffer, for the next one
+        self._last_size = 0  # the most it held
         set_socket_options(sock)
 
     # -- deadlines -----------------------------------------------------------------------
@@ -157,9 +158,11 @@ class Channel:
         from being reused."""
         start = min(header.length, max(GROW_FROM, self.largest))
         large = header.length > GROW_FROM  # a small one is cheap: it leaves the large one be
-        buf = self._last if large else None
+        # one under about half the last's size (Python gives a bytearray's memory back below
+        # half of what it holds, which may be an eighth over its size) would fault it in again
+        # later: it takes a buffer of its own and leaves the large one be too
+        buf = self._last if large and 16 * header.length > 9 * self._last_size else None
         if buf is not None and sys.getrefcount(buf) <= HELD_ONCE + 1:  # only `buf` and _last: let go of
-            self._last = None
             if len(buf) > start:
                 del buf[start:]
             else:
@@ -172,8 +175,10 @@ class Channel:
             got = len(buf)
             if got == header.length:
                 self.largest = max(self.largest, got)
-                if large:
-                    self._last = buf
+                if buf is self._last:
+                    self._last_size = max(self._last_size, got)
+                elif large and 16 * got > 9 * self._last_size:
+                    self._last, self._last_size = buf, got
                 return buf
             buf.extend(bytes(min(got, header.length - got)))
 
