@@ -74,7 +74,7 @@ def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
         assert f"locked by pid {first.rank_pids[1]}" in text, text
     finally:
         first.stop()
-    assert first.proc.returncode == 0
+    assert first.proc.returncode == 0, first.proc.stderr.read()
     for dev in ("cpu:0", "cpu:1"):  # released at the end, with no record left behind
         lock = DeviceLock(device_key(dev), lock_dir).acquire()
         assert lock.cleared is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,10 @@ def role_env(role: Role) -> dict[str, str]:
     dropped (it would override the explicit KV budget)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     return {**env, **role.env}
+
+
+# Longer than any role's own bounded shutdown (drafter-tp2's launcher takes up to 35 s).
+STOP_TIMEOUT_S = 45.0
 
 
 class RoleFailed(RuntimeError):
@@ -57,13 +62,17 @@ class Running:
         line = next(x for x in self.tail(1 << 20).splitlines() if self.role.ready_line in x)
         return line.rsplit(" on ", 1)[1].strip()
 
-    def stop(self, timeout_s: float = 30) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, then after timeout_s SIGKILL to the role's whole process group (it was
+        started in a session of its own): a killed supervisor leaves no worker behind."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                print(f"dsv41-stack: {self.role.name} did not stop within {timeout_s:.0f} s of "
+                      "SIGTERM; killing its process group", file=sys.stderr, flush=True)
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
 

@@ -13,7 +13,10 @@ import time
 
 from ofl.server import parse_address
 
-GRACE_S = 10.0
+GRACE_S = 10.0  # a rank's time to stop after SIGTERM before it is killed
+# The launcher's own bound after SIGTERM: rank 0's grace, then rank 1's wait for the stop
+# order and its grace, and a margin for the launcher's exit. Whoever stops a launcher waits this.
+LAUNCHER_GRACE_S = 3 * GRACE_S + 5.0
 
 
 def free_master(master: str) -> str:
@@ -30,13 +33,15 @@ def rank_command(rank: int, master: str, rank_args: list[str]) -> list[str]:
             "--master", master, *rank_args]
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+def stop_process(proc: subprocess.Popen, name: str, grace_s: float = GRACE_S) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGCONT)  # a stopped (hung) process cannot handle SIGTERM
         proc.terminate()
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
+            print(f"drafter-tp2: {name} did not stop within {grace_s:.0f} s of "
+                  "SIGTERM; killing it", file=sys.stderr, flush=True)
             proc.kill()
             proc.wait()
 
@@ -60,8 +65,8 @@ def run_pair(master: str, rank_args: list[str]) -> int:
         while not term and time.monotonic() < deadline and any(p.poll() is None for p in ranks):
             time.sleep(0.05)
         codes = [p.poll() for p in ranks]
-        for proc in ranks:
-            _stop(proc)
+        for r, proc in enumerate(ranks):
+            stop_process(proc, f"rank {r}")
         if term:
             return 0
         print(f"drafter-tp2 worker: the pair did not start (exit codes {codes}; the reason "
@@ -74,16 +79,17 @@ def run_pair(master: str, rank_args: list[str]) -> int:
         for r, proc in enumerate(ranks):
             code = proc.poll()
             if code is not None:
-                for other in ranks:
-                    _stop(other)
+                for o, other in enumerate(ranks):
+                    stop_process(other, f"rank {o}")
                 how = f"signal {-code}" if code < 0 else f"exit {code}"
                 print(f"drafter-tp2 worker: rank {r} ended ({how}); the pair stopped serving",
                       file=sys.stderr, flush=True)
                 return 3
         time.sleep(0.1)
-    _stop(ranks[0])  # rank 0 finishes its round, stops rank 1, then releases its lock
+    # rank 0 finishes its round, stops rank 1, then releases its lock
+    stop_process(ranks[0], "rank 0")
     try:
         ranks[1].wait(timeout=GRACE_S)
     except subprocess.TimeoutExpired:
-        _stop(ranks[1])
+        stop_process(ranks[1], "rank 1")
     return 0

@@ -11,7 +11,7 @@ import sys
 import time
 from collections import deque
 
-from .launcher import _stop
+from .launcher import LAUNCHER_GRACE_S, stop_process
 
 ROLLBACK = "roll back to the one-card worker: README, 'Rollback'"
 
@@ -29,7 +29,7 @@ def supervise(command: list[str], restarts: int, window_s: float, backoff_s: flo
         while proc.poll() is None and not term:
             time.sleep(0.1)
         if term:
-            _stop(proc)
+            stop_process(proc, "the pair's launcher", LAUNCHER_GRACE_S)
             return 0
         code = proc.returncode
         if code == 0:

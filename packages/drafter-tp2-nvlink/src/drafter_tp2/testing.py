@@ -11,6 +11,8 @@ import tempfile
 
 from ofl.testing import ChildProcess
 
+from .launcher import LAUNCHER_GRACE_S
+
 FAST = {"DRAFTER_TP2_TIMEOUT_S": "3", "DRAFTER_TP2_HEARTBEAT_S": "0.3",
         "DRAFTER_TP2_START_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
 
@@ -29,7 +31,10 @@ def drafter_tp2(*args, **popen) -> subprocess.Popen:
 
 
 class PairProcess(ChildProcess):
-    """`drafter-tp2 worker` on 127.0.0.1: its address and both ranks' pids once serving."""
+    """`drafter-tp2 worker` on 127.0.0.1: its address and both ranks' pids once serving.
+    stop() gives the launcher the time its own bounded shutdown may take."""
+
+    grace_s = LAUNCHER_GRACE_S
 
     def __init__(self, args: list[str], env: dict | None = None):
         self.proc = drafter_tp2("worker", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -41,9 +46,6 @@ class PairProcess(ChildProcess):
         self.address = self.line.rsplit(" on ", 1)[1].strip()
         pids = self.line.split("rank pids ", 1)[1].split(")", 1)[0]
         self.rank_pids = [int(p) for p in pids.split(",")]
-
-    def stop(self) -> None:
-        super().stop()
 
 
 class RankPair:

@@ -86,9 +86,11 @@ class TwoHosts:
 
 
 class ChildProcess:
-    """A server process a test started: stop() (even when SIGSTOPped) and kill()."""
+    """A server process a test started: stop() (even when SIGSTOPped) and kill(). stop()
+    waits `grace_s` for it to exit on SIGTERM before killing it."""
 
     proc: subprocess.Popen
+    grace_s = 10.0
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -100,7 +102,7 @@ class ChildProcess:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=self.grace_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
