@@ -25,7 +25,7 @@ from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
 
 from .config import StackConfig
-from .processes import Running, role_env
+from .processes import STOP_TIMEOUT_S, Running, role_env
 from .roles import SERVED_NAME, Role, engine, rank_address, roles, speculative_config
 
 # The async proxy's counters that must not move during the canary (rounds timed out are not
@@ -112,7 +112,7 @@ class Deployment:
             return f"no shards in STACK_ENGRAM_SHARDS={self.cfg['STACK_ENGRAM_SHARDS']!r}"
         return None
 
-    def stop(self, role: Role, timeout_s: float = 30) -> bool:
+    def stop(self, role: Role, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         pid = self.pid(role)
         if pid is None:
             return False
