@@ -120,16 +120,18 @@ class FakeServer:
             send(json.dumps({"choices": [{"index": 0, "text": " w" * n, "token_ids": ids,
                                           "finish_reason": None}]}))
         total = sum(s.tokens_per_event)
+        # counted before the stream ends, as vLLM counts a request's drafts in its steps: a
+        # scrape after the client saw [DONE] always includes them
+        with self.lock:
+            self.counters["num_drafts"] += s.drafts_per_request
+            self.counters["num_draft_tokens"] += s.drafts_per_request * 3
+            self.counters["num_accepted_tokens"] += s.accepted_per_request
         send(json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}))
         send(json.dumps({"choices": [], "usage": {
             "prompt_tokens": len(prompt), "completion_tokens": total,
             "prompt_tokens_details": {"cached_tokens": cached}}}))
         send("[DONE]")
         h.wfile.write(b"0\r\n\r\n")
-        with self.lock:
-            self.counters["num_drafts"] += s.drafts_per_request
-            self.counters["num_draft_tokens"] += s.drafts_per_request * 3
-            self.counters["num_accepted_tokens"] += s.accepted_per_request
 
     def stop(self):
         self.httpd.shutdown()
