@@ -423,15 +423,19 @@ def print_table(res: dict) -> None:
                   f"{cell(eager, i, 'tcp_p50_ms')} / {cell(eager, i, 'tcp_inside_draft_p50_ms')}")
 
 
-def profile(batches: list[int], out: str) -> None:
-    """Where a round's device time goes: the fused EXL3 drafter, eager and in graphs, kernels
-    grouped by name (torch's profiler), written as text."""
+def profile(batches: list[int], out: str, variant: str) -> None:
+    """Where a round's device time goes: the fused EXL3 drafter (exl3_4) or the bf16 one, eager
+    and in graphs, kernels grouped by name (torch's profiler), written as text."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    exl3.load_exllamav3(say)
-    model, _ = exl3_flash_model()
-    tag = "random-flash-exl3"
-    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    if variant == "exl3_4":
+        exl3.load_exllamav3(say)
+        model, _ = exl3_flash_model()
+        tag = "random-flash-exl3"
+        manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    else:
+        drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
+        model, manifest = drafter.model, drafter.manifest()
     lines = []
     for name, graphs in (("eager", False), ("graphs", None)):
         drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=graphs)
@@ -445,7 +449,7 @@ def profile(batches: list[int], out: str) -> None:
                     drafter.draft(requests, want_probs=False)
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
-            lines += [f"== {name}, batch {batch}, 5 rounds", table]
+            lines += [f"== {variant}, {name}, batch {batch}, 5 rounds", table]
             say(lines[-2] + "\n" + "\n".join(table.splitlines()[:30]))
     with open(out, "w") as f:
         f.write("\n".join(lines))
@@ -481,15 +485,15 @@ def main(argv=None) -> int:
     ap = round_options(__doc__, "drafter-round.json")
     ap.add_argument("--variants", default="exl3_4,bf16", help="which drafters, in one process "
                     "(default: %(default)s)")
-    ap.add_argument("--profile", metavar="TXT", help="instead: where the fused EXL3 round's device "
-                    "time goes, by kernel (torch's profiler), written to TXT")
+    ap.add_argument("--profile", metavar="TXT", help="instead: where the round's device time goes, "
+                    "by kernel (torch's profiler), written to TXT, for the first of --variants")
     ap.add_argument("--compile-experiment", action="store_true", help="instead: the bf16 round with "
                     "its hyper-connection sublayers compiled by torch.compile, against it as served (--out)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
     if args.profile:
-        profile([int(b) for b in args.batches.split(",")], args.profile)
+        profile([int(b) for b in args.batches.split(",")], args.profile, args.variants.split(",")[0])
         return 0
     if args.compile_experiment:
         compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)

@@ -23,9 +23,9 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # =profile the kernel profile alone
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by
-    # kernel, through this script: run by hand after it, exllamav3 built its extension again
+    # kernel; PROFILE_VARIANT=bf16 profiles the bf16 round (no exllamav3 needed)
     python3 packages/remote-drafter/benchmarks/drafter_round.py --batches 1,16 \
-      --profile "$OUT/drafter-round-profile.txt" 2>&1 | tail -60
+      --variants "${PROFILE_VARIANT:-exl3_4}" --profile "$OUT/drafter-round-profile.txt" 2>&1 | tail -60
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND != bench ]]; then
