@@ -115,8 +115,9 @@ def test_new_rows_encoded_in_graphs_equal_their_eager_encoding(pack):
     for n in (1, 3, 16, 50, ENCODE_BUCKETS[-1], ENCODE_BUCKETS[-1] + 1):
         rows = rng.standard_normal((n, d.feature)).astype(np.float32)
         positions = rng.integers(0, 4096, n)
-        got = d._encode(rows, positions, DEVICE).float()
-        want = fused.encode_rows(torch.from_numpy(rows).to(DEVICE), torch.from_numpy(positions).to(DEVICE)).float()
+        rows, positions = torch.from_numpy(rows).to(DEVICE), torch.from_numpy(positions).to(DEVICE)
+        got = d._encode(rows, positions).float()
+        want = fused.encode_rows(rows, positions).float()
         err = float((got - want).norm() / want.norm())
         assert got.shape == want.shape and err < 1e-2, (n, err)
 

@@ -5,9 +5,11 @@ bucket and replayed (the one-card dsv41 drafter and drafter-tp2's ranks use it).
 first, with no host synchronisation inside (a graph replays device work only). A call is
 padded up to the smallest captured bucket that holds it (padding rows are zeros, which the
 caller's fn must tolerate, and are dropped) and replayed; a batch above every bucket runs
-eagerly on the owned stream. A replay's outputs are views of the graph's own buffers: read
-them before the next call (the worker's device lock runs one round at a time). On CPU: no
-streams, no graphs, fn runs as called."""
+eagerly on the owned stream. The caller's stream then waits for the owned one (no host
+synchronisation: work queued after the call, on the caller's stream, sees the outputs). A
+replay's outputs are views of the graph's own buffers: read them before the next call (the
+worker's device lock runs one round at a time; the next call's copy-in waits for what the
+caller's stream queued before it). On CPU: no streams, no graphs, fn runs as called."""
 
 from __future__ import annotations
 
@@ -46,16 +48,18 @@ class BucketGraphs:
             return self.fn(*inputs)
         b = inputs[0].shape[0]
         bucket = min((x for x in self.graphs if x >= b), default=None)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made there
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)  # inputs were made there
         with torch.cuda.stream(self.stream):
             if bucket is None:
                 out = self.fn(*inputs)
             else:
                 graph, static, captured = self.graphs[bucket]
                 for dst, src in zip(static, inputs):
-                    dst.zero_()
                     dst[:b].copy_(src)
+                    if b < bucket:
+                        dst[b:].zero_()  # padding rows: zeros, not the last round's
                 graph.replay()
                 out = tuple(t[:b] for t in captured) if isinstance(captured, tuple) else captured[:b]
-        self.stream.synchronize()
+        caller.wait_stream(self.stream)
         return out

@@ -17,22 +17,16 @@ import numpy as np
 import torch
 
 from remote_drafter.engine.history import History
-from remote_drafter.engine.rows import BFLOAT16
 
-# (new rows [k, feature] on the host as the history keeps them, their positions [k], device)
-# -> rows [k, width]
-Encode = Callable[[np.ndarray, np.ndarray, torch.device], torch.Tensor]
+from .staging import RowStage
 
-
-def host_tensor(rows: np.ndarray) -> torch.Tensor:
-    """Host rows as a tensor of their own type, sharing their memory (bf16: ml_dtypes' bits)."""
-    if rows.dtype == BFLOAT16:
-        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(rows)
+# (the round's new rows [k, feature] on the device, as the histories keep them; their
+# positions [k] on the device) -> rows [k, width]
+Encode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _as_rows(rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
-    return host_tensor(rows).to(device)
+def _as_rows(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return rows
 
 
 class DeviceWindows(dict):
@@ -71,7 +65,7 @@ class DeviceWindows(dict):
                 writes.append(where)
             rings.append(ring)
         if rows:
-            new = self.encode(np.concatenate(rows), np.concatenate(positions), pool.device)
+            new = self.encode(pool.rows.to_device(rows), torch.from_numpy(np.concatenate(positions)).to(pool.device))
             pool.write(np.concatenate(writes), new.to(self.dtype))
         return pool.gather(rings), np.array([r.m for r in rings], np.int64)
 
@@ -92,6 +86,7 @@ class RingPool:
     def __init__(self, window: int, width: int, device, dtype: torch.dtype):
         self.window, self.width, self.device, self.dtype = window, width, torch.device(device), dtype
         self.store = zeros((4, window, width), self.device, dtype)
+        self.rows = RowStage(self.device)  # a round's new rows on their way here
         self.free = list(range(4))
         self.rings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

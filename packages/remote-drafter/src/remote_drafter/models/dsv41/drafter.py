@@ -30,7 +30,7 @@ from remote_drafter.models import exl3, exl3_dense
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
 from remote_drafter.models.pick import Picker, chain_arrays, split
-from remote_drafter.models.window import DeviceWindows, host_tensor
+from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
 from .config import flatten, linear_names
@@ -243,10 +243,9 @@ class Dsv41Drafter(Drafter):
         return (torch.zeros(n, self.feature, dtype=self.model.dtype, device=self.device),
                 torch.zeros(n, dtype=torch.int64, device=self.device))
 
-    def _encode(self, rows: np.ndarray, positions: np.ndarray, device) -> torch.Tensor:
+    def _encode(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """New committed taps -> every layer's context rows, computed once per position."""
-        taps = host_tensor(rows).to(device)  # the round's new rows, gathered (a copy)
-        return self._encode_rows(taps, torch.from_numpy(positions).to(device))
+        return self._encode_rows(taps, positions)
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:

@@ -1,0 +1,56 @@
+"""A round's new rows on their way to the drafter's device. On CUDA they are joined into a
+pinned host buffer kept for the next round (the join is the one host copy) and copied to the
+device without blocking the host; from pageable memory the driver would first stage them and
+the host would wait. Small arrays (indices, masks) are not worth it: the pinned path's own
+Python costs more than their copy. Elsewhere (a CPU device) the rows are joined and used as
+they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from remote_drafter.engine.rows import BFLOAT16
+
+
+def host_tensor(rows: np.ndarray) -> torch.Tensor:
+    """Host rows as a tensor of their own type, sharing their memory (bf16: ml_dtypes' bits)."""
+    if rows.dtype == BFLOAT16:
+        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(rows)
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == BFLOAT16 else torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+class RowStage:
+    """One pinned buffer for one device, reused: written again only once the last copy out
+    of it is done (a buffer outgrown goes back to torch's pinned allocator, which keeps it
+    until then)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.buf: torch.Tensor | None = None
+        self.copied = torch.cuda.Event() if self.cuda else None
+        self.used = False
+
+    def to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
+        """parts (one dtype) joined along their first axis, on the device."""
+        if not self.cuda:
+            return host_tensor(np.concatenate(parts)).to(self.device)
+        first = parts[0]
+        shape = (sum(len(p) for p in parts), *first.shape[1:])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
+        if self.buf is None or self.buf.numel() < nbytes:
+            size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 16)
+            self.buf, self.used = torch.empty(size, dtype=torch.uint8, pin_memory=True), False
+        elif self.used:
+            self.copied.synchronize()
+        staged = self.buf[:nbytes]
+        np.concatenate(parts, out=staged.numpy().view(first.dtype).reshape(shape))
+        out = staged.view(torch_dtype(first.dtype)).view(shape).to(self.device, non_blocking=True)
+        self.copied.record(torch.cuda.current_stream(self.device))
+        self.used = True
+        return out
