@@ -20,8 +20,14 @@ fi
 if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the Flash width
   # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
   # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
-  # =profile the kernel profile alone
+  # =profile the kernel profile alone, =phases the bf16 round's host share
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share and torch's
+    # grouped GEMM at the experts' shapes (round_phases.py; no exllamav3 needed)
+    python3 packages/remote-drafter/benchmarks/round_phases.py --grouped-mm \
+      --host-profile "$OUT/round-host-profile.txt" --out "$OUT/round-phases.json" 2>&1 | tail -8
+    exit
+  fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by
     # kernel; PROFILE_VARIANT=bf16 profiles the bf16 round (no exllamav3 needed)
     python3 packages/remote-drafter/benchmarks/drafter_round.py --batches 1,16 \

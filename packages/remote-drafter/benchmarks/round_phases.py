@@ -1,0 +1,207 @@
+"""Where a graphed round's time goes besides its kernels, on a GPU: DeepSeek's drafter at the
+estimated V4.1-Flash width in bf16, CUDA graphs, rounds whose every request brings `--new-rows`
+new rows (as a worker in service drafts), against the same requests with none; per batch the
+round's p50, the layout of its windows (new rows encoded and written, the context gathered),
+the forward graph's replay alone and the encoding graph's replay alone. What a round spends
+outside those replays is the host's share. Then (`--grouped-mm`) torch's grouped GEMM at the
+experts' shapes (bf16, the routed experts a round chose): gate and up as two GEMMs or one over
+their joined weights, and down, against their bytes over the H200's bandwidth; and
+(`--host-profile`) the rounds' host time by function.
+
+    python packages/remote-drafter/benchmarks/round_phases.py --out round-phases.json
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dsv41_gpu import random_drafter, random_rounds, round_options  # noqa: E402
+
+from remote_drafter.bench import percentiles  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+
+H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on these machines
+# The experts a Flash-width round chose per layer at batch 1 / 4 / 16 (drafter_round.py's
+# floors) and the (row, expert) slots of W = 5 rows a request.
+CHOSEN_SLOTS = {1: (16, 40), 4: (40, 160), 16: (92, 640)}
+
+
+def timed(fn, rounds: int) -> dict:
+    """p50 / p99 ms of fn() between two device synchronisations."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {k: round(v, 3) for k, v in percentiles(times).items()}
+
+
+def phases(batches: list[int], rounds: int, new_rows: int, host_profile: str | None) -> list[dict]:
+    drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
+    d = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
+    rng = np.random.default_rng(0)
+    out, profiles = [], []
+    for batch in batches:
+        requests = random_rounds(d, batch, 160, batch)
+        out.append(phase_row(d, requests, rounds, new_rows, rng))
+        print(f"  batch {batch}: {out[-1]}", file=sys.stderr, flush=True)
+        if host_profile:
+            profiles.append(f"== batch {batch}, {rounds} rounds with new rows\n"
+                            + profile_host(d, requests, rounds, new_rows, rng))
+    if host_profile:
+        with open(host_profile, "w") as f:
+            f.write("\n".join(profiles))
+    return out
+
+
+def profile_host(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> str:
+    """The rounds' host time by function (cProfile, tottime), the histories grown outside it."""
+    profiler = cProfile.Profile()
+    for _ in range(rounds):
+        for r in requests:
+            r.history.extend(rng.integers(0, d.vocab_size, new_rows, dtype=np.int32),
+                             rng.standard_normal((new_rows, d.feature)).astype(np.float32))
+        profiler.enable()
+        d.draft(requests, False)
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> dict:
+    batch = len(requests)
+
+    def grow():
+        for r in requests:
+            r.history.extend(rng.integers(0, d.vocab_size, new_rows, dtype=np.int32),
+                             rng.standard_normal((new_rows, d.feature)).astype(np.float32))
+
+    @torch.inference_mode()
+    def lay_out():
+        d._windows.lay_out([r.history for r in requests], "cuda")
+
+    def grown(step) -> dict:
+        """p50 / p99 ms of step() after the requests grew by new_rows each (not timed)."""
+        times = []
+        for _ in range(rounds):
+            grow()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return {k: round(v, 3) for k, v in percentiles(times).items()}
+    for _ in range(3):
+        grow()
+        d.draft(requests, False)
+    forward = d._forward.graphs[min(b for b in d._forward.graphs if b >= batch)][0]
+    encode = d._encode_rows.graphs[min(b for b in d._encode_rows.graphs if b >= new_rows * batch)][0]
+    row = {"batch": batch, "new_rows_per_request": new_rows,
+           "round_no_new_rows": timed(lambda: d.draft(requests, False), rounds),
+           "round_new_rows": grown(lambda: d.draft(requests, False)),
+           "lay_out_new_rows": grown(lay_out),
+           "forward_replay": timed(forward.replay, rounds),
+           "encode_replay": timed(encode.replay, rounds)}
+    row["host_share_p50_ms"] = round(row["round_new_rows"]["p50_ms"] - row["forward_replay"]["p50_ms"]
+                                     - row["encode_replay"]["p50_ms"], 3)
+    return row
+
+
+def grouped_mm(rounds: int) -> list[dict]:
+    """torch._grouped_mm at the experts' shapes, in CUDA graphs (20 calls a replay)."""
+    experts, hidden, inter = 192, 4096, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def weights(*shape):
+        return (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w1, w3, w2 = weights(experts, inter, hidden), weights(experts, inter, hidden), weights(experts, hidden, inter)
+    w13 = torch.cat([w1, w3], 1)
+    out = []
+    for batch, (chosen, slots) in CHOSEN_SLOTS.items():
+        counts = torch.zeros(experts, dtype=torch.int32)
+        picked = torch.randperm(experts, generator=torch.Generator().manual_seed(chosen))[:chosen]
+        for i in range(slots):
+            counts[picked[i % chosen]] += 1
+        offs = counts.cumsum(0, dtype=torch.int32).cuda()
+        out.append({"batch": batch, "experts": chosen, "slots": slots,
+                    **grouped_row(weights(slots, hidden), weights(slots, inter), (w1, w3, w13, w2), offs, rounds)})
+        gate_up_floor = chosen * 2 * inter * hidden * 2 / H200_BANDWIDTH * 1e6
+        out[-1].update(gate_up_floor_us=round(gate_up_floor, 1), down_floor_us=round(gate_up_floor / 2, 1))
+        print(f"  grouped GEMM, batch {batch}: {out[-1]}", file=sys.stderr, flush=True)
+    return out
+
+
+def grouped_row(x, a, w, offs, rounds: int) -> dict:
+    w1, w3, w13, w2 = w
+
+    def gemm(rows, weight):
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offs)
+    return {"gate_up_two_gemms_us": in_graph(lambda: (gemm(x, w1), gemm(x, w3)), rounds),
+            "gate_up_one_gemm_us": in_graph(lambda: gemm(x, w13), rounds),
+            "down_us": in_graph(lambda: gemm(a, w2), rounds),
+            "one_gemm_bitwise_equal": torch.equal(torch.cat([gemm(x, w1), gemm(x, w3)], 1), gemm(x, w13))}
+
+
+def in_graph(fn, rounds: int, calls: int = 20) -> float:
+    """µs per fn() call: `calls` calls captured in one graph, the median replay of `rounds`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return round(float(np.median(times)), 1)
+
+
+def main(argv=None) -> int:
+    ap = round_options(__doc__, "round-phases.json", rounds=40)
+    ap.add_argument("--new-rows", type=int, default=3, help="rows each request brings a round "
+                    "(default: %(default)s)")
+    ap.add_argument("--grouped-mm", action="store_true", help="also torch's grouped GEMM at the "
+                    "experts' shapes")
+    ap.add_argument("--host-profile", metavar="TXT", help="also the rounds' host time by function "
+                    "(cProfile), written to TXT")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "rounds": phases([int(b) for b in args.batches.split(",")], args.rounds, args.new_rows,
+                             args.host_profile)}
+    if args.grouped_mm:
+        res["grouped_mm"] = grouped_mm(args.rounds)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("batch | round, no new rows | with new rows | lay-out | forward replay | encode replay | host share (p50 ms)")
+    for r in res["rounds"]:
+        print(f"{r['batch']:>5} | {r['round_no_new_rows']['p50_ms']:>18.2f} | {r['round_new_rows']['p50_ms']:>13.2f} | "
+              f"{r['lay_out_new_rows']['p50_ms']:>7.2f} | {r['forward_replay']['p50_ms']:>14.2f} | "
+              f"{r['encode_replay']['p50_ms']:>13.2f} | {r['host_share_p50_ms']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
