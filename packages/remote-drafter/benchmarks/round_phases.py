@@ -36,10 +36,13 @@ H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on thes
 CHOSEN_SLOTS = {1: (16, 40), 4: (40, 160), 16: (92, 640)}
 
 
-def timed(fn, rounds: int) -> dict:
-    """p50 / p99 ms of fn() between two device synchronisations."""
+def timed(fn, rounds: int, before=None) -> dict:
+    """p50 / p99 ms of fn() between two device synchronisations (before(), if given, untimed
+    ahead of each)."""
     times = []
     for _ in range(rounds):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -93,17 +96,6 @@ def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> dic
     def lay_out():
         d._windows.lay_out([r.history for r in requests], "cuda")
 
-    def grown(step) -> dict:
-        """p50 / p99 ms of step() after the requests grew by new_rows each (not timed)."""
-        times = []
-        for _ in range(rounds):
-            grow()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return {k: round(v, 3) for k, v in percentiles(times).items()}
     for _ in range(3):
         grow()
         d.draft(requests, False)
@@ -111,8 +103,8 @@ def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> dic
     encode = d._encode_rows.graphs[min(b for b in d._encode_rows.graphs if b >= new_rows * batch)][0]
     row = {"batch": batch, "new_rows_per_request": new_rows,
            "round_no_new_rows": timed(lambda: d.draft(requests, False), rounds),
-           "round_new_rows": grown(lambda: d.draft(requests, False)),
-           "lay_out_new_rows": grown(lay_out),
+           "round_new_rows": timed(lambda: d.draft(requests, False), rounds, before=grow),
+           "lay_out_new_rows": timed(lay_out, rounds, before=grow),
            "forward_replay": timed(forward.replay, rounds),
            "encode_replay": timed(encode.replay, rounds)}
     row["host_share_p50_ms"] = round(row["round_new_rows"]["p50_ms"] - row["forward_replay"]["p50_ms"]
