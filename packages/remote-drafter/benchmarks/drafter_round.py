@@ -40,6 +40,7 @@ from dsv41_gpu import (  # noqa: E402
     random_rounds,
     round_options,
     round_times,
+    timed,
     width_config,
 )
 
@@ -66,15 +67,8 @@ def say(msg: str) -> None:
 def read_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
     """Bytes per second the device reads (a sum over a buffer far larger than its caches)."""
     x = torch.ones(int(gib * GIB) // 2, dtype=torch.half, device="cuda")
-    nbytes, times = x.numel() * x.element_size(), []
-    for _ in range(repeats + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del x
-    return nbytes / float(np.median(times[2:]))
+    nbytes = x.numel() * x.element_size()
+    return nbytes / (timed(lambda: x.sum(dtype=torch.float32), repeats, warm_up=2)["p50_ms"] / 1e3)
 
 
 def random_exl3(shape: tuple[int, int], bits: int, gen, device) -> exl3.Exl3Linear:
@@ -235,20 +229,6 @@ def upstream_layer(model: Dsv41Model, j: int):
     return mlp
 
 
-def timed(fn, repeats: int = 50) -> float:
-    """Median ms of fn() with the device synchronised around each call."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
-
-
 def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
     c, j = model.config, 0
     ours = {"rows": []}
@@ -266,14 +246,14 @@ def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
         layer = model.layers[j].moe.experts
         mine = layer(x, weights, experts).clone()
         ours["rows"].append({"batch": batch, "rows": rows,
-                             "p50_ms": timed(lambda f=layer, a=(x, weights, experts): f(*a))})
+                             "p50_ms": timed(lambda f=layer, a=(x, weights, experts): f(*a), 50, warm_up=3)["p50_ms"]})
         if mlp is None:
             continue
         params = {"sel": experts.contiguous(), "rw": weights.half().contiguous()}
         x16 = x.half().view(1, rows, -1)
         try:
             theirs = mlp.forward(x16, params).view(rows, -1).float()
-            entry = {"batch": batch, "rows": rows, "p50_ms": timed(lambda a=x16, p=params: mlp.forward(a, p)),
+            entry = {"batch": batch, "rows": rows, "p50_ms": timed(lambda a=x16, p=params: mlp.forward(a, p), 50, warm_up=3)["p50_ms"],
                      "relative_difference_to_ours": float((theirs - mine).norm() / theirs.norm())}
         except Exception as exc:  # noqa: BLE001
             entry = {"batch": batch, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}

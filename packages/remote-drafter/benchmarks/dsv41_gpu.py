@@ -108,18 +108,27 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn, rounds: int, device: str = "cuda", warm_up: int = 0, before=None) -> dict:
+    """p50 / p99 ms of fn() between two device synchronisations, after `warm_up` untimed
+    calls; before(), if given, runs untimed ahead of each timed call."""
+    for _ in range(warm_up):
+        fn()
+    times = []
+    for _ in range(rounds):
+        if before is not None:
+            before()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return percentiles(times)
+
+
 def round_times(drafter, batch: int, rounds: int) -> dict:
     """p50 / p99 ms of the drafter's round at `batch` (160-token histories), after 3 warm-up rounds."""
     requests = random_rounds(drafter, batch, 160, batch)
-    times = []
-    for i in range(rounds + 3):
-        synchronize(drafter.device)
-        t0 = time.perf_counter()
-        drafter.draft(requests, want_probs=False)
-        synchronize(drafter.device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return percentiles(times)
+    return timed(lambda: drafter.draft(requests, want_probs=False), rounds, drafter.device, warm_up=3)
 
 
 def measure(drafter, batches: list[int], rounds: int) -> list[dict]:

@@ -18,37 +18,20 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dsv41_gpu import random_drafter, random_rounds, round_options  # noqa: E402
+from dsv41_gpu import random_drafter, random_rounds, round_options, timed  # noqa: E402
 
-from remote_drafter.bench import percentiles  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 
 H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on these machines
 # The experts a Flash-width round chose per layer at batch 1 / 4 / 16 (drafter_round.py's
 # floors) and the (row, expert) slots of W = 5 rows a request.
 CHOSEN_SLOTS = {1: (16, 40), 4: (40, 160), 16: (92, 640)}
-
-
-def timed(fn, rounds: int, before=None) -> dict:
-    """p50 / p99 ms of fn() between two device synchronisations (before(), if given, untimed
-    ahead of each)."""
-    times = []
-    for _ in range(rounds):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {k: round(v, 3) for k, v in percentiles(times).items()}
 
 
 def phases(batches: list[int], rounds: int, new_rows: int, host_profile: str | None) -> list[dict]:

@@ -27,14 +27,14 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 class RowStage:
     """One pinned buffer for one device, reused: written again only once the last copy out
     of it is done (a buffer outgrown goes back to torch's pinned allocator, which keeps it
-    until then)."""
+    until then). Its size follows the largest round's new rows: at most a window per request
+    drafted at once."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.buf: torch.Tensor | None = None
-        self.copied = torch.cuda.Event() if self.cuda else None
-        self.used = False
+        self.copied = torch.cuda.Event() if self.cuda else None  # the last copy out of buf
 
     def to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
         """parts (one dtype) joined along their first axis, on the device."""
@@ -45,12 +45,10 @@ class RowStage:
         nbytes = int(np.prod(shape, dtype=np.int64)) * first.dtype.itemsize
         if self.buf is None or self.buf.numel() < nbytes:
             size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 16)
-            self.buf, self.used = torch.empty(size, dtype=torch.uint8, pin_memory=True), False
-        elif self.used:
-            self.copied.synchronize()
+            self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.copied.synchronize()  # at once when nothing was recorded yet
         staged = self.buf[:nbytes]
         np.concatenate(parts, out=staged.numpy().view(first.dtype).reshape(shape))
         out = staged.view(torch_dtype(first.dtype)).view(shape).to(self.device, non_blocking=True)
         self.copied.record(torch.cuda.current_stream(self.device))
-        self.used = True
         return out
