@@ -5,6 +5,7 @@ at T = 0 for a tiny Llama target as wide as the drafter (its hidden rows are the
 DeepSeek-V4's (variant v4, the same code) where the variants differ: loading, the greedy
 chain, the worker."""
 
+import benchmark_scripts
 import numpy as np
 import pytest
 
@@ -253,22 +254,6 @@ def test_a_worker_serves_it_exactly_at_t0(folders, variant):
         worker.stop()
 
 
-def benchmark_script(name: str):
-    """benchmarks/<name>.py as a module (the folder is no package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))  # the scripts import one another
-    try:
-        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-    finally:
-        sys.path.remove(str(folder))
-    return script
-
-
 def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     """benchmarks/dsv41_gpu.py (the GPU tier's figures for this drafter) at the tiny width on
     the CPU: it builds the drafter from random weights and times rounds locally and through a
@@ -276,7 +261,7 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     payload's time over a plain socket, so the GPU run cannot fail on a rotten script."""
     import json
     out = tmp_path / "r.json"
-    assert benchmark_script("dsv41_gpu").main(["--device", "cpu", "--width", "tiny", "--batches", "1",
+    assert benchmark_scripts.load("dsv41_gpu").main(["--device", "cpu", "--width", "tiny", "--batches", "1",
                                                "--rounds", "2", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["flash"]["rounds"]
     assert row["batch"] == 1 and min(row["device_p50_ms"], row["local_p50_ms"], row["tcp_p50_ms"]) > 0
@@ -291,7 +276,7 @@ def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
     its draft p50 read from its status, the process waited for once its figure is taken."""
     import json
     out = tmp_path / "p.json"
-    assert benchmark_script("dsv41_gpu").main(["--own-process", "--device", "cpu", "--width", "tiny",
+    assert benchmark_scripts.load("dsv41_gpu").main(["--own-process", "--device", "cpu", "--width", "tiny",
                                                "--batches", "1", "--rounds", "3", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["worker_own_process"]
     assert row["batch"] == 1 and row["tcp_p50_ms"] > 0 and row["worker_draft_p50_ms"] > 0
@@ -310,7 +295,7 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
 
     from ofl.channel import Channel
     from remote_drafter.worker.service import DraftService
-    script = benchmark_script("worker_cost")
+    script = benchmark_scripts.load("worker_cost")
     apply, receive = DraftService._apply, Channel.recv_payload
     out = tmp_path / "w.json"
     assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
@@ -336,7 +321,7 @@ def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(fol
     """benchmarks/dsv4_exl3_check.py's comparison (its GPU run feeds it exllamav3's passes) on
     passes recorded from this drafter itself: every chain and logit the same; a pass whose
     third draft was changed is reported at that position, and only its chain differs."""
-    script = benchmark_script("dsv4_exl3_check")
+    script = benchmark_scripts.load("dsv4_exl3_check")
     d = load_drafter("dsv41:" + folders["dsv4"], folders["target"])
     m, c, rng, passes = d.model, d.config, np.random.default_rng(3), []
     for p0 in (7, d.window + 30):
