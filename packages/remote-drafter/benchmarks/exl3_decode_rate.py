@@ -59,12 +59,11 @@ if not torch.cuda.is_available():  # before Triton defines a kernel: it picks in
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from remote_drafter.models import exl3_format  # noqa: E402
+
 TILE_WORDS, TILE_WEIGHTS = 32, 256
 MUL1, MCG = 0, 1
-MUL1_MULT, MCG_MULT = 0x83DCD12D, 0xCBAC1FED
-MUL1_SCALE = float(np.uint16(0x1EEE).view(np.float16))  # 887 * 2**-17
-MUL1_BIAS = float(np.uint16(0xC931).view(np.float16))  # -1329 * 2**-7
-MCG_MASK, MCG_XOR = 0x8FFF8FFF, 0x3B603B60
+CODEBOOKS = {MUL1: exl3_format.MUL1, MCG: exl3_format.MCG}  # the kernels' CB -> the reference's
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 GEMV, XOR = 0, 1  # what is done with the weights: the fp32 GEMV, or their bits XORed (decode only)
 READ_VARIANTS = [("read", 0), ("read+next", 1)]  # (name, with each word's next)
@@ -89,15 +88,8 @@ def tile_states(words: np.ndarray) -> np.ndarray:
 
 
 def decode(states: np.ndarray, codebook: int) -> np.ndarray:
-    """fp16 weights of 16-bit states; each rounded once from its exact value (float64)."""
-    mult = MUL1_MULT if codebook == MUL1 else MCG_MULT
-    x = (states.astype(np.uint64) * mult) & 0xFFFFFFFF
-    if codebook == MUL1:
-        total = sum((x >> (8 * b)) & 0xFF for b in range(4))
-        return ((1024 + total).astype(np.float64) * MUL1_SCALE + MUL1_BIAS).astype(np.float16)
-    x = ((x & MCG_MASK) ^ MCG_XOR).astype(np.uint32)
-    halves = [(x >> shift).astype(np.uint16).view(np.float16).astype(np.float64) for shift in (0, 16)]
-    return (halves[0] + halves[1]).astype(np.float16)
+    """fp16 weights of 16-bit states: exllamav3's codebooks as models/exl3_format reads them."""
+    return exl3_format.decode(states, CODEBOOKS[codebook])
 
 
 def gemv(words: np.ndarray, act: np.ndarray, codebook: int) -> float:
