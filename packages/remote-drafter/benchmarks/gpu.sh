@@ -20,7 +20,8 @@ fi
 if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the Flash width
   # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
   # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
-  # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode rate
+  # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
+  # rate, =gemv an EXL3 linear through our own kernel
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share and torch's
     # grouped GEMM at the experts' shapes (round_phases.py; no exllamav3 needed)
@@ -34,6 +35,14 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_decode_rate.py \
       2>&1 | tail -3 | tee "$OUT/exl3-decode-rate-pytest.txt"
     python3 packages/remote-drafter/benchmarks/exl3_decode_rate.py --out "$OUT/exl3-decode-rate.json"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == gemv ]]; then  # =gemv: an EXL3 linear through a kernel of our own
+    # against exllamav3's (exl3_gemv.py, after the EXL3 format's and the kernel's tests compiled;
+    # exllamav3's build, ~5 min, comes with it)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_gemv.py \
+      packages/remote-drafter/tests/test_exl3_format.py 2>&1 | tail -3 | tee "$OUT/exl3-gemv-pytest.txt"
+    python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out "$OUT/exl3-gemv.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by

@@ -1,0 +1,193 @@
+"""An EXL3 linear at a few rows with a kernel of our own (Triton) against exllamav3's: the first
+step towards expert kernels near the format's decode ceiling on an H200 (exl3_decode_rate.py).
+The kernel reads exllamav3's stored 4-bit trellis as it is (models/exl3_format.py says how),
+decodes each weight (mul1) and multiplies it with up to 16 rows, accumulating in fp32; each
+program takes one 16-wide tile column over a slice of the input (split K, partials summed by
+torch, so the result does not depend on timing). The Hadamard rotations on both sides are
+torch's, as exllamav3 applies them around its kernel.
+
+On a GPU (the measurement; needs exllamav3 for its side): 16 linears of 4096 x 2048 with random
+trellis bytes, called in turn (64 MiB: read from memory, not from L2), rows 1 / 2 / 4 / 8 / 16:
+our kernel alone (the best split of 1 to 16) and the whole linear (with the rotations) against
+exllamav3's LinearEXL3 forward on the same tensors, all in CUDA graphs, per linear; the
+kernel's rate in GB/s of trellis against a read of the same bytes. The outputs are compared
+with exllamav3's first. Writes JSON (--out).
+
+    source tools/gpu-env.sh .whl   # with exllamav3 1.6.5 and its missing needs
+    python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out exl3-gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from remote_drafter.models import exl3_format  # noqa: E402
+
+BITS = 4
+TILE_WORDS = 16 * BITS // 2  # uint32 words a 16 x 16 tile takes at 4 bits
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, trellis_ptr, out_ptr, rows, in_features, out_tiles, tiles_per_split,
+                 ROWS_PAD: tl.constexpr, KT: tl.constexpr):
+    """out[split, m, 16 n + c] = sum over the split's input tiles of decoded W[k, 16 n + c] x[m, k].
+    A tile's 32 words are its 32 lanes: lane t's word holds the ends of weights 8t .. 8t + 7
+    (4 bits each), whose 16-bit states reach back into word t - 1; weight 8t + i sits at row
+    (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of the tile."""
+    n, split = tl.program_id(0), tl.program_id(1)
+    lane = tl.arange(0, 32)[None, :]
+    kts = tl.arange(0, KT)[:, None]
+    m = tl.arange(0, ROWS_PAD)[:, None, None]
+    acc0 = tl.zeros([ROWS_PAD, KT, 32], tl.float32)  # columns t // 4
+    acc1 = tl.zeros([ROWS_PAD, KT, 32], tl.float32)  # columns t // 4 + 8
+    first = split * tiles_per_split
+    for kt0 in range(first, first + tiles_per_split, KT):
+        kt = kt0 + kts
+        tile = trellis_ptr + (kt * out_tiles + n) * 32
+        cur = tl.load(tile + lane).to(tl.uint32, bitcast=True)
+        prev = tl.load(tile + (lane + 31) % 32).to(tl.uint32, bitcast=True)
+        for i in tl.static_range(8):
+            shift = 28 - 4 * i
+            if shift == 0:
+                state = cur & 0xFFFF
+            else:
+                state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
+            x = state * 0x83DCD12D
+            pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)  # two byte-pair sums
+            h = (pairs * 0x10001 + 0x64000000) >> 16  # 0x6400 + both: fp16 bits of 1024 + sum
+            f = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            # fp32 holds it exactly (22 significant bits); one rounding to fp16, as the fma
+            w = (f * 0.00676727294921875 - 10.3828125).to(tl.float16).to(tl.float32)
+            row = (lane % 4) * 2 + (i % 4) % 2 + 8 * ((i % 4) // 2)
+            xv = tl.load(x_ptr + m * in_features + kt[None] * 16 + row[None], mask=m < rows, other=0.0)
+            if i < 4:
+                acc0 += w[None] * xv.to(tl.float32)
+            else:
+                acc1 += w[None] * xv.to(tl.float32)
+    # lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's in acc1)
+    y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=1), [ROWS_PAD, 8, 4]), axis=2)
+    y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=1), [ROWS_PAD, 8, 4]), axis=2)
+    mm = tl.arange(0, ROWS_PAD)[:, None]
+    cols = n * 16 + tl.arange(0, 8)[None, :]
+    base = out_ptr + (split * rows + mm) * (out_tiles * 16)
+    tl.store(base + cols, y0, mask=mm < rows)
+    tl.store(base + cols + 8, y1, mask=mm < rows)
+
+
+def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4) -> torch.Tensor:
+    """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]."""
+    in_tiles, out_tiles = trellis.shape[:2]
+    if trellis.shape[2] != 16 * BITS:
+        raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
+    if in_tiles % (splits * kt):
+        raise ValueError(f"{in_tiles} input tiles do not split into {splits} x {kt}")
+    rows = x.shape[0]
+    out = torch.empty((splits, rows, out_tiles * 16), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(out_tiles, splits)](x.contiguous(), trellis.view(torch.int32), out, rows, in_tiles * 16,
+                                      out_tiles, in_tiles // splits, ROWS_PAD=max(triton.next_power_of_2(rows), 1),
+                                      KT=kt, num_warps=max(1, kt // 2))
+    return out.sum(0)
+
+
+def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1) -> torch.Tensor:
+    """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
+    them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
+    scaled by svh."""
+    had = _hadamard(x.device)
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    xr = ((x.float() * suh.float()).view(-1, k // 128, 128) @ had).view(-1, k).half()
+    y = (inner(xr, trellis, splits).view(-1, n // 128, 128) @ had).view(-1, n)
+    return (y * svh.float()).half()
+
+
+@functools.lru_cache
+def _hadamard(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(exl3_format.hadamard()).to(device)
+
+
+def timed(fn, repeats: int = 50) -> float:
+    """Median ms of fn() replayed in a CUDA graph (no launch overhead in the figure)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--in-features", type=int, default=4096)
+    parser.add_argument("--out-features", type=int, default=2048)
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--linears", type=int, default=16, help="distinct linears a timed round calls in turn "
+                        "(default 16: 64 MiB of trellis at the default size, more than the H200's L2)")
+    parser.add_argument("--out", default="exl3-gemv.json")
+    args = parser.parse_args(argv)
+    from remote_drafter.models import exl3
+    if (why := exl3.refusal("cuda:0")) is not None:
+        parser.error(why)
+    lib = exl3.load_exllamav3()
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k, n, count = args.in_features, args.out_features, args.linears
+    mul1 = torch.tensor(np.uint32(exl3_format.MUL1_MULT).view(np.int32).item(), dtype=torch.int32, device=dev)
+    linears = []
+    for _ in range(count):  # several, so that a round of calls reads them from memory, not from L2
+        trellis = torch.randint(-2**15, 2**15, (k // 16, n // 16, 16 * BITS), dtype=torch.int16, device=dev,
+                                generator=gen)  # every bit pattern is a valid trellis
+        suh = torch.randn(k, device=dev, generator=gen).sign().half()
+        svh = (torch.rand(n, device=dev, generator=gen) * 0.02).half()
+        theirs = lib.LinearEXL3(None, k, n, suh=suh, svh=svh, trellis=trellis, mcg=None, mul1=mul1,
+                                out_dtype=torch.half)
+        linears.append((trellis, suh, svh, theirs))
+    read = count * linears[0][0].numel() * 2  # bytes of trellis a round of calls reads
+    bandwidth = read / (timed(lambda: [t.view(torch.int32).sum() for t, *_ in linears]) / 1e3)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, k, device=dev, generator=gen).half()
+        error = max(float((linear(x, t, u, v, 4).float() - theirs.forward(x, {}).float()).abs().max()
+                          / theirs.forward(x, {}).float().abs().max()) for t, u, v, theirs in linears[:2])
+        per_split = {s: timed(lambda x=x, s=s: [inner(x, t, s) for t, *_ in linears]) / count
+                     for s in (1, 2, 4, 8, 16)}
+        splits = min(per_split, key=per_split.get)
+        row = {"rows": rows, "splits": splits, "kernel_ms": per_split[splits], "max_error_vs_exllamav3": error,
+               "linear_ms": timed(lambda x=x, s=splits: [linear(x, t, u, v, s) for t, u, v, _ in linears]) / count,
+               "exllamav3_ms": timed(lambda x=x: [theirs.forward(x, {}) for *_, theirs in linears]) / count}
+        row["kernel_gb_s"] = read / count / (row["kernel_ms"] / 1e3) / 1e9
+        row["kernel_vs_read"] = row["kernel_gb_s"] * 1e9 / bandwidth
+        row["exllamav3_over_linear"] = row["exllamav3_ms"] / row["linear_ms"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "in": k, "out": n, "bits": BITS, "linears": count,
+                   "read_gb_s": bandwidth / 1e9, "rows": results}, f, indent=1)
+    print(f"read {bandwidth / 1e9:.0f} GB/s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
