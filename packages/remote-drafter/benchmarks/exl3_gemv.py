@@ -8,7 +8,7 @@ torch's, as exllamav3 applies them around its kernel.
 
 On a GPU (the measurement; needs exllamav3 for its side): 16 linears of 4096 x 2048 with random
 trellis bytes, called in turn (64 MiB: read from memory, not from L2), rows 1 / 2 / 4 / 8 / 16:
-our kernel alone (the best split of 1 to 16) and the whole linear (with the rotations) against
+our kernel alone (the best of splits 1 to 16 and 4 to 16 tiles a step) and the whole linear (with the rotations) against
 exllamav3's LinearEXL3 forward on the same tensors, all in CUDA graphs, per linear; the
 kernel's rate in GB/s of trellis against a read of the same bytes. The outputs are compared
 with exllamav3's first. Writes JSON (--out).
@@ -101,14 +101,14 @@ def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4) 
     return out.sum(0)
 
 
-def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1) -> torch.Tensor:
+def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, kt: int = 4) -> torch.Tensor:
     """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
     them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
     scaled by svh."""
     had = _hadamard(x.device)
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     xr = ((x.float() * suh.float()).view(-1, k // 128, 128) @ had).view(-1, k).half()
-    y = (inner(xr, trellis, splits).view(-1, n // 128, 128) @ had).view(-1, n)
+    y = (inner(xr, trellis, splits, kt).view(-1, n // 128, 128) @ had).view(-1, n)
     return (y * svh.float()).half()
 
 
@@ -171,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(rows, k, device=dev, generator=gen).half()
         error = max(float((linear(x, t, u, v, 4).float() - theirs.forward(x, {}).float()).abs().max()
                           / theirs.forward(x, {}).float().abs().max()) for t, u, v, theirs in linears[:2])
-        per_split = {s: timed(lambda x=x, s=s: [inner(x, t, s) for t, *_ in linears]) / count
-                     for s in (1, 2, 4, 8, 16)}
-        splits = min(per_split, key=per_split.get)
-        row = {"rows": rows, "splits": splits, "kernel_ms": per_split[splits], "max_error_vs_exllamav3": error,
-               "linear_ms": timed(lambda x=x, s=splits: [linear(x, t, u, v, s) for t, u, v, _ in linears]) / count,
+        configs = {(s, kt): timed(lambda x=x, s=s, kt=kt: [inner(x, t, s, kt) for t, *_ in linears]) / count
+                   for s in (1, 2, 4, 8, 16) for kt in (4, 8, 16)}
+        splits, kt = min(configs, key=configs.get)
+        row = {"rows": rows, "splits": splits, "kt": kt, "kernel_ms": configs[splits, kt],
+               "max_error_vs_exllamav3": error,
+               "linear_ms": timed(lambda x=x, s=splits, kt=kt: [linear(x, t, u, v, s, kt) for t, u, v, _ in linears])
+               / count,
                "exllamav3_ms": timed(lambda x=x: [theirs.forward(x, {}) for *_, theirs in linears]) / count}
         row["kernel_gb_s"] = read / count / (row["kernel_ms"] / 1e3) / 1e9
         row["kernel_vs_read"] = row["kernel_gb_s"] * 1e9 / bandwidth
