@@ -155,17 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     k, n, count = args.in_features, args.out_features, args.linears
     mul1 = torch.tensor(np.uint32(exl3_format.MUL1_MULT).view(np.int32).item(), dtype=torch.int32, device=dev)
+    # several linears, so that a round of calls reads them from memory, not from L2; one buffer,
+    # so that the read rate is measured over all of it at once (a sum per linear is launch-bound)
+    every = torch.randint(-2**15, 2**15, (count, k // 16, n // 16, 16 * BITS), dtype=torch.int16, device=dev,
+                          generator=gen)  # every bit pattern is a valid trellis
     linears = []
-    for _ in range(count):  # several, so that a round of calls reads them from memory, not from L2
-        trellis = torch.randint(-2**15, 2**15, (k // 16, n // 16, 16 * BITS), dtype=torch.int16, device=dev,
-                                generator=gen)  # every bit pattern is a valid trellis
+    for trellis in every:
         suh = torch.randn(k, device=dev, generator=gen).sign().half()
         svh = (torch.rand(n, device=dev, generator=gen) * 0.02).half()
         theirs = lib.LinearEXL3(None, k, n, suh=suh, svh=svh, trellis=trellis, mcg=None, mul1=mul1,
                                 out_dtype=torch.half)
         linears.append((trellis, suh, svh, theirs))
     read = count * linears[0][0].numel() * 2  # bytes of trellis a round of calls reads
-    bandwidth = read / (timed(lambda: [t.view(torch.int32).sum() for t, *_ in linears]) / 1e3)
+    bandwidth = read / (timed(lambda: every.view(torch.int32).sum()) / 1e3)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k, device=dev, generator=gen).half()
