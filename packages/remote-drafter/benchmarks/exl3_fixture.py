@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the safetensors file to write")
     parser.add_argument("--bits", default="4,6", help="bits a weight of each linear (default 4,6: "
                         "the drafter's linears and an EXL3 head)")
-    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--device", default="cuda:0", help="the CUDA device exllamav3 quantises on "
+                        "(default %(default)s)")
     args = parser.parse_args(argv)
     if (why := exl3.refusal(args.device)) is not None:
         parser.error(why)

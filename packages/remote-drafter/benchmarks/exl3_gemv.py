@@ -23,7 +23,8 @@ import argparse
 import functools
 import json
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,10 +34,12 @@ if not torch.cuda.is_available():  # before Triton defines a kernel: it picks in
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from exl3_decode_rate import MUL1, PURE, _decode  # noqa: E402
+
 from remote_drafter.models import exl3_format  # noqa: E402
 
 BITS = 4
-TILE_WORDS = 16 * BITS // 2  # uint32 words a 16 x 16 tile takes at 4 bits
 
 
 @triton.jit
@@ -64,12 +67,7 @@ def _gemv_kernel(x_ptr, trellis_ptr, out_ptr, rows, in_features, out_tiles, tile
                 state = cur & 0xFFFF
             else:
                 state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
-            x = state * 0x83DCD12D
-            pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)  # two byte-pair sums
-            h = (pairs * 0x10001 + 0x64000000) >> 16  # 0x6400 + both: fp16 bits of 1024 + sum
-            f = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            # fp32 holds it exactly (22 significant bits); one rounding to fp16, as the fma
-            w = (f * 0.00676727294921875 - 10.3828125).to(tl.float16).to(tl.float32)
+            w = _decode(state, MUL1, PURE).to(tl.float32)
             row = (lane % 4) * 2 + (i % 4) % 2 + 8 * ((i % 4) // 2)
             xv = tl.load(x_ptr + m * in_features + kt[None] * 16 + row[None], mask=m < rows, other=0.0)
             if i < 4:
@@ -117,35 +115,20 @@ def _hadamard(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(exl3_format.hadamard()).to(device)
 
 
-def timed(fn, repeats: int = 50) -> float:
-    """Median ms of fn() replayed in a CUDA graph (no launch overhead in the figure)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """ms of fn() in a CUDA graph (round_phases.in_graph: the median of 50 replays)."""
+    from round_phases import in_graph
+    return in_graph(fn, 50, calls=1) / 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--in-features", type=int, default=4096)
-    parser.add_argument("--out-features", type=int, default=2048)
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--in-features", type=int, default=4096, help="the linears' inputs (default %(default)s)")
+    parser.add_argument("--out-features", type=int, default=2048, help="their outputs (default %(default)s)")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="row counts timed, up to 16 (default %(default)s)")
     parser.add_argument("--linears", type=int, default=16, help="distinct linears a timed round calls in turn "
                         "(default 16: 64 MiB of trellis at the default size, more than the H200's L2)")
-    parser.add_argument("--out", default="exl3-gemv.json")
+    parser.add_argument("--out", default="exl3-gemv.json", help="JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     from remote_drafter.models import exl3
     if (why := exl3.refusal("cuda:0")) is not None:
@@ -173,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(rows, k, device=dev, generator=gen).half()
         error = max(float((linear(x, t, u, v, 4).float() - theirs.forward(x, {}).float()).abs().max()
                           / theirs.forward(x, {}).float().abs().max()) for t, u, v, theirs in linears[:2])
+        if error > 0.05:  # exllamav3's few-row path differs by about 1%; a misread weight by far more
+            raise SystemExit(f"{rows} rows: our linear differs from exllamav3's by {error:.1%} of its largest output")
         configs = {(s, kt): timed(lambda x=x, s=s, kt=kt: [inner(x, t, s, kt) for t, *_ in linears]) / count
-                   for s in (1, 2, 4, 8, 16) for kt in (4, 8, 16)}
+                   for s in (1, 2, 4, 8, 16) for kt in (4, 8, 16) if (k // 16) % (s * kt) == 0}
         splits, kt = min(configs, key=configs.get)
         row = {"rows": rows, "splits": splits, "kt": kt, "kernel_ms": configs[splits, kt],
                "max_error_vs_exllamav3": error,

@@ -5,6 +5,8 @@ our packs are): every weight's trellis state and codebook weight bit for bit, th
 as exllamav3's to its rounding (the rotations' fp32 sums are ordered differently), and
 exllamav3's own output for five rows from that weight. No GPU, no exllamav3, no torch."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +74,23 @@ def test_codebooks_match_values_worked_by_hand():
     assert F.decode(np.array([0, 0xFFFF]), F.MCG).tolist() == [1.84375, 0.85009765625]
     with pytest.raises(ValueError, match="codebook"):
         F.decode(np.array([0]), "3inst")
+
+
+def test_states_read_as_int16_decode_as_their_16_bits():
+    """exllamav3 stores states as int16: 0x8123 is -32477 there, and decodes as 0x8123."""
+    states = np.array([0x8123, 0xFFFF, 0x7FFF], np.uint16)
+    for codebook in (F.MUL1, F.MCG):
+        assert np.array_equal(F.decode(states.view(np.int16), codebook), F.decode(states, codebook))
+
+
+def test_the_format_reads_without_torch():
+    """numpy alone: a machine with neither torch nor a GPU reads a pack's trellis."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys\n"
+        "sys.modules['torch'] = None  # importing it fails\n"
+        "import numpy as np\n"
+        "from remote_drafter.models import exl3_format\n"
+        "print(exl3_format.decoded(np.zeros((1, 1, 64), np.int16), 4).shape)")],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(16, 16)"

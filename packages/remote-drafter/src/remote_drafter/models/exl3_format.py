@@ -59,7 +59,8 @@ def decode(state: np.ndarray, codebook: str = MUL1) -> np.ndarray:
     single fp16 fma or add)."""
     if codebook not in (MUL1, MCG):
         raise ValueError(f"codebook {codebook!r}: this reads {MUL1} and {MCG}")
-    x = (np.asarray(state).astype(np.uint64) * (MUL1_MULT if codebook == MUL1 else MCG_MULT)) & 0xFFFFFFFF
+    state = np.asarray(state).astype(np.int64) & 0xFFFF  # int16 states (as stored) are 16 bits, not negative
+    x = (state.astype(np.uint64) * (MUL1_MULT if codebook == MUL1 else MCG_MULT)) & 0xFFFFFFFF
     if codebook == MUL1:
         total = sum((x >> np.uint64(8 * b)) & np.uint64(0xFF) for b in range(4)).astype(np.float64)
         return ((1024 + total) * MUL1_SCALE + MUL1_BIAS).astype(np.float16)
