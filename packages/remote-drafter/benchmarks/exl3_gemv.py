@@ -38,11 +38,10 @@ import triton.language as tl  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from exl3_decode_rate import MUL1, PURE, _decode  # noqa: E402
 
-_MUL1, _PURE = tl.constexpr(MUL1), tl.constexpr(PURE)  # a kernel reads globals only as constexprs
-
 from remote_drafter.models import exl3_format  # noqa: E402
 
 BITS = 4
+_MUL1, _PURE = tl.constexpr(MUL1), tl.constexpr(PURE)  # a kernel reads globals only as constexprs
 
 
 @triton.jit
@@ -118,6 +117,11 @@ def _hadamard(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(exl3_format.hadamard()).to(device)
 
 
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The largest difference over exllamav3's largest output."""
+    return float((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max())
+
+
 def timed(fn) -> float:
     """ms of fn() in a CUDA graph (round_phases.in_graph: the median of 50 replays)."""
     from round_phases import in_graph
@@ -155,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k, device=dev, generator=gen).half()
-        error = max(float((linear(x, t, u, v, 4).float() - theirs.forward(x, {}).float()).abs().max()
-                          / theirs.forward(x, {}).float().abs().max()) for t, u, v, theirs in linears[:2])
-        if error > 0.05:  # exllamav3's few-row path differs by about 1%; a misread weight by far more
+        error = max(relative_error(linear(x, t, u, v, 4), theirs.forward(x, {})) for t, u, v, theirs in linears[:2])
+        if error > 0.05:  # exllamav3's few-row path rounds otherwise than ours; a misread weight differs by far more
             raise SystemExit(f"{rows} rows: our linear differs from exllamav3's by {error:.1%} of its largest output")
         configs = {(s, kt): timed(lambda x=x, s=s, kt=kt: [inner(x, t, s, kt) for t, *_ in linears]) / count
                    for s in (1, 2, 4, 8, 16) for kt in (4, 8, 16) if (k // 16) % (s * kt) == 0}
