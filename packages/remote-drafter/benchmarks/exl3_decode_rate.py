@@ -62,11 +62,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from remote_drafter.models import exl3_format  # noqa: E402
+from remote_drafter.models.exl3_triton import ASM, ASM_VABSDIFF, MCG, MUL1, PURE  # noqa: E402
+from remote_drafter.models.exl3_triton import decode as _decode  # noqa: E402
 
 TILE_WORDS, TILE_WEIGHTS = 32, 256
-MUL1, MCG = 0, 1
 CODEBOOKS = {MUL1: exl3_format.MUL1, MCG: exl3_format.MCG}  # the kernels' CB -> the reference's
-PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 GEMV, XOR = 0, 1  # what is done with the weights: the fp32 GEMV, or their bits XORed (decode only)
 READ_VARIANTS = [("read", 0), ("read+next", 1)]  # (name, with each word's next)
 # (name, codebook, decode, use); the inline-PTX ones need CUDA
@@ -107,36 +107,6 @@ def xor(words: np.ndarray, codebook: int) -> int:
 
 # ---- Triton ------------------------------------------------------------------------------------
 
-# Inline PTX, a state ($1) to its fp16 weight ($0). mul1: the byte sum plus 0x6400 (dp4a against
-# 0x01010101, or vabsdiff4 against 0) whose low half is fp16 1024 + sum, then one fp16 fma; mcg:
-# lop3 0x6A is (a & b) ^ c, then the two halves added in fp16.
-_MUL1_PTX = """{{
-.reg .b32 x, one, z, acc;
-.reg .b16 l, h, k, b;
-mov.b32 one, 0x01010101;
-mov.b32 z, 0;
-mov.b32 acc, 0x6400;
-mul.lo.u32 x, $1, 0x83DCD12D;
-{0} x, x, {1}, acc;
-mov.b32 {{l, h}}, x;
-mov.b16 k, 0x1EEE;
-mov.b16 b, 0xC931;
-fma.rn.f16 $0, l, k, b;
-}}"""
-_MUL1_DP4A = tl.constexpr(_MUL1_PTX.format("dp4a.u32.u32", "one"))
-_MUL1_VABSDIFF4 = tl.constexpr(_MUL1_PTX.format("vabsdiff4.u32.u32.u32.add", "z"))
-_MCG_LOP3 = tl.constexpr("""{
-.reg .b32 x, mask, flip;
-.reg .b16 l, h;
-mov.b32 mask, 0x8FFF8FFF;
-mov.b32 flip, 0x3B603B60;
-mul.lo.u32 x, $1, 0xCBAC1FED;
-lop3.b32 x, x, mask, flip, 0x6A;
-mov.b32 {l, h}, x;
-add.rn.f16 $0, l, h;
-}""")
-
-
 @triton.jit
 def _state(lo, hi, K: tl.constexpr):
     """Bits [4K, 4K + 16) of the window hi:lo (K static: no shift by 32 or more is built), as
@@ -151,32 +121,6 @@ def _state(lo, hi, K: tl.constexpr):
     else:
         s = ((w >> 24) | (x << 8)) & 0xFFFF
     return s
-
-
-@triton.jit
-def _decode(s, CB: tl.constexpr, DECODE: tl.constexpr):
-    """fp16 weights of uint32 states s (< 2**16)."""
-    if CB == 0:
-        if DECODE == 0:
-            x = s * 0x83DCD12D
-            pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)  # two byte-pair sums
-            h = (pairs * 0x10001 + 0x64000000) >> 16  # 0x6400 + both: fp16 bits of 1024 + sum
-            # fp32 holds h * scale + bias exactly (22 significant bits): one rounding, as the fma
-            f = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            w = (f * 0.00676727294921875 - 10.3828125).to(tl.float16)
-        else:
-            w = tl.inline_asm_elementwise(_MUL1_DP4A if DECODE == 1 else _MUL1_VABSDIFF4,
-                                          "=h,r", [s], dtype=tl.float16, is_pure=True, pack=1)
-    else:
-        if DECODE == 0:
-            x = s * 0xCBAC1FED
-            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            w = lo + hi
-        else:
-            w = tl.inline_asm_elementwise(_MCG_LOP3, "=h,r", [s], dtype=tl.float16, is_pure=True, pack=1)
-    return w
 
 
 @triton.jit

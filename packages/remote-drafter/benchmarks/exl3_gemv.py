@@ -1,9 +1,9 @@
 """An EXL3 linear at a few rows with a kernel of our own (Triton) against exllamav3's: the first
 step towards expert kernels near the format's decode ceiling on an H200 (exl3_decode_rate.py).
-The kernel reads exllamav3's stored 4-bit trellis as it is (models/exl3_format.py says how),
-decodes each weight (mul1) and multiplies it with up to 16 rows, accumulating in fp32; each
-program takes one 16-wide tile column over a slice of the input (split K, partials summed by
-torch, so the result does not depend on timing). The Hadamard rotations on both sides are
+The kernel (models/exl3_triton.py's, with one expert) reads exllamav3's stored 4-bit trellis
+as it is (models/exl3_format.py says how), decodes each weight (mul1) and multiplies it with up
+to 16 rows at once, accumulating in fp32; each program takes one 16-wide tile column over a
+slice of the input (split K, partials summed by torch, so the result does not depend on timing). The Hadamard rotations on both sides are
 torch's, as exllamav3 applies them around its kernel.
 
 On a GPU (the measurement; needs exllamav3 for its side): 16 linears of 4096 x 2048 with random
@@ -21,7 +21,6 @@ JSON (--out).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -33,88 +32,33 @@ import torch
 if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from exl3_decode_rate import MUL1, PURE, _decode  # noqa: E402
+from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
 
-from remote_drafter.models import exl3_format  # noqa: E402
-
-BITS = 4
-_MUL1, _PURE = tl.constexpr(MUL1), tl.constexpr(PURE)  # a kernel reads globals only as constexprs
+BITS = exl3_triton.BITS
 
 
-@triton.jit
-def _gemv_kernel(x_ptr, trellis_ptr, out_ptr, rows, in_features, out_tiles, tiles_per_split,
-                 ROWS_PAD: tl.constexpr, KT: tl.constexpr):
-    """out[split, m, 16 n + c] = sum over the split's input tiles of decoded W[k, 16 n + c] x[m, k].
-    A tile's 32 words are its 32 lanes: lane t's word holds the ends of weights 8t .. 8t + 7
-    (4 bits each), whose 16-bit states reach back into word t - 1; weight 8t + i sits at row
-    (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of the tile."""
-    n, split = tl.program_id(0), tl.program_id(1)
-    lane = tl.arange(0, 32)[None, :]
-    kts = tl.arange(0, KT)[:, None]
-    m = tl.arange(0, ROWS_PAD)[:, None, None]
-    acc0 = tl.zeros([ROWS_PAD, KT, 32], tl.float32)  # columns t // 4
-    acc1 = tl.zeros([ROWS_PAD, KT, 32], tl.float32)  # columns t // 4 + 8
-    first = split * tiles_per_split
-    for kt0 in range(first, first + tiles_per_split, KT):
-        kt = kt0 + kts
-        tile = trellis_ptr + (kt * out_tiles + n) * 32
-        cur = tl.load(tile + lane).to(tl.uint32, bitcast=True)
-        prev = tl.load(tile + (lane + 31) % 32).to(tl.uint32, bitcast=True)
-        for i in tl.static_range(8):
-            shift = 28 - 4 * i
-            if shift == 0:
-                state = cur & 0xFFFF
-            else:
-                state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
-            w = _decode(state, _MUL1, _PURE).to(tl.float32)
-            row = (lane % 4) * 2 + (i % 4) % 2 + 8 * ((i % 4) // 2)
-            xv = tl.load(x_ptr + m * in_features + kt[None] * 16 + row[None], mask=m < rows, other=0.0)
-            if i < 4:
-                acc0 += w[None] * xv.to(tl.float32)
-            else:
-                acc1 += w[None] * xv.to(tl.float32)
-    # lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's in acc1)
-    y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=1), [ROWS_PAD, 8, 4]), axis=2)
-    y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=1), [ROWS_PAD, 8, 4]), axis=2)
-    mm = tl.arange(0, ROWS_PAD)[:, None]
-    cols = n * 16 + tl.arange(0, 8)[None, :]
-    base = out_ptr + (split * rows + mm) * (out_tiles * 16)
-    tl.store(base + cols, y0, mask=mm < rows)
-    tl.store(base + cols + 8, y1, mask=mm < rows)
-
-
-def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4) -> torch.Tensor:
-    """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]."""
+def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4, nt: int = 1) -> torch.Tensor:
+    """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]: our
+    experts' kernel (models/exl3_triton.py) with one expert, all M rows at once."""
     in_tiles, out_tiles = trellis.shape[:2]
     if trellis.shape[2] != 16 * BITS:
         raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
-    if in_tiles % (splits * kt):
-        raise ValueError(f"{in_tiles} input tiles do not split into {splits} x {kt}")
-    rows = x.shape[0]
-    out = torch.empty((splits, rows, out_tiles * 16), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(out_tiles, splits)](x.contiguous(), trellis.view(torch.int32), out, rows, in_tiles * 16,
-                                      out_tiles, in_tiles // splits, ROWS_PAD=max(triton.next_power_of_2(rows), 1),
-                                      KT=kt, num_warps=max(1, kt // 2))
-    return out.sum(0)
+    rows, dev = x.shape[0], x.device
+    table = torch.tensor([trellis.data_ptr()], dtype=torch.int64, device=dev)
+    counts, starts = torch.tensor([rows], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    return exl3_triton.expert_products(x.contiguous(), table, counts, starts, in_tiles * 16, out_tiles * 16,
+                                       splits, rows=max(triton.next_power_of_2(rows), 1), kt=kt, nt=nt,
+                                       num_warps=max(1, kt // 2))
 
 
 def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, kt: int = 4) -> torch.Tensor:
     """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
     them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
     scaled by svh."""
-    had = _hadamard(x.device)
-    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
-    xr = ((x.float() * suh.float()).view(-1, k // 128, 128) @ had).view(-1, k).half()
-    y = (inner(xr, trellis, splits, kt).view(-1, n // 128, 128) @ had).view(-1, n)
-    return (y * svh.float()).half()
-
-
-@functools.lru_cache
-def _hadamard(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(exl3_format.hadamard()).to(device)
+    y = inner(exl3_triton.rotated_in(x, suh), trellis, splits, kt)
+    return exl3_triton.rotated_out(y, svh).half()
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:

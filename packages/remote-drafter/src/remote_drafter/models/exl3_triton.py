@@ -1,0 +1,190 @@
+"""Triton kernels of our own on exllamav3's stored EXL3 format (exl3_format.py says how it is
+laid out): the codebooks' decode, and a grouped product that decodes each expert a call chose
+once for all the rows that chose it, where exllamav3's coop tier decodes an expert once per
+(row, expert) slot. exl3_moe.py builds a MoE layer on it.
+
+The product, for the 4-bit trellis our packs and exllamav3's conversions store (mul1):
+out[slot, n] = sum over k of x[slot, k] * decoded W_e[k, n], for the slots [start_e, start_e +
+count_e) of every expert e, x already rotated (the Hadamard rotations stay outside). A program
+takes one expert, NT 16-wide tile columns and a slice of the input (split K: partials written
+apart and summed by the caller, the same result every run); a tile's 32 words are its 32
+lanes, and lane t's word holds the ends of weights 8t .. 8t + 7, whose 16-bit states reach
+back into word t - 1 (most significant bit first); weight 8t + i sits at row (t % 4)·2 +
+(0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The rows are multiplied on
+the CUDA cores, up to ROWS at a time, so each decoded weight serves every row of its expert.
+
+On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
+is imported: Triton decides between interpreter and compiler when a kernel is defined)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import exl3_format
+
+BITS = 4
+ROWS_DEFAULT, KT_DEFAULT, NT_DEFAULT = 4, 2, 8  # the product's defaults: rows at a time, input tiles a step, tile columns a program
+MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
+PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
+
+# Inline PTX, a state ($1) to its fp16 weight ($0). mul1: the byte sum plus 0x6400 (dp4a against
+# 0x01010101, or vabsdiff4 against 0) whose low half is fp16 1024 + sum, then one fp16 fma; mcg:
+# lop3 0x6A is (a & b) ^ c, then the two halves added in fp16.
+_MUL1_PTX = """{{
+.reg .b32 x, one, z, acc;
+.reg .b16 l, h, k, b;
+mov.b32 one, 0x01010101;
+mov.b32 z, 0;
+mov.b32 acc, 0x6400;
+mul.lo.u32 x, $1, 0x83DCD12D;
+{0} x, x, {1}, acc;
+mov.b32 {{l, h}}, x;
+mov.b16 k, 0x1EEE;
+mov.b16 b, 0xC931;
+fma.rn.f16 $0, l, k, b;
+}}"""
+_MUL1_DP4A = tl.constexpr(_MUL1_PTX.format("dp4a.u32.u32", "one"))
+_MUL1_VABSDIFF4 = tl.constexpr(_MUL1_PTX.format("vabsdiff4.u32.u32.u32.add", "z"))
+_MCG_LOP3 = tl.constexpr("""{
+.reg .b32 x, mask, flip;
+.reg .b16 l, h;
+mov.b32 mask, 0x8FFF8FFF;
+mov.b32 flip, 0x3B603B60;
+mul.lo.u32 x, $1, 0xCBAC1FED;
+lop3.b32 x, x, mask, flip, 0x6A;
+mov.b32 {l, h}, x;
+add.rn.f16 $0, l, h;
+}""")
+
+
+@triton.jit
+def decode(s, CB: tl.constexpr, DECODE: tl.constexpr):
+    """fp16 weights of uint32 states s (< 2**16)."""
+    if CB == 0:
+        if DECODE == 0:
+            x = s * 0x83DCD12D
+            pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)  # two byte-pair sums
+            h = (pairs * 0x10001 + 0x64000000) >> 16  # 0x6400 + both: fp16 bits of 1024 + sum
+            # fp32 holds h * scale + bias exactly (22 significant bits): one rounding, as the fma
+            f = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            w = (f * 0.00676727294921875 - 10.3828125).to(tl.float16)
+        else:
+            w = tl.inline_asm_elementwise(_MUL1_DP4A if DECODE == 1 else _MUL1_VABSDIFF4,
+                                          "=h,r", [s], dtype=tl.float16, is_pure=True, pack=1)
+    else:
+        if DECODE == 0:
+            x = s * 0xCBAC1FED
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            w = lo + hi
+        else:
+            w = tl.inline_asm_elementwise(_MCG_LOP3, "=h,r", [s], dtype=tl.float16, is_pure=True, pack=1)
+    return w
+
+
+@triton.jit
+def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
+    """fp32 weight 8t + J of each lane t's word `cur` (its predecessor in the tile `prev`)."""
+    shift: tl.constexpr = 28 - 4 * J
+    if shift == 0:
+        state = cur & 0xFFFF
+    else:
+        state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
+    return decode(state, 0, DECODE).to(tl.float32)
+
+
+@triton.jit
+def _expert_tiles_kernel(x_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles, out_tiles,
+                         tiles_per_split, ROWS: tl.constexpr, KT: tl.constexpr, NT: tl.constexpr,
+                         DECODE: tl.constexpr):
+    """Program (column block, expert e, split): out[split, slot, 16 n + c] for e's slots and the
+    block's NT tile columns n, over the split's input tiles, KT tiles a step."""
+    block, e, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(counts_ptr + e)
+    start = tl.load(starts_ptr + e)
+    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32))
+    in_features, out_features = in_tiles * 16, out_tiles * 16
+    lane = tl.arange(0, 32)[None, None, :]
+    kts = tl.arange(0, KT)[:, None, None]
+    nts = block * NT + tl.arange(0, NT)[None, :, None]
+    m = tl.arange(0, ROWS)[:, None, None, None]
+    first = split * tiles_per_split
+    for r0 in range(0, count, ROWS):
+        live = m < count - r0
+        x_rows = x_ptr + (start + r0 + m).to(tl.int64) * in_features + (lane[None] % 4) * 2
+        acc0 = tl.zeros([ROWS, KT, NT, 32], tl.float32)  # columns t // 4 of the tiles
+        acc1 = tl.zeros([ROWS, KT, NT, 32], tl.float32)  # columns t // 4 + 8
+        for kt0 in range(first, first + tiles_per_split, KT):
+            kt = kt0 + kts
+            tile = trellis + (kt * out_tiles + nts).to(tl.int64) * 32
+            cur = tl.load(tile + lane).to(tl.uint32, bitcast=True)
+            prev = tl.load(tile + (lane + 31) % 32).to(tl.uint32, bitcast=True)
+            xk = x_rows + kt[None] * 16  # [ROWS, KT, 1, 32]: each lane's rows of the tile
+            x0 = tl.load(xk, mask=live, other=0.0).to(tl.float32)
+            x1 = tl.load(xk + 1, mask=live, other=0.0).to(tl.float32)
+            x8 = tl.load(xk + 8, mask=live, other=0.0).to(tl.float32)
+            x9 = tl.load(xk + 9, mask=live, other=0.0).to(tl.float32)
+            acc0 += _weight(cur, prev, 0, DECODE)[None] * x0
+            acc0 += _weight(cur, prev, 1, DECODE)[None] * x1
+            acc0 += _weight(cur, prev, 2, DECODE)[None] * x8
+            acc0 += _weight(cur, prev, 3, DECODE)[None] * x9
+            acc1 += _weight(cur, prev, 4, DECODE)[None] * x0
+            acc1 += _weight(cur, prev, 5, DECODE)[None] * x1
+            acc1 += _weight(cur, prev, 6, DECODE)[None] * x8
+            acc1 += _weight(cur, prev, 7, DECODE)[None] * x9
+        # lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's in acc1)
+        y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=1), [ROWS, NT, 8, 4]), axis=3)
+        y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=1), [ROWS, NT, 8, 4]), axis=3)
+        mm = tl.arange(0, ROWS)[:, None, None]
+        cols = (block * NT + tl.arange(0, NT)[None, :, None]) * 16 + tl.arange(0, 8)[None, None, :]
+        out = out_ptr + ((split * slots + start + r0 + mm).to(tl.int64) * out_features + cols)
+        tl.store(out, y0, mask=mm < count - r0)
+        tl.store(out + 8, y1, mask=mm < count - r0)
+
+
+def expert_products(x: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
+                    in_features: int, out_features: int, splits: int = 1, rows: int = ROWS_DEFAULT, kt: int = KT_DEFAULT,
+                    nt: int = NT_DEFAULT, num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [slots, out_features]: each slot's row of x (fp16 [slots, in_features], rotated,
+    sorted by expert) times its expert's decoded weight. table: int64 [experts], the address of
+    each expert's int16 trellis [in/16, out/16, 64]; counts, starts: int [experts], where each
+    expert's slots lie in x. out: [splits, slots, out_features] fp32 to write the partials to
+    (reused across calls; a CUDA graph needs its buffers fixed)."""
+    in_tiles, out_tiles = in_features // 16, out_features // 16
+    if in_features % 16 or out_tiles % nt or in_tiles % (splits * kt):
+        raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits of "
+                         f"{kt}-tile steps and {nt}-tile column blocks")
+    slots = x.shape[0]
+    if out is None:
+        out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
+    decode_with = ASM_VABSDIFF if x.is_cuda else PURE
+    _expert_tiles_kernel[(out_tiles // nt, len(table), splits)](
+        x, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
+        ROWS=rows, KT=kt, NT=nt, DECODE=decode_with, num_warps=num_warps)
+    return out.sum(0) if splits > 1 else out[0]
+
+
+def rotated_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+    """fp16 rows as the product takes them: x times suh (per input, or per row [rows, in]),
+    each 128 inputs through the Hadamard rotation, in fp32 then rounded (as exllamav3's kernels
+    hand rotated rows on)."""
+    rows = x.shape[0]
+    had = _hadamard(x.device)
+    return ((x.float() * suh.float()).view(rows, -1, exl3_format.HAD) @ had).view(rows, -1).half()
+
+
+def rotated_out(y: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """fp32: the product's output rotated back, each 128 outputs, times svh (per output, or
+    per row [rows, out])."""
+    rows = y.shape[0]
+    return (y.view(rows, -1, exl3_format.HAD) @ _hadamard(y.device)).view(rows, -1) * svh.float()
+
+
+@functools.lru_cache
+def _hadamard(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(exl3_format.hadamard()).to(device)

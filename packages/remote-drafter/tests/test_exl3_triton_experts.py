@@ -1,0 +1,110 @@
+"""models/exl3_triton.py's grouped product and models/exl3_triton_experts.py's MoE layer on it
+(our own kernel on exllamav3's stored 4-bit trellis, each chosen expert decoded once), against
+models/exl3_format.py's numpy reading of the same bytes: the product per expert within fp32
+rounding (experts with no rows, more rows than the kernel takes at once, a split input), and
+the whole layer (rotations, activation, routing weights, shared expert) against a float64
+reference on exl3_format's weights. Without a GPU (CI) the kernel runs in Triton's CPU
+interpreter; benchmarks/gpu.sh ONLY_DRAFTER_ROUND=moe runs these compiled on an H200, and sets
+the layer against exllamav3's fused kernels there."""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: the dev venv / tools/test's unit tier runs it")
+if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="needs Triton: remote-drafter[test] installs it")
+
+from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
+from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I, LIMIT = 256, 128, 7.0  # hidden and expert widths (multiples of 128), the SwiGLU limit
+
+
+def random_linear(rng, n_in: int, n_out: int, bits: int = 4) -> Stored:
+    """Random trellis bytes (every pattern is a valid trellis), signs for suh, small svh."""
+    return Stored(torch.from_numpy(rng.integers(-2**15, 2**15, (n_in // 16, n_out // 16, 16 * bits), dtype=np.int16)).to(DEVICE),
+                  torch.from_numpy(np.sign(rng.standard_normal(n_in)).astype(np.float16)).to(DEVICE),
+                  torch.from_numpy((rng.random(n_out) * 0.05).astype(np.float16)).to(DEVICE))
+
+
+def weight(s: Stored) -> np.ndarray:
+    """float64 [in, out]: the linear's weight as exllamav3 reconstructs it."""
+    return exl3_format.weight(s.trellis.cpu().numpy(), s.suh.cpu().numpy(), s.svh.cpu().numpy(), 4).astype(np.float64)
+
+
+def swiglu(x: np.ndarray, three: tuple[Stored, Stored, Stored]) -> np.ndarray:
+    """exllamav3's activation: min(silu(g), L) * clamp(u, -L, L), in float64."""
+    g, u = x @ weight(three[0]), x @ weight(three[1])
+    return (np.minimum(g / (1 + np.exp(-g)), LIMIT) * np.clip(u, -LIMIT, LIMIT)) @ weight(three[2])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
+    rng = np.random.default_rng(splits)
+    trellis = [random_linear(rng, 256, 256).trellis for _ in range(3)]
+    # expert 1 has no rows; expert 2 more than the kernel takes at once (ROWS_DEFAULT)
+    counts, starts = [2, 0, exl3_triton.ROWS_DEFAULT + 2], [0, 2, 2]
+    x = rng.standard_normal((sum(counts), 256)).astype(np.float16)
+    table = torch.tensor([t.data_ptr() for t in trellis], dtype=torch.int64, device=DEVICE)
+
+    def ints(v):
+        return torch.tensor(v, dtype=torch.int32, device=DEVICE)
+    got = exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), table, ints(counts), ints(starts),
+                                      256, 256, splits).cpu().numpy()
+    want = np.concatenate([x[s:s + c].astype(np.float64) @ exl3_format.decoded(t.cpu().numpy(), 4).astype(np.float64)
+                           for t, c, s in zip(trellis, counts, starts)])
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def layer(seed: int, experts: int = 4, shared: bool = True):
+    rng = np.random.default_rng(seed)
+    routed = [(random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, I, H)) for _ in range(experts)]
+    common = (random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, I, H)) if shared else None
+    return routed, common, TritonExl3Experts(routed, common, LIMIT)
+
+
+def test_the_layer_is_the_routed_weighted_sum_plus_the_shared_expert():
+    routed, shared, moe = layer(0)
+    rng = np.random.default_rng(1)
+    rows, k = 5, 2
+    chosen = np.stack([rng.choice(len(routed), k, replace=False) for _ in range(rows)])
+    weights = rng.random((rows, k)).astype(np.float32)
+    x = rng.standard_normal((rows, H)).astype(np.float16)
+    got = moe(torch.from_numpy(x).to(DEVICE), torch.from_numpy(weights).to(DEVICE),
+              torch.from_numpy(chosen).to(DEVICE)).cpu().numpy()
+    xd = x.astype(np.float64)
+    want = swiglu(xd, shared)
+    for r in range(rows):
+        for j in range(k):
+            want[r] += weights[r, j] * swiglu(xd[r:r + 1], routed[chosen[r, j]])[0]
+    assert got.shape == (rows, H) and got.dtype == np.float32
+    # the product's rows are rounded to fp16 after each rotation and the activation, as exllamav3's
+    assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
+
+
+def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():
+    _, _, moe = layer(2, shared=False)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((4, H)).astype(np.float16)).to(DEVICE)
+    chosen = torch.tensor([[0, 1], [1, 3], [0, 0], [0, 0]], device=DEVICE)  # the last two: a graph's padding
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.0, 0.0], [0.0, 0.0]], device=DEVICE)
+    first = moe(x, weights, chosen)
+    assert torch.equal(first, moe(x, weights, chosen))
+    assert torch.equal(first[2:], torch.zeros_like(first[2:]))
+    alone = moe(x[:2], weights[:2], chosen[:2])
+    assert torch.equal(first[:2], alone)
+
+
+def test_what_the_kernel_does_not_decode_is_refused_by_name():
+    rng = np.random.default_rng(4)
+    six_bit = [(random_linear(rng, H, I, 6), random_linear(rng, H, I, 6), random_linear(rng, I, H, 6))]
+    with pytest.raises(ValueError, match="6-bit trellis"):
+        TritonExl3Experts(six_bit, None, LIMIT)
+    unchained = [(random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, H, I))]
+    with pytest.raises(ValueError, match="do not chain"):
+        TritonExl3Experts(unchained, None, LIMIT)
