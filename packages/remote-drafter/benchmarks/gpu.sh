@@ -21,7 +21,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
   # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
   # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
-  # rate, =gemv an EXL3 linear through our own kernel
+  # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share and torch's
     # grouped GEMM at the experts' shapes (round_phases.py; no exllamav3 needed)
@@ -43,6 +43,14 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_gemv.py \
       packages/remote-drafter/tests/test_exl3_format.py 2>&1 | tail -3 | tee "$OUT/exl3-gemv-pytest.txt"
     python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out "$OUT/exl3-gemv.json"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == moe ]]; then  # =moe: an EXL3 MoE layer through our own kernel against
+    # exllamav3's fused kernels (exl3_moe_layer.py, after our kernels' tests compiled; exllamav3's
+    # build, ~5 min, comes with it when its wheels are carried, else ours is timed alone)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
+      packages/remote-drafter/tests/test_exl3_gemv.py 2>&1 | tail -3 | tee "$OUT/exl3-moe-pytest.txt"
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by

@@ -21,7 +21,7 @@ from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-H, I, LIMIT = 256, 128, 7.0  # hidden and expert widths (multiples of 128), the SwiGLU limit
+H, INTER, LIMIT = 256, 128, 7.0  # hidden and expert widths (multiples of 128), the SwiGLU limit
 
 
 def random_linear(rng, n_in: int, n_out: int, bits: int = 4) -> Stored:
@@ -63,8 +63,8 @@ def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
 
 def layer(seed: int, experts: int = 4, shared: bool = True):
     rng = np.random.default_rng(seed)
-    routed = [(random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, I, H)) for _ in range(experts)]
-    common = (random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, I, H)) if shared else None
+    routed = [(random_linear(rng, H, INTER), random_linear(rng, H, INTER), random_linear(rng, INTER, H)) for _ in range(experts)]
+    common = (random_linear(rng, H, INTER), random_linear(rng, H, INTER), random_linear(rng, INTER, H)) if shared else None
     return routed, common, TritonExl3Experts(routed, common, LIMIT)
 
 
@@ -102,9 +102,9 @@ def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():
 
 def test_what_the_kernel_does_not_decode_is_refused_by_name():
     rng = np.random.default_rng(4)
-    six_bit = [(random_linear(rng, H, I, 6), random_linear(rng, H, I, 6), random_linear(rng, I, H, 6))]
+    six_bit = [(random_linear(rng, H, INTER, 6), random_linear(rng, H, INTER, 6), random_linear(rng, INTER, H, 6))]
     with pytest.raises(ValueError, match="6-bit trellis"):
         TritonExl3Experts(six_bit, None, LIMIT)
-    unchained = [(random_linear(rng, H, I), random_linear(rng, H, I), random_linear(rng, H, I))]
+    unchained = [(random_linear(rng, H, INTER), random_linear(rng, H, INTER), random_linear(rng, H, INTER))]
     with pytest.raises(ValueError, match="do not chain"):
         TritonExl3Experts(unchained, None, LIMIT)

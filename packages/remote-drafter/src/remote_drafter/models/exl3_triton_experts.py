@@ -76,21 +76,23 @@ class _Projection:
 
 class _Plan(NamedTuple):
     """A call's slots by expert: `experts` lists the experts chosen (then a padding expert with
-    no slots), `counts` and `starts` where each one's slots lie in the sorted order."""
+    no slots), `counts` and `starts` where each one's slots lie in the sorted order; `kernel`
+    the product's configuration (exl3_triton.expert_products' keywords but splits)."""
     experts: torch.Tensor
     counts: torch.Tensor
     starts: torch.Tensor
     sms: int
+    kernel: dict
 
     def config(self, in_features: int, out_features: int) -> dict:
-        """The kernel's split of the input: enough programs to fill the GPU when few experts
-        are chosen (each program's partials are summed afterwards)."""
-        blocks = out_features // (16 * 8)
-        programs = blocks * len(self.experts)
+        """The kernel's configuration and its split of the input: enough programs to fill the
+        GPU when few experts are chosen (each program's partials are summed afterwards)."""
+        kt, nt = self.kernel["kt"], self.kernel["nt"]
+        programs = out_features // (16 * nt) * len(self.experts)
         splits = 1
-        while programs * splits < 4 * self.sms and (in_features // 16) % (2 * splits * exl3_triton.KT_DEFAULT) == 0:
+        while programs * splits < 4 * self.sms and (in_features // 16) % (2 * splits * kt) == 0:
             splits *= 2
-        return {"splits": splits}
+        return {**self.kernel, "splits": splits}
 
 
 class TritonExl3Experts:
@@ -106,6 +108,8 @@ class TritonExl3Experts:
             raise ValueError("EXL3 experts cannot run on our kernel: gate, up and down shapes do not chain")
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
+        self.kernel = {"rows": exl3_triton.ROWS_DEFAULT, "kt": exl3_triton.KT_DEFAULT, "nt": exl3_triton.NT_DEFAULT,
+                       "num_warps": 4}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -134,7 +138,7 @@ class TritonExl3Experts:
         segment = new.cumsum(0) - 1
         chosen = torch.full((min(len(flat), total),), total, dtype=torch.long, device=flat.device)
         chosen.scatter_(0, segment, sorted_experts)
-        return order, sorted_experts, _Plan(chosen, counts, starts, self.sms)
+        return order, sorted_experts, _Plan(chosen, counts, starts, self.sms, self.kernel)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -1,0 +1,144 @@
+"""One DeepSeek drafter MoE layer in EXL3 at the estimated V4.1-Flash width (dsv41_gpu.FLASH:
+192 routed experts of 4096 -> 2048 -> 4096, top 8, one shared expert; random 4-bit mul1 trellis)
+on a GPU: our kernel (models/exl3_triton_experts.py: each chosen expert decoded once for all
+its rows) against exllamav3's fused kernels (models/exl3_experts.Exl3Experts: the coop tier
+decodes an expert once per slot up to 256 slots), on the same tensors and rows, in CUDA graphs.
+
+Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
+experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
+drafter_round.py). Per row count: ours at every kernel configuration tried (rows at a time,
+input tiles a step, tile columns a program, warps), the best kept, and its three grouped
+products alone; exllamav3's (when it loads); their relative difference; and the bytes of
+trellis the call must read (each chosen expert once and the shared one) over each time.
+Prints a line per row count and writes JSON (--out).
+
+    source tools/gpu-env.sh .whl   # exllamav3 1.6.5 and its needs for its side (else ours alone)
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out exl3-moe-layer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dsv41_gpu import FLASH  # noqa: E402
+from round_phases import in_graph  # noqa: E402
+
+from remote_drafter.models import exl3, exl3_triton  # noqa: E402
+from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
+
+CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
+# (rows at a time, input tiles a step, tile columns a program, warps)
+CONFIGS = [(r, kt, nt, w) for r, kt, nt, w in itertools.product((2, 4, 8), (1, 2), (4, 8), (4, 8))]
+LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
+
+
+def random_stored(n_in: int, n_out: int, gen) -> Stored:
+    trellis = torch.randint(-2**15, 2**15, (n_in // 16, n_out // 16, 16 * exl3_triton.BITS), dtype=torch.int16,
+                            device="cuda", generator=gen)
+    suh = (torch.randint(0, 2, (n_in,), device="cuda", generator=gen) * 2 - 1).half()
+    svh = ((torch.randint(0, 2, (n_out,), device="cuda", generator=gen) * 2 - 1) * n_in ** -0.5).half()
+    return Stored(trellis, suh, svh)
+
+
+def exllamav3_layer(routed, shared, top_k: int):
+    """exllamav3's fused kernels over the same tensors (Exl3Linears wrap them, no copy)."""
+    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
+
+    from remote_drafter.models.exl3_experts import Exl3Experts
+
+    def linear(s: Stored):
+        n_in, n_out = s.trellis.shape[0] * 16, s.trellis.shape[1] * 16
+        return exl3.Exl3Linear({"trellis": s.trellis, "suh": s.suh, "svh": s.svh,
+                                **codebook_markers({"mul1": True})}, n_in, n_out, "cuda")
+    return Exl3Experts([tuple(linear(s) for s in e) for e in routed], tuple(linear(s) for s in shared),
+                       top_k, LIMIT, "cuda")
+
+
+def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top_k distinct experts among `chosen` of them, and softmax-like weights."""
+    pool = torch.randperm(experts, generator=gen, device="cpu")[:chosen]
+    picks = torch.stack([pool[torch.randperm(chosen, generator=gen)[:top_k]] for _ in range(rows)])
+    weights = torch.rand(rows, top_k, generator=gen).softmax(-1)
+    return weights.cuda(), picks.cuda()
+
+
+def products_only(moe: TritonExl3Experts, x, experts) -> callable:
+    """The call's three grouped products alone (inputs prepared once)."""
+    order, _, plan = moe.plan(experts)
+    xs = x.half()[order // experts.shape[1]]
+    inner = moe.gate.out_features
+
+    def run():
+        for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, xs[:, :inner].contiguous())):
+            exl3_triton.expert_products(rows, p.table[plan.experts], plan.counts, plan.starts, p.in_features,
+                                        p.out_features, **plan.config(p.in_features, p.out_features))
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="5,20,80", help="row counts (default %(default)s)")
+    parser.add_argument("--replays", type=int, default=50, help="graph replays a figure (default %(default)s)")
+    parser.add_argument("--out", default="exl3-moe-layer.json", help="JSON results (default %(default)s)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    hidden, inter = FLASH["hidden_size"], FLASH["moe_intermediate_size"]
+    experts, top_k = FLASH["dspark_n_routed_experts"], FLASH["dspark_num_experts_per_tok"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    routed = [(random_stored(hidden, inter, gen), random_stored(hidden, inter, gen), random_stored(inter, hidden, gen))
+              for _ in range(experts)]
+    shared = (random_stored(hidden, inter, gen), random_stored(hidden, inter, gen), random_stored(inter, hidden, gen))
+    ours = TritonExl3Experts(routed, shared, LIMIT)
+    theirs, why = None, None
+    if (why := exl3.refusal("cuda:0")) is None:
+        try:
+            theirs = exllamav3_layer(routed, shared, top_k)
+        except Exception as exc:  # noqa: BLE001 - recorded; ours is still measured
+            why = f"{type(exc).__name__}: {exc}"
+    expert_bytes = sum(s.trellis.numel() * 2 for s in shared)
+    cpu_gen = torch.Generator().manual_seed(1)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        chosen = CHOSEN.get(rows, min(experts, 2 * rows))
+        weights, picks = routing(rows, chosen, experts, top_k, cpu_gen)
+        x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
+        call = (x, weights, picks)
+        trials = []
+        for r, kt, nt, w in CONFIGS:
+            ours.kernel = {"rows": r, "kt": kt, "nt": nt, "num_warps": w}
+            trials.append({"rows_at_once": r, "kt": kt, "nt": nt, "num_warps": w,
+                           "ms": in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3})
+        best = min(trials, key=lambda t: t["ms"])
+        ours.kernel = {"rows": best["rows_at_once"], "kt": best["kt"], "nt": best["nt"], "num_warps": best["num_warps"]}
+        read = (chosen + 1) * expert_bytes
+        row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": best["ms"],
+               "ours_config": ours.kernel, "ours_gb_s": read / best["ms"] / 1e6,
+               "ours_products_ms": in_graph(products_only(ours, x, picks), args.replays, calls=1) / 1e3,
+               "trials": trials}
+        if theirs is not None:
+            mine = ours(x, weights, picks)
+            theirs_out = theirs(x, weights, picks).clone()
+            row["exllamav3_ms"] = in_graph(lambda a=call: theirs(*a), args.replays, calls=1) / 1e3
+            row["exllamav3_over_ours"] = row["exllamav3_ms"] / row["ours_ms"]
+            row["relative_difference"] = float((mine - theirs_out).norm() / theirs_out.norm())
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": hidden,
+                   "intermediate": inter, "experts": experts, "top_k": top_k, "bits": exl3_triton.BITS,
+                   "exllamav3": "compared" if theirs is not None else f"not compared ({why})",
+                   "rows": results}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
