@@ -47,10 +47,9 @@ def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4, 
         raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
     rows, dev = x.shape[0], x.device
     table = torch.tensor([trellis.data_ptr()], dtype=torch.int64, device=dev)
-    counts, starts = torch.tensor([rows], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
-    return exl3_triton.expert_products(x.contiguous(), table, counts, starts, in_tiles * 16, out_tiles * 16,
-                                       splits, rows=max(triton.next_power_of_2(rows), 1), kt=kt, nt=nt,
-                                       num_warps=max(1, kt // 2))
+    one, counts = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([rows], dtype=torch.int32, device=dev)
+    return exl3_triton.expert_products(x.contiguous(), one, table, counts, one.int(), in_tiles * 16, out_tiles * 16,
+                                       splits, rows=max(triton.next_power_of_2(rows), 1), kt=kt, nt=nt, num_warps=kt)
 
 
 def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, kt: int = 4) -> torch.Tensor:

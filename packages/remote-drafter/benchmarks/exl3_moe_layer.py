@@ -34,8 +34,8 @@ from remote_drafter.models import exl3, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
-# (rows at a time, input tiles a step, tile columns a program, warps)
-CONFIGS = [(r, kt, nt, w) for r, kt, nt, w in itertools.product((2, 4, 8), (1, 2), (4, 8), (4, 8))]
+# (rows at a time, input tiles a step, tile columns a program, warps: one a tile of the step)
+CONFIGS = [(r, kt, nt, kt) for r, kt, nt in itertools.product((2, 4, 8), (2, 4, 8), (4, 8, 16))]
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
 
@@ -77,9 +77,20 @@ def products_only(moe: TritonExl3Experts, x, experts) -> callable:
 
     def run():
         for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, xs[:, :inner].contiguous())):
-            exl3_triton.expert_products(rows, p.table[plan.experts], plan.counts, plan.starts, p.in_features,
+            exl3_triton.expert_products(rows, plan.experts, p.table, plan.counts, plan.starts, p.in_features,
                                         p.out_features, **plan.config(p.in_features, p.out_features))
     return run
+
+
+def profile(fn) -> str:
+    """The kernels of 5 eager calls of fn by device time (torch's profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
 
 
 def main(argv=None) -> int:
@@ -87,6 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="5,20,80", help="row counts (default %(default)s)")
     parser.add_argument("--replays", type=int, default=50, help="graph replays a figure (default %(default)s)")
     parser.add_argument("--out", default="exl3-moe-layer.json", help="JSON results (default %(default)s)")
+    parser.add_argument("--profile", metavar="FILE", help="also write our layer's kernels by device time (torch "
+                        "profiler, 5 eager calls a row count, the best configuration) to FILE")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -105,7 +118,7 @@ def main(argv=None) -> int:
             why = f"{type(exc).__name__}: {exc}"
     expert_bytes = sum(s.trellis.numel() * 2 for s in shared)
     cpu_gen = torch.Generator().manual_seed(1)
-    results = []
+    results, profiles = [], []
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = CHOSEN.get(rows, min(experts, 2 * rows))
         weights, picks = routing(rows, chosen, experts, top_k, cpu_gen)
@@ -130,12 +143,16 @@ def main(argv=None) -> int:
             row["exllamav3_over_ours"] = row["exllamav3_ms"] / row["ours_ms"]
             row["relative_difference"] = float((mine - theirs_out).norm() / theirs_out.norm())
         results.append(row)
+        if args.profile:
+            profiles.append(f"== {rows} rows\n" + profile(lambda a=call: ours(*a)))
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": hidden,
                    "intermediate": inter, "experts": experts, "top_k": top_k, "bits": exl3_triton.BITS,
                    "exllamav3": "compared" if theirs is not None else f"not compared ({why})",
                    "rows": results}, f, indent=1)
+    if args.profile:
+        Path(args.profile).write_text("\n".join(profiles))
     print(f"wrote {args.out}")
     return 0
 

@@ -50,7 +50,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # build, ~5 min, comes with it when its wheels are carried, else ours is timed alone)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_exl3_gemv.py 2>&1 | tail -3 | tee "$OUT/exl3-moe-pytest.txt"
-    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json"
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json" \
+      --profile "$OUT/exl3-moe-layer-profile.txt"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by

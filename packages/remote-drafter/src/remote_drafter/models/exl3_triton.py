@@ -27,7 +27,8 @@ import triton.language as tl
 from . import exl3_format
 
 BITS = 4
-ROWS_DEFAULT, KT_DEFAULT, NT_DEFAULT = 4, 2, 8  # the product's defaults: rows at a time, input tiles a step, tile columns a program
+# the product's defaults: rows at a time, input tiles a step (a warp each), tile columns a program
+ROWS_DEFAULT, KT_DEFAULT, NT_DEFAULT = 4, 4, 8
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 
@@ -99,47 +100,51 @@ def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _expert_tiles_kernel(x_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles, out_tiles,
-                         tiles_per_split, ROWS: tl.constexpr, KT: tl.constexpr, NT: tl.constexpr,
+def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles,
+                         out_tiles, tiles_per_split, ROWS: tl.constexpr, KT: tl.constexpr, NT: tl.constexpr,
                          DECODE: tl.constexpr):
-    """Program (column block, expert e, split): out[split, slot, 16 n + c] for e's slots and the
-    block's NT tile columns n, over the split's input tiles, KT tiles a step."""
-    block, e, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (column block, j, split): out[split, slot, 16 n + c] for the slots of expert e =
+    experts[j] and the block's NT tile columns n, over the split's input tiles, KT a step. The
+    tensors are [ROWS, NT, KT, 32]: a warp per input tile, a lane per word, and the rows and
+    tile columns in each thread's registers, so that a lane's rows of x, loaded once a step,
+    serve its words of all NT tiles."""
+    block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(experts_ptr + j)
     count = tl.load(counts_ptr + e)
     start = tl.load(starts_ptr + e)
     trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32))
     in_features, out_features = in_tiles * 16, out_tiles * 16
-    lane = tl.arange(0, 32)[None, None, :]
-    kts = tl.arange(0, KT)[:, None, None]
-    nts = block * NT + tl.arange(0, NT)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, None, :]
+    kts = tl.arange(0, KT)[None, None, :, None]
+    nts = block * NT + tl.arange(0, NT)[None, :, None, None]
     m = tl.arange(0, ROWS)[:, None, None, None]
     first = split * tiles_per_split
     for r0 in range(0, count, ROWS):
         live = m < count - r0
-        x_rows = x_ptr + (start + r0 + m).to(tl.int64) * in_features + (lane[None] % 4) * 2
-        acc0 = tl.zeros([ROWS, KT, NT, 32], tl.float32)  # columns t // 4 of the tiles
-        acc1 = tl.zeros([ROWS, KT, NT, 32], tl.float32)  # columns t // 4 + 8
+        x_rows = x_ptr + (start + r0 + m).to(tl.int64) * in_features + (lane % 4) * 2
+        acc0 = tl.zeros([ROWS, NT, KT, 32], tl.float32)  # columns t // 4 of the tiles
+        acc1 = tl.zeros([ROWS, NT, KT, 32], tl.float32)  # columns t // 4 + 8
         for kt0 in range(first, first + tiles_per_split, KT):
             kt = kt0 + kts
-            tile = trellis + (kt * out_tiles + nts).to(tl.int64) * 32
+            tile = trellis + (kt * out_tiles + nts).to(tl.int64) * 32  # [1, NT, KT, 1]
             cur = tl.load(tile + lane).to(tl.uint32, bitcast=True)
             prev = tl.load(tile + (lane + 31) % 32).to(tl.uint32, bitcast=True)
-            xk = x_rows + kt[None] * 16  # [ROWS, KT, 1, 32]: each lane's rows of the tile
+            xk = x_rows + kt * 16  # [ROWS, 1, KT, 32]: each lane's rows of the tile
             x0 = tl.load(xk, mask=live, other=0.0).to(tl.float32)
             x1 = tl.load(xk + 1, mask=live, other=0.0).to(tl.float32)
             x8 = tl.load(xk + 8, mask=live, other=0.0).to(tl.float32)
             x9 = tl.load(xk + 9, mask=live, other=0.0).to(tl.float32)
-            acc0 += _weight(cur, prev, 0, DECODE)[None] * x0
-            acc0 += _weight(cur, prev, 1, DECODE)[None] * x1
-            acc0 += _weight(cur, prev, 2, DECODE)[None] * x8
-            acc0 += _weight(cur, prev, 3, DECODE)[None] * x9
-            acc1 += _weight(cur, prev, 4, DECODE)[None] * x0
-            acc1 += _weight(cur, prev, 5, DECODE)[None] * x1
-            acc1 += _weight(cur, prev, 6, DECODE)[None] * x8
-            acc1 += _weight(cur, prev, 7, DECODE)[None] * x9
+            acc0 += _weight(cur, prev, 0, DECODE) * x0
+            acc0 += _weight(cur, prev, 1, DECODE) * x1
+            acc0 += _weight(cur, prev, 2, DECODE) * x8
+            acc0 += _weight(cur, prev, 3, DECODE) * x9
+            acc1 += _weight(cur, prev, 4, DECODE) * x0
+            acc1 += _weight(cur, prev, 5, DECODE) * x1
+            acc1 += _weight(cur, prev, 6, DECODE) * x8
+            acc1 += _weight(cur, prev, 7, DECODE) * x9
         # lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's in acc1)
-        y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=1), [ROWS, NT, 8, 4]), axis=3)
-        y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=1), [ROWS, NT, 8, 4]), axis=3)
+        y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=2), [ROWS, NT, 8, 4]), axis=3)
+        y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=2), [ROWS, NT, 8, 4]), axis=3)
         mm = tl.arange(0, ROWS)[:, None, None]
         cols = (block * NT + tl.arange(0, NT)[None, :, None]) * 16 + tl.arange(0, 8)[None, None, :]
         out = out_ptr + ((split * slots + start + r0 + mm).to(tl.int64) * out_features + cols)
@@ -147,24 +152,24 @@ def _expert_tiles_kernel(x_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slot
         tl.store(out + 8, y1, mask=mm < count - r0)
 
 
-def expert_products(x: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
-                    in_features: int, out_features: int, splits: int = 1, rows: int = ROWS_DEFAULT, kt: int = KT_DEFAULT,
-                    nt: int = NT_DEFAULT, num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+def expert_products(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
+                    starts: torch.Tensor, in_features: int, out_features: int, splits: int = 1,
+                    rows: int = ROWS_DEFAULT, kt: int = KT_DEFAULT, nt: int = NT_DEFAULT,
+                    num_warps: int = KT_DEFAULT) -> torch.Tensor:
     """fp32 [slots, out_features]: each slot's row of x (fp16 [slots, in_features], rotated,
-    sorted by expert) times its expert's decoded weight. table: int64 [experts], the address of
-    each expert's int16 trellis [in/16, out/16, 64]; counts, starts: int [experts], where each
-    expert's slots lie in x. out: [splits, slots, out_features] fp32 to write the partials to
-    (reused across calls; a CUDA graph needs its buffers fixed)."""
+    sorted by expert) times its expert's decoded weight. experts: int64 [n], the experts to
+    run (one program column each; an expert with no slots costs a program that returns);
+    table: int64, the address of each expert's int16 trellis [in/16, out/16, 64]; counts and
+    starts: int32, where each expert's slots lie in x (all three indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
     if in_features % 16 or out_tiles % nt or in_tiles % (splits * kt):
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits of "
                          f"{kt}-tile steps and {nt}-tile column blocks")
     slots = x.shape[0]
-    if out is None:
-        out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
+    out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
     decode_with = ASM_VABSDIFF if x.is_cuda else PURE
-    _expert_tiles_kernel[(out_tiles // nt, len(table), splits)](
-        x, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
+    _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
+        x, experts, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
         ROWS=rows, KT=kt, NT=nt, DECODE=decode_with, num_warps=num_warps)
     return out.sum(0) if splits > 1 else out[0]
 

@@ -68,7 +68,7 @@ class _Projection:
     def __call__(self, x: torch.Tensor, expert_of_slot: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """fp32 [slots, out]: x (fp16 [slots, in], sorted by expert) through each slot's expert."""
         inner = exl3_triton.expert_products(exl3_triton.rotated_in(x, self.suh[expert_of_slot]),
-                                            self.table[plan.experts], plan.counts, plan.starts,
+                                            plan.experts, self.table, plan.counts, plan.starts,
                                             self.in_features, self.out_features,
                                             **plan.config(self.in_features, self.out_features))
         return exl3_triton.rotated_out(inner, self.svh[expert_of_slot])
@@ -109,7 +109,7 @@ class TritonExl3Experts:
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
         self.kernel = {"rows": exl3_triton.ROWS_DEFAULT, "kt": exl3_triton.KT_DEFAULT, "nt": exl3_triton.NT_DEFAULT,
-                       "num_warps": 4}  # the product's configuration (a benchmark may try others)
+                       "num_warps": exl3_triton.KT_DEFAULT}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
