@@ -62,7 +62,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from remote_drafter.models import exl3_format  # noqa: E402
-from remote_drafter.models.exl3_triton import ASM, ASM_VABSDIFF, MCG, MUL1, PURE  # noqa: E402
+from remote_drafter.models.exl3_triton import ASM, ASM_VABSDIFF, MCG, MUL1, PURE, tile_offsets  # noqa: E402
 from remote_drafter.models.exl3_triton import decode as _decode  # noqa: E402
 
 TILE_WORDS, TILE_WEIGHTS = 32, 256
@@ -135,24 +135,11 @@ def _term(acc, lo, hi, a, K: tl.constexpr, CB: tl.constexpr, DECODE: tl.constexp
 
 
 @triton.jit
-def _offsets(TILES: tl.constexpr):
-    """A chunk's words ([TILES, 32], a tile a row) and each one's next in its tile. Both loads are
-    declared scalar and contiguous along the tile, so that Triton gives them one layout (a warp
-    a tile, a lane a word) and the decode converts none through shared memory; left alone it
-    vectorises the first and gives the second, which wraps, a layout of its own."""
-    cols = tl.arange(0, 32)[None, :].to(tl.int64)
-    rows = tl.arange(0, TILES)[:, None].to(tl.int64) * 32
-    here = tl.multiple_of(rows + cols, [1, 1])
-    there = tl.max_contiguous(tl.multiple_of(rows + (cols + 1) % 32, [1, 1]), [1, 32])
-    return here, there
-
-
-@triton.jit
 def _gemv_kernel(words_ptr, act_ptr, out_ptr, n_chunks, CB: tl.constexpr, DECODE: tl.constexpr,
                  USE: tl.constexpr, TILES: tl.constexpr):
     """out[program] = its chunks' sum of w * act[position in tile] (USE 0, fp32) or XOR of the
     w's fp16 bits (USE 1, int32); a chunk is TILES tiles."""
-    here, there = _offsets(TILES)
+    here, there = tile_offsets(TILES, 1)
     cols = tl.arange(0, 32)[None, :]
     # weight 8p + k of every tile meets act[8p + k]: loaded once, kept in registers
     a0 = tl.load(act_ptr + cols * 8 + 0).to(tl.float32)
@@ -185,7 +172,7 @@ def _gemv_kernel(words_ptr, act_ptr, out_ptr, n_chunks, CB: tl.constexpr, DECODE
 @triton.jit
 def _read_kernel(words_ptr, out_ptr, n_chunks, NEXT: tl.constexpr, TILES: tl.constexpr):
     """out[program] = its chunks' words summed mod 2**32 (with NEXT, each word's neighbour too)."""
-    here, there = _offsets(TILES)
+    here, there = tile_offsets(TILES, 1)
     words = tl.arange(0, TILES)[:, None] * 32 + tl.arange(0, 32)[None, :]
     acc = tl.zeros([TILES, 32], tl.uint32)
     for c in range(tl.program_id(0), n_chunks, tl.num_programs(0)):

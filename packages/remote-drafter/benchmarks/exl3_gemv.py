@@ -31,17 +31,15 @@ import torch
 
 if not torch.cuda.is_available():  # before Triton defines a kernel: it picks interpreter or compiler then
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
 from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
 
 BITS = exl3_triton.BITS
 
 
-def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4, nt: int = 1) -> torch.Tensor:
+def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
     """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]: our
-    experts' kernel (models/exl3_triton.py) with one expert, all M rows at once."""
+    experts' kernel (models/exl3_triton.py) with one expert, 4 rows at a time."""
     in_tiles, out_tiles = trellis.shape[:2]
     if trellis.shape[2] != 16 * BITS:
         raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
@@ -49,14 +47,14 @@ def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, kt: int = 4, 
     table = torch.tensor([trellis.data_ptr()], dtype=torch.int64, device=dev)
     one, counts = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([rows], dtype=torch.int32, device=dev)
     return exl3_triton.expert_products(x.contiguous(), one, table, counts, one.int(), in_tiles * 16, out_tiles * 16,
-                                       splits, rows=max(triton.next_power_of_2(rows), 1), kt=kt, nt=nt, num_warps=kt)
+                                       splits, nt=nt)
 
 
-def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, kt: int = 4) -> torch.Tensor:
+def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, nt: int = 4) -> torch.Tensor:
     """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
     them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
     scaled by svh."""
-    y = inner(exl3_triton.rotated_in(x, suh), trellis, splits, kt)
+    y = inner(exl3_triton.rotated_in(x, suh), trellis, splits, nt)
     return exl3_triton.rotated_out(y, svh).half()
 
 
@@ -105,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         error = max(relative_error(linear(x, t, u, v, 4), theirs.forward(x, {})) for t, u, v, theirs in linears[:2])
         if error > 0.05:  # exllamav3's few-row path rounds otherwise than ours; a misread weight differs by far more
             raise SystemExit(f"{rows} rows: our linear differs from exllamav3's by {error:.1%} of its largest output")
-        configs = {(s, kt): timed(lambda x=x, s=s, kt=kt: [inner(x, t, s, kt) for t, *_ in linears]) / count
-                   for s in (1, 2, 4, 8, 16) for kt in (4, 8, 16) if (k // 16) % (s * kt) == 0}
-        splits, kt = min(configs, key=configs.get)
-        row = {"rows": rows, "splits": splits, "kt": kt, "kernel_ms": configs[splits, kt],
+        configs = {(s, nt): timed(lambda x=x, s=s, nt=nt: [inner(x, t, s, nt) for t, *_ in linears]) / count
+                   for s in (1, 2, 4, 8, 16) for nt in (2, 4, 8) if (k // 16) % s == 0}
+        splits, nt = min(configs, key=configs.get)
+        row = {"rows": rows, "splits": splits, "nt": nt, "kernel_ms": configs[splits, nt],
                "max_error_vs_exllamav3": error,
-               "linear_ms": timed(lambda x=x, s=splits, kt=kt: [linear(x, t, u, v, s, kt) for t, u, v, _ in linears])
+               "linear_ms": timed(lambda x=x, s=splits, nt=nt: [linear(x, t, u, v, s, nt) for t, u, v, _ in linears])
                / count,
                "exllamav3_ms": timed(lambda x=x: [theirs.forward(x, {}) for *_, theirs in linears]) / count}
         row["kernel_gb_s"] = read / count / (row["kernel_ms"] / 1e3) / 1e9

@@ -7,7 +7,7 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
 drafter_round.py). Per row count: ours at every kernel configuration tried (rows at a time,
-input tiles a step, tile columns a program, warps), the best kept, and its three grouped
+tile columns a program, warps), the best kept, and its three grouped
 products alone; exllamav3's (when it loads); their relative difference; and the bytes of
 trellis the call must read (each chosen expert once and the shared one) over each time.
 Prints a line per row count and writes JSON (--out).
@@ -34,8 +34,8 @@ from remote_drafter.models import exl3, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
-# (rows at a time, input tiles a step, tile columns a program, warps: one a tile of the step)
-CONFIGS = [(r, kt, nt, kt) for r, kt, nt in itertools.product((2, 4, 8), (2, 4, 8), (4, 8, 16))]
+# (rows at a time, tile columns a program, warps)
+CONFIGS = list(itertools.product((2, 4), (8, 16, 32), (2, 4, 8)))
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
 
@@ -125,12 +125,12 @@ def main(argv=None) -> int:
         x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
         call = (x, weights, picks)
         trials = []
-        for r, kt, nt, w in CONFIGS:
-            ours.kernel = {"rows": r, "kt": kt, "nt": nt, "num_warps": w}
-            trials.append({"rows_at_once": r, "kt": kt, "nt": nt, "num_warps": w,
+        for r, nt, w in CONFIGS:
+            ours.kernel = {"rows": r, "nt": nt, "num_warps": w}
+            trials.append({"rows_at_once": r, "nt": nt, "num_warps": w,
                            "ms": in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3})
         best = min(trials, key=lambda t: t["ms"])
-        ours.kernel = {"rows": best["rows_at_once"], "kt": best["kt"], "nt": best["nt"], "num_warps": best["num_warps"]}
+        ours.kernel = {"rows": best["rows_at_once"], "nt": best["nt"], "num_warps": best["num_warps"]}
         read = (chosen + 1) * expert_bytes
         row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": best["ms"],
                "ours_config": ours.kernel, "ours_gb_s": read / best["ms"] / 1e6,

@@ -27,8 +27,8 @@ import triton.language as tl
 from . import exl3_format
 
 BITS = 4
-# the product's defaults: rows at a time, input tiles a step (a warp each), tile columns a program
-ROWS_DEFAULT, KT_DEFAULT, NT_DEFAULT = 4, 4, 8
+# the product's defaults: rows at a time, tile columns a program, warps
+ROWS_DEFAULT, NT_DEFAULT, WARPS_DEFAULT = 4, 16, 4
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 
@@ -100,77 +100,122 @@ def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
+    """The offsets of TILES consecutive tiles' words ([TILES, 32], a tile a row) and of each
+    word's neighbour in its tile (NEIGHBOUR 31: the word before, as exllamav3's states reach
+    back; 1: the word after). Both loads are declared scalar and contiguous along the tile, so
+    that Triton gives them one layout (a lane a word) and the decode converts none through
+    shared memory; left alone it vectorises the first and gives the second, which wraps, a
+    layout of its own."""
+    cols = tl.arange(0, 32)[None, :].to(tl.int64)
+    rows = tl.arange(0, TILES)[:, None].to(tl.int64) * 32
+    here = tl.multiple_of(rows + cols, [1, 1])
+    there = tl.max_contiguous(tl.multiple_of(rows + (cols + NEIGHBOUR) % 32, [1, 1]), [1, 32])
+    return here, there
+
+
+@triton.jit
+def _row_products(acc0, acc1, w0, w1, w2, w3, w4, w5, w6, w7, x_at, live):
+    """One row's products with a step's weights: x_at [1, 32] points at each lane's rows of the
+    input tile (rows (t % 4)·2 + 0, 1, 8, 9); live False: a row past the expert's (adds zero)."""
+    x0 = tl.load(x_at, mask=live, other=0.0).to(tl.float32)
+    x1 = tl.load(x_at + 1, mask=live, other=0.0).to(tl.float32)
+    x8 = tl.load(x_at + 8, mask=live, other=0.0).to(tl.float32)
+    x9 = tl.load(x_at + 9, mask=live, other=0.0).to(tl.float32)
+    acc0 += w0 * x0 + w1 * x1 + w2 * x8 + w3 * x9
+    acc1 += w4 * x0 + w5 * x1 + w6 * x8 + w7 * x9
+    return acc0, acc1
+
+
+@triton.jit
+def _store_row(out_at, acc0, acc1, NT: tl.constexpr, live):
+    """A row's sums of one program: lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's
+    in acc1); out_at [NT, 8] points at each tile's first 8 columns."""
+    tl.store(out_at, tl.sum(tl.reshape(acc0, [NT, 8, 4]), axis=2), mask=live)
+    tl.store(out_at + 8, tl.sum(tl.reshape(acc1, [NT, 8, 4]), axis=2), mask=live)
+
+
+@triton.jit
 def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles,
-                         out_tiles, tiles_per_split, ROWS: tl.constexpr, KT: tl.constexpr, NT: tl.constexpr,
+                         out_tiles, tiles_per_split, ROWS: tl.constexpr, NT: tl.constexpr,
                          DECODE: tl.constexpr):
     """Program (column block, j, split): out[split, slot, 16 n + c] for the slots of expert e =
-    experts[j] and the block's NT tile columns n, over the split's input tiles, KT a step. The
-    tensors are [ROWS, NT, KT, 32]: a warp per input tile, a lane per word, and the rows and
-    tile columns in each thread's registers, so that a lane's rows of x, loaded once a step,
-    serve its words of all NT tiles."""
+    experts[j] and the block's NT tile columns n, over the split's input tiles. A step takes
+    one input tile's row of NT tiles ([NT, 32]: a lane a word), decodes each weight once and
+    multiplies it with up to ROWS (1 to 4) rows, each lane's rows of x loaded once a step."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
     count = tl.load(counts_ptr + e)
     start = tl.load(starts_ptr + e)
-    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32))
+    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
     in_features, out_features = in_tiles * 16, out_tiles * 16
-    lane = tl.arange(0, 32)[None, None, None, :]
-    kts = tl.arange(0, KT)[None, None, :, None]
-    nts = block * NT + tl.arange(0, NT)[None, :, None, None]
-    m = tl.arange(0, ROWS)[:, None, None, None]
+    here, there = tile_offsets(NT, 31)
+    x_lanes = (tl.arange(0, 32)[None, :] % 4) * 2
+    lane_zeros = x_lanes * 0  # a row's liveness as a tensor (a scalar mask is not every backend's)
+    out_cols = (block * NT + tl.arange(0, NT)[:, None]) * 16 + tl.arange(0, 8)[None, :]
+    col_zeros = out_cols * 0
     first = split * tiles_per_split
     for r0 in range(0, count, ROWS):
-        live = m < count - r0
-        x_rows = x_ptr + (start + r0 + m).to(tl.int64) * in_features + (lane % 4) * 2
-        acc0 = tl.zeros([ROWS, NT, KT, 32], tl.float32)  # columns t // 4 of the tiles
-        acc1 = tl.zeros([ROWS, NT, KT, 32], tl.float32)  # columns t // 4 + 8
-        for kt0 in range(first, first + tiles_per_split, KT):
-            kt = kt0 + kts
-            tile = trellis + (kt * out_tiles + nts).to(tl.int64) * 32  # [1, NT, KT, 1]
-            cur = tl.load(tile + lane).to(tl.uint32, bitcast=True)
-            prev = tl.load(tile + (lane + 31) % 32).to(tl.uint32, bitcast=True)
-            xk = x_rows + kt * 16  # [ROWS, 1, KT, 32]: each lane's rows of the tile
-            x0 = tl.load(xk, mask=live, other=0.0).to(tl.float32)
-            x1 = tl.load(xk + 1, mask=live, other=0.0).to(tl.float32)
-            x8 = tl.load(xk + 8, mask=live, other=0.0).to(tl.float32)
-            x9 = tl.load(xk + 9, mask=live, other=0.0).to(tl.float32)
-            acc0 += _weight(cur, prev, 0, DECODE) * x0
-            acc0 += _weight(cur, prev, 1, DECODE) * x1
-            acc0 += _weight(cur, prev, 2, DECODE) * x8
-            acc0 += _weight(cur, prev, 3, DECODE) * x9
-            acc1 += _weight(cur, prev, 4, DECODE) * x0
-            acc1 += _weight(cur, prev, 5, DECODE) * x1
-            acc1 += _weight(cur, prev, 6, DECODE) * x8
-            acc1 += _weight(cur, prev, 7, DECODE) * x9
-        # lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's in acc1)
-        y0 = tl.sum(tl.reshape(tl.sum(acc0, axis=2), [ROWS, NT, 8, 4]), axis=3)
-        y1 = tl.sum(tl.reshape(tl.sum(acc1, axis=2), [ROWS, NT, 8, 4]), axis=3)
-        mm = tl.arange(0, ROWS)[:, None, None]
-        cols = (block * NT + tl.arange(0, NT)[None, :, None]) * 16 + tl.arange(0, 8)[None, None, :]
-        out = out_ptr + ((split * slots + start + r0 + mm).to(tl.int64) * out_features + cols)
-        tl.store(out, y0, mask=mm < count - r0)
-        tl.store(out + 8, y1, mask=mm < count - r0)
+        x_at = x_ptr + (start + r0).to(tl.int64) * in_features + x_lanes
+        a0 = tl.zeros([NT, 32], tl.float32)  # row r0's columns t // 4 of the tiles
+        b0 = tl.zeros([NT, 32], tl.float32)  # and t // 4 + 8
+        a1 = tl.zeros([NT, 32], tl.float32)
+        b1 = tl.zeros([NT, 32], tl.float32)
+        a2 = tl.zeros([NT, 32], tl.float32)
+        b2 = tl.zeros([NT, 32], tl.float32)
+        a3 = tl.zeros([NT, 32], tl.float32)
+        b3 = tl.zeros([NT, 32], tl.float32)
+        for kt in range(first, first + tiles_per_split):
+            words = trellis + kt * out_tiles * 32  # an expert's trellis is far under 2**31 words
+            cur = tl.load(words + here).to(tl.uint32, bitcast=True)
+            prev = tl.load(words + there).to(tl.uint32, bitcast=True)
+            w0 = _weight(cur, prev, 0, DECODE)
+            w1 = _weight(cur, prev, 1, DECODE)
+            w2 = _weight(cur, prev, 2, DECODE)
+            w3 = _weight(cur, prev, 3, DECODE)
+            w4 = _weight(cur, prev, 4, DECODE)
+            w5 = _weight(cur, prev, 5, DECODE)
+            w6 = _weight(cur, prev, 6, DECODE)
+            w7 = _weight(cur, prev, 7, DECODE)
+            x_kt = x_at + kt * 16
+            a0, b0 = _row_products(a0, b0, w0, w1, w2, w3, w4, w5, w6, w7, x_kt, lane_zeros + count > r0)
+            if ROWS > 1:
+                a1, b1 = _row_products(a1, b1, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + in_features,
+                                                lane_zeros + count > r0 + 1)
+            if ROWS > 2:
+                a2, b2 = _row_products(a2, b2, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + 2 * in_features,
+                                       lane_zeros + count > r0 + 2)
+                a3, b3 = _row_products(a3, b3, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + 3 * in_features,
+                                       lane_zeros + count > r0 + 3)
+        out_at = out_ptr + (split * slots + start + r0).to(tl.int64) * out_features + out_cols
+        _store_row(out_at, a0, b0, NT, col_zeros + count > r0)
+        if ROWS > 1:
+            _store_row(out_at + out_features, a1, b1, NT, col_zeros + count > r0 + 1)
+        if ROWS > 2:
+            _store_row(out_at + 2 * out_features, a2, b2, NT, col_zeros + count > r0 + 2)
+            _store_row(out_at + 3 * out_features, a3, b3, NT, col_zeros + count > r0 + 3)
 
 
 def expert_products(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
                     starts: torch.Tensor, in_features: int, out_features: int, splits: int = 1,
-                    rows: int = ROWS_DEFAULT, kt: int = KT_DEFAULT, nt: int = NT_DEFAULT,
-                    num_warps: int = KT_DEFAULT) -> torch.Tensor:
+                    rows: int = ROWS_DEFAULT, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
     """fp32 [slots, out_features]: each slot's row of x (fp16 [slots, in_features], rotated,
     sorted by expert) times its expert's decoded weight. experts: int64 [n], the experts to
     run (one program column each; an expert with no slots costs a program that returns);
     table: int64, the address of each expert's int16 trellis [in/16, out/16, 64]; counts and
     starts: int32, where each expert's slots lie in x (all three indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
-    if in_features % 16 or out_tiles % nt or in_tiles % (splits * kt):
-        raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits of "
-                         f"{kt}-tile steps and {nt}-tile column blocks")
+    if rows not in (1, 2, 4):
+        raise ValueError(f"the product takes 1, 2 or 4 rows at a time, not {rows}")
+    if in_features % 16 or out_tiles % nt or in_tiles % splits:
+        raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
+                         f"and {nt}-tile column blocks")
     slots = x.shape[0]
     out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
     decode_with = ASM_VABSDIFF if x.is_cuda else PURE
     _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
         x, experts, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
-        ROWS=rows, KT=kt, NT=nt, DECODE=decode_with, num_warps=num_warps)
+        ROWS=rows, NT=nt, DECODE=decode_with, num_warps=num_warps)
     return out.sum(0) if splits > 1 else out[0]
 
 

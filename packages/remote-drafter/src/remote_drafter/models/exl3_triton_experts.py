@@ -87,12 +87,14 @@ class _Plan(NamedTuple):
     def config(self, in_features: int, out_features: int) -> dict:
         """The kernel's configuration and its split of the input: enough programs to fill the
         GPU when few experts are chosen (each program's partials are summed afterwards)."""
-        kt, nt = self.kernel["kt"], self.kernel["nt"]
+        nt = self.kernel["nt"]
+        while (out_features // 16) % nt:  # a narrower weight: fewer tile columns a program
+            nt //= 2
         programs = out_features // (16 * nt) * len(self.experts)
         splits = 1
-        while programs * splits < 4 * self.sms and (in_features // 16) % (2 * splits * kt) == 0:
+        while programs * splits < 4 * self.sms and (in_features // 16) % (2 * splits) == 0:
             splits *= 2
-        return {**self.kernel, "splits": splits}
+        return {**self.kernel, "nt": nt, "splits": splits}
 
 
 class TritonExl3Experts:
@@ -108,8 +110,8 @@ class TritonExl3Experts:
             raise ValueError("EXL3 experts cannot run on our kernel: gate, up and down shapes do not chain")
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
-        self.kernel = {"rows": exl3_triton.ROWS_DEFAULT, "kt": exl3_triton.KT_DEFAULT, "nt": exl3_triton.NT_DEFAULT,
-                       "num_warps": exl3_triton.KT_DEFAULT}  # the product's configuration (a benchmark may try others)
+        self.kernel = {"rows": exl3_triton.ROWS_DEFAULT, "nt": exl3_triton.NT_DEFAULT,
+                       "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
