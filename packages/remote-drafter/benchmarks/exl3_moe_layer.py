@@ -82,6 +82,20 @@ def products_only(moe: TritonExl3Experts, x, experts) -> callable:
     return run
 
 
+def compiled_kernels() -> list[dict]:
+    """Registers and spills of every compiled variant of our product kernel (Triton's cache; a
+    Triton whose cache is laid out otherwise gives the error instead)."""
+    out = []
+    try:
+        for entry in exl3_triton._expert_tiles_kernel.device_caches.values():
+            for key, kernel in entry[0].items():
+                kernel._init_handles()
+                out.append({"variant": str(key)[-160:], "registers": kernel.n_regs, "spills": kernel.n_spills})
+    except Exception as exc:  # noqa: BLE001 - a figure left out, not the run
+        out.append({"error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
 def profile(fn) -> str:
     """The kernels of 5 eager calls of fn by device time (torch's profiler)."""
     fn()
@@ -150,7 +164,7 @@ def main(argv=None) -> int:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": hidden,
                    "intermediate": inter, "experts": experts, "top_k": top_k, "bits": exl3_triton.BITS,
                    "exllamav3": "compared" if theirs is not None else f"not compared ({why})",
-                   "rows": results}, f, indent=1)
+                   "rows": results, "compiled": compiled_kernels()}, f, indent=1)
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))
     print(f"wrote {args.out}")

@@ -165,10 +165,15 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, 
         b2 = tl.zeros([NT, 32], tl.float32)
         a3 = tl.zeros([NT, 32], tl.float32)
         b3 = tl.zeros([NT, 32], tl.float32)
-        for kt in range(first, first + tiles_per_split):
-            words = trellis + kt * out_tiles * 32  # an expert's trellis is far under 2**31 words
-            cur = tl.load(words + here).to(tl.uint32, bitcast=True)
-            prev = tl.load(words + there).to(tl.uint32, bitcast=True)
+        last = first + tiles_per_split - 1
+        cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
+        prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
+        for kt in range(first, last + 1):
+            # the next step's words requested before this step's work, so that their latency
+            # overlaps it (the last step requests its own again)
+            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32  # far under 2**31 words an expert
+            cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
+            prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
             w0 = _weight(cur, prev, 0, DECODE)
             w1 = _weight(cur, prev, 1, DECODE)
             w2 = _weight(cur, prev, 2, DECODE)
@@ -187,6 +192,7 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, 
                                        lane_zeros + count > r0 + 2)
                 a3, b3 = _row_products(a3, b3, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + 3 * in_features,
                                        lane_zeros + count > r0 + 3)
+            cur, prev = cur_next, prev_next
         out_at = out_ptr + (split * slots + start + r0).to(tl.int64) * out_features + out_cols
         _store_row(out_at, a0, b0, NT, col_zeros + count > r0)
         if ROWS > 1:

@@ -92,7 +92,8 @@ class _Plan(NamedTuple):
             nt //= 2
         programs = out_features // (16 * nt) * len(self.experts)
         splits = 1
-        while programs * splits < 4 * self.sms and (in_features // 16) % (2 * splits) == 0:
+        while programs * splits < 8 * self.sms and (in_features // 16) % (2 * splits) == 0 \
+                and in_features // 16 // splits >= 8:
             splits *= 2
         return {**self.kernel, "nt": nt, "splits": splits}
 
