@@ -99,8 +99,10 @@ def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():
     first = moe(x, weights, chosen)
     assert torch.equal(first, moe(x, weights, chosen))
     assert torch.equal(first[2:], torch.zeros_like(first[2:]))
+    # without the padding: the same sums but for the order of the split's partials (fewer slots
+    # may split the input otherwise on a GPU)
     alone = moe(x[:2], weights[:2], chosen[:2])
-    assert torch.equal(first[:2], alone)
+    assert torch.allclose(first[:2], alone, rtol=1e-5, atol=1e-6 * float(alone.abs().max()))
 
 
 def test_what_the_kernel_does_not_decode_is_refused_by_name():
