@@ -34,8 +34,8 @@ from remote_drafter.models import exl3, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
-# (rows at a time, tile columns a program, warps)
-CONFIGS = list(itertools.product((2, 4), (8, 16, 32), (2, 4, 8)))
+# (rows at a time: 2 or 4 on the CUDA cores, 16 on the tensor cores; tile columns a program, warps)
+CONFIGS = list(itertools.product((4,), (8, 32), (4, 8))) + list(itertools.product((16,), (4, 8, 16), (2, 4, 8)))
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
 

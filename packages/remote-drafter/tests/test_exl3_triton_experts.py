@@ -42,20 +42,20 @@ def swiglu(x: np.ndarray, three: tuple[Stored, Stored, Stored]) -> np.ndarray:
     return (np.minimum(g / (1 + np.exp(-g)), LIMIT) * np.clip(u, -LIMIT, LIMIT)) @ weight(three[2])
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
+@pytest.mark.parametrize("rows,splits", [(4, 1), (4, 2), (16, 2)], ids=["cuda cores", "split", "tensor cores"])
+def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(rows, splits):
     rng = np.random.default_rng(splits)
     trellis = [random_linear(rng, 256, 256).trellis for _ in range(4)]
     # expert 1 has no rows and is not run, expert 2 has none and is; expert 3 has more rows than
-    # the kernel takes at once (ROWS_DEFAULT)
-    counts, starts = [2, 0, 0, exl3_triton.ROWS_DEFAULT + 2], [0, 2, 2, 2]
+    # the kernel takes at once
+    counts, starts = [2, 0, 0, rows + 3], [0, 2, 2, 2]
     x = rng.standard_normal((sum(counts), 256)).astype(np.float16)
     table = torch.tensor([t.data_ptr() for t in trellis], dtype=torch.int64, device=DEVICE)
 
     def ints(v, dtype=torch.int32):
         return torch.tensor(v, dtype=dtype, device=DEVICE)
     got = exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), ints([3, 0, 2], torch.int64), table,
-                                      ints(counts), ints(starts), 256, 256, splits).cpu().numpy()
+                                      ints(counts), ints(starts), 256, 256, splits, rows=rows).cpu().numpy()
     want = np.concatenate([x[s:s + c].astype(np.float64) @ exl3_format.decoded(t.cpu().numpy(), 4).astype(np.float64)
                            for t, c, s in zip(trellis, counts, starts)])
     assert got.shape == want.shape

@@ -90,13 +90,26 @@ def decode(s, CB: tl.constexpr, DECODE: tl.constexpr):
 
 @triton.jit
 def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
-    """fp32 weight 8t + J of each lane t's word `cur` (its predecessor in the tile `prev`)."""
+    """fp16 weight 8t + J of each lane t's word `cur` (its predecessor in the tile `prev`)."""
     shift: tl.constexpr = 28 - 4 * J
     if shift == 0:
         state = cur & 0xFFFF
     else:
         state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
-    return decode(state, 0, DECODE).to(tl.float32)
+    return decode(state, 0, DECODE)
+
+
+@triton.jit
+def _tiles_as_rows(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
+    """fp16 [16, NT·16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
+    weight's 16 rows by NT·16 columns. Lane t = 4·(column % 8) + row // 2 % 4 holds weights
+    8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
+    low = tl.join(tl.join(_weight(cur, prev, 0, DECODE), _weight(cur, prev, 1, DECODE)),
+                  tl.join(_weight(cur, prev, 2, DECODE), _weight(cur, prev, 3, DECODE)))
+    high = tl.join(tl.join(_weight(cur, prev, 4, DECODE), _weight(cur, prev, 5, DECODE)),
+                   tl.join(_weight(cur, prev, 6, DECODE), _weight(cur, prev, 7, DECODE)))
+    w = tl.reshape(tl.join(low, high), [NT, 8, 4, 2, 2, 2])  # [tile, column % 8, row // 2 % 4, row % 2, row // 8, column // 8]
+    return tl.reshape(tl.permute(w, [4, 2, 3, 0, 5, 1]), [16, NT * 16])
 
 
 @triton.jit
@@ -122,8 +135,8 @@ def _row_products(acc0, acc1, w0, w1, w2, w3, w4, w5, w6, w7, x_at, live):
     x1 = tl.load(x_at + 1, mask=live, other=0.0).to(tl.float32)
     x8 = tl.load(x_at + 8, mask=live, other=0.0).to(tl.float32)
     x9 = tl.load(x_at + 9, mask=live, other=0.0).to(tl.float32)
-    acc0 += w0 * x0 + w1 * x1 + w2 * x8 + w3 * x9
-    acc1 += w4 * x0 + w5 * x1 + w6 * x8 + w7 * x9
+    acc0 += w0.to(tl.float32) * x0 + w1.to(tl.float32) * x1 + w2.to(tl.float32) * x8 + w3.to(tl.float32) * x9
+    acc1 += w4.to(tl.float32) * x0 + w5.to(tl.float32) * x1 + w6.to(tl.float32) * x8 + w7.to(tl.float32) * x9
     return acc0, acc1
 
 
@@ -202,6 +215,39 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, 
             _store_row(out_at + 3 * out_features, a3, b3, NT, col_zeros + count > r0 + 3)
 
 
+@triton.jit
+def _expert_tiles_mma_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles,
+                             out_tiles, tiles_per_split, NT: tl.constexpr, DECODE: tl.constexpr):
+    """The same product on the tensor cores: each step's decoded weights laid out as [16,
+    NT·16] and multiplied with 16 rows of x at once (rows past the expert's are zeros)."""
+    block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(experts_ptr + j)
+    count = tl.load(counts_ptr + e)
+    start = tl.load(starts_ptr + e)
+    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
+    in_features, out_features = in_tiles * 16, out_tiles * 16
+    here, there = tile_offsets(NT, 31)
+    m = tl.arange(0, 16)[:, None]
+    cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
+    first = split * tiles_per_split
+    last = first + tiles_per_split - 1
+    for r0 in range(0, count, 16):
+        live = m + r0 < count
+        x_at = x_ptr + (start + r0 + m).to(tl.int64) * in_features + tl.arange(0, 16)[None, :]
+        acc = tl.zeros([16, NT * 16], tl.float32)
+        cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
+        prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
+        for kt in range(first, last + 1):
+            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32  # as the CUDA-core kernel's
+            cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
+            prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
+            rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
+            acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
+            cur, prev = cur_next, prev_next
+        tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, acc,
+                 mask=live & (cols >= 0))
+
+
 def expert_products(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
                     starts: torch.Tensor, in_features: int, out_features: int, splits: int = 1,
                     rows: int = ROWS_DEFAULT, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
@@ -211,17 +257,20 @@ def expert_products(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor,
     table: int64, the address of each expert's int16 trellis [in/16, out/16, 64]; counts and
     starts: int32, where each expert's slots lie in x (all three indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
-    if rows not in (1, 2, 4):
-        raise ValueError(f"the product takes 1, 2 or 4 rows at a time, not {rows}")
+    if rows not in (1, 2, 4, 16):
+        raise ValueError(f"the product takes 1, 2 or 4 rows at a time (CUDA cores) or 16 (tensor cores), not {rows}")
     if in_features % 16 or out_tiles % nt or in_tiles % splits:
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
                          f"and {nt}-tile column blocks")
     slots = x.shape[0]
     out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
     decode_with = ASM_VABSDIFF if x.is_cuda else PURE
-    _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
-        x, experts, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
-        ROWS=rows, NT=nt, DECODE=decode_with, num_warps=num_warps)
+    grid = (out_tiles // nt, len(experts), splits)
+    args = (x, experts, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits)
+    if rows == 16:
+        _expert_tiles_mma_kernel[grid](*args, NT=nt, DECODE=decode_with, num_warps=num_warps)
+    else:
+        _expert_tiles_kernel[grid](*args, ROWS=rows, NT=nt, DECODE=decode_with, num_warps=num_warps)
     return out.sum(0) if splits > 1 else out[0]
 
 
