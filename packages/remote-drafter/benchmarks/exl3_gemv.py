@@ -1,9 +1,10 @@
 """An EXL3 linear at a few rows with a kernel of our own (Triton) against exllamav3's: the first
 step towards expert kernels near the format's decode ceiling on an H200 (exl3_decode_rate.py).
 The kernel (models/exl3_triton.py's, with one expert) reads exllamav3's stored 4-bit trellis
-as it is (models/exl3_format.py says how), decodes each weight (mul1) and multiplies it with up
-to 16 rows at once, accumulating in fp32; each program takes one 16-wide tile column over a
-slice of the input (split K, partials summed by torch, so the result does not depend on timing). The Hadamard rotations on both sides are
+as it is (models/exl3_format.py says how), decodes each weight (mul1) and multiplies it with
+16 rows at once on the tensor cores, accumulating in fp32; each program takes NT 16-wide tile
+columns over a slice of the input (split K, partials summed by torch, so the result does not
+depend on timing). The Hadamard rotations on both sides are
 torch's, as exllamav3 applies them around its kernel.
 
 On a GPU (the measurement; needs exllamav3 for its side): 16 linears of 4096 x 2048 with random
@@ -39,15 +40,16 @@ BITS = exl3_triton.BITS
 
 def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
     """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]: our
-    experts' kernel (models/exl3_triton.py) with one expert, 4 rows at a time."""
+    experts' kernel (models/exl3_triton.py) with one expert."""
     in_tiles, out_tiles = trellis.shape[:2]
     if trellis.shape[2] != 16 * BITS:
         raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
     rows, dev = x.shape[0], x.device
-    table = torch.tensor([trellis.data_ptr()], dtype=torch.int64, device=dev)
-    one, counts = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([rows], dtype=torch.int32, device=dev)
-    return exl3_triton.expert_products(x.contiguous(), one, table, counts, one.int(), in_tiles * 16, out_tiles * 16,
-                                       splits, nt=nt)
+    table = torch.tensor([trellis.data_ptr()] * 2, dtype=torch.int64, device=dev)  # + the padding expert's
+    counts = torch.tensor([rows, 0], dtype=torch.int32, device=dev)
+    items = exl3_triton.work_items(counts, exl3_triton.max_items(rows, 1))
+    return exl3_triton.expert_products(x.contiguous(), items, table, counts, torch.zeros_like(counts),
+                                       in_tiles * 16, out_tiles * 16, splits, nt=nt)
 
 
 def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, nt: int = 4) -> torch.Tensor:
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if error > 0.05:  # exllamav3's few-row path rounds otherwise than ours; a misread weight differs by far more
             raise SystemExit(f"{rows} rows: our linear differs from exllamav3's by {error:.1%} of its largest output")
         configs = {(s, nt): timed(lambda x=x, s=s, nt=nt: [inner(x, t, s, nt) for t, *_ in linears]) / count
-                   for s in (1, 2, 4, 8, 16) for nt in (2, 4, 8) if (k // 16) % s == 0}
+                   for s in (1, 2, 4, 8, 16) for nt in (4, 8, 16) if (k // 16) % s == 0}
         splits, nt = min(configs, key=configs.get)
         row = {"rows": rows, "splits": splits, "nt": nt, "kernel_ms": configs[splits, nt],
                "max_error_vs_exllamav3": error,

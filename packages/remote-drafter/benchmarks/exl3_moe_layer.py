@@ -6,8 +6,8 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
-drafter_round.py). Per row count: ours at every kernel configuration tried (rows at a time,
-tile columns a program, warps), the best kept, and its three grouped
+drafter_round.py). Per row count: ours at every kernel configuration tried (tile columns a
+program, warps), the best kept, and its three grouped
 products alone; exllamav3's (when it loads); their relative difference; and the bytes of
 trellis the call must read (each chosen expert once and the shared one) over each time.
 Prints a line per row count and writes JSON (--out).
@@ -34,8 +34,7 @@ from remote_drafter.models import exl3, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
-# (rows at a time: 2 or 4 on the CUDA cores, 16 on the tensor cores; tile columns a program, warps)
-CONFIGS = list(itertools.product((4,), (8, 32), (4, 8))) + list(itertools.product((16,), (4, 8, 16), (2, 4, 8)))
+CONFIGS = list(itertools.product((4, 8, 16), (2, 4, 8)))  # (tile columns a program, warps)
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
 
@@ -69,15 +68,16 @@ def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torc
     return weights.cuda(), picks.cuda()
 
 
-def products_only(moe: TritonExl3Experts, x, experts) -> callable:
-    """The call's three grouped products alone (inputs prepared once)."""
+def products_only(moe: TritonExl3Experts, x, weights, experts) -> callable:
+    """The call's three grouped products alone (inputs prepared once, as the call prepares them)."""
+    experts = torch.cat([experts, torch.full_like(experts[:, :1], moe.experts)], 1)  # + the shared expert
     order, _, plan = moe.plan(experts)
     xs = x.half()[order // experts.shape[1]]
-    inner = moe.gate.out_features
+    act = torch.randn(len(xs), moe.down.in_features, device=x.device).half()
 
     def run():
-        for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, xs[:, :inner].contiguous())):
-            exl3_triton.expert_products(rows, plan.experts, p.table, plan.counts, plan.starts, p.in_features,
+        for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, act)):
+            exl3_triton.expert_products(rows, plan.items, p.table, plan.counts, plan.starts, p.in_features,
                                         p.out_features, **plan.config(p.in_features, p.out_features))
     return run
 
@@ -139,16 +139,16 @@ def main(argv=None) -> int:
         x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
         call = (x, weights, picks)
         trials = []
-        for r, nt, w in CONFIGS:
-            ours.kernel = {"rows": r, "nt": nt, "num_warps": w}
-            trials.append({"rows_at_once": r, "nt": nt, "num_warps": w,
+        for nt, w in CONFIGS:
+            ours.kernel = {"nt": nt, "num_warps": w}
+            trials.append({"nt": nt, "num_warps": w,
                            "ms": in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3})
         best = min(trials, key=lambda t: t["ms"])
-        ours.kernel = {"rows": best["rows_at_once"], "nt": best["nt"], "num_warps": best["num_warps"]}
+        ours.kernel = {"nt": best["nt"], "num_warps": best["num_warps"]}
         read = (chosen + 1) * expert_bytes
         row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": best["ms"],
                "ours_config": ours.kernel, "ours_gb_s": read / best["ms"] / 1e6,
-               "ours_products_ms": in_graph(products_only(ours, x, picks), args.replays, calls=1) / 1e3,
+               "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "trials": trials}
         if theirs is not None:
             mine = ours(x, weights, picks)

@@ -1,17 +1,19 @@
 """Triton kernels of our own on exllamav3's stored EXL3 format (exl3_format.py says how it is
 laid out): the codebooks' decode, and a grouped product that decodes each expert a call chose
-once for all the rows that chose it, where exllamav3's coop tier decodes an expert once per
-(row, expert) slot. exl3_moe.py builds a MoE layer on it.
+once for every 16 rows that chose it, where exllamav3's coop tier decodes an expert once per
+(row, expert) slot. exl3_triton_experts.py builds a MoE layer on it.
 
 The product, for the 4-bit trellis our packs and exllamav3's conversions store (mul1):
 out[slot, n] = sum over k of x[slot, k] * decoded W_e[k, n], for the slots [start_e, start_e +
-count_e) of every expert e, x already rotated (the Hadamard rotations stay outside). A program
-takes one expert, NT 16-wide tile columns and a slice of the input (split K: partials written
-apart and summed by the caller, the same result every run); a tile's 32 words are its 32
-lanes, and lane t's word holds the ends of weights 8t .. 8t + 7, whose 16-bit states reach
-back into word t - 1 (most significant bit first); weight 8t + i sits at row (t % 4)·2 +
-(0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The rows are multiplied on
-the CUDA cores, up to ROWS at a time, so each decoded weight serves every row of its expert.
+count_e) of every expert e, x already rotated (the Hadamard rotations stay outside). The work
+is cut into items of 16 slots of one expert (`work_items`); a program takes one item, NT
+16-wide tile columns and a slice of the input (split K: partials written apart and summed by
+the caller, the same result every run). A step decodes one input tile's row of NT tiles: a
+tile's 32 words are its 32 lanes, and lane t's word holds the ends of weights 8t .. 8t + 7,
+whose 16-bit states reach back into word t - 1 (most significant bit first); weight 8t + i
+sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The
+decoded weights are laid out as the weight's [16, NT·16] and multiplied with the item's rows
+on the tensor cores (tl.dot).
 
 On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
 is imported: Triton decides between interpreter and compiler when a kernel is defined)."""
@@ -27,8 +29,8 @@ import triton.language as tl
 from . import exl3_format
 
 BITS = 4
-# the product's defaults: rows at a time, tile columns a program, warps
-ROWS_DEFAULT, NT_DEFAULT, WARPS_DEFAULT = 4, 16, 4
+ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor cores' M)
+NT_DEFAULT, WARPS_DEFAULT = 8, 4  # the product's defaults: tile columns a program, warps
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 
@@ -128,149 +130,77 @@ def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
 
 
 @triton.jit
-def _row_products(acc0, acc1, w0, w1, w2, w3, w4, w5, w6, w7, x_at, live):
-    """One row's products with a step's weights: x_at [1, 32] points at each lane's rows of the
-    input tile (rows (t % 4)·2 + 0, 1, 8, 9); live False: a row past the expert's (adds zero)."""
-    x0 = tl.load(x_at, mask=live, other=0.0).to(tl.float32)
-    x1 = tl.load(x_at + 1, mask=live, other=0.0).to(tl.float32)
-    x8 = tl.load(x_at + 8, mask=live, other=0.0).to(tl.float32)
-    x9 = tl.load(x_at + 9, mask=live, other=0.0).to(tl.float32)
-    acc0 += w0.to(tl.float32) * x0 + w1.to(tl.float32) * x1 + w2.to(tl.float32) * x8 + w3.to(tl.float32) * x9
-    acc1 += w4.to(tl.float32) * x0 + w5.to(tl.float32) * x1 + w6.to(tl.float32) * x8 + w7.to(tl.float32) * x9
-    return acc0, acc1
-
-
-@triton.jit
-def _store_row(out_at, acc0, acc1, NT: tl.constexpr, live):
-    """A row's sums of one program: lanes 4c .. 4c + 3 hold column c's partial sums (and c + 8's
-    in acc1); out_at [NT, 8] points at each tile's first 8 columns."""
-    tl.store(out_at, tl.sum(tl.reshape(acc0, [NT, 8, 4]), axis=2), mask=live)
-    tl.store(out_at + 8, tl.sum(tl.reshape(acc1, [NT, 8, 4]), axis=2), mask=live)
-
-
-@triton.jit
-def _expert_tiles_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles,
-                         out_tiles, tiles_per_split, ROWS: tl.constexpr, NT: tl.constexpr,
-                         DECODE: tl.constexpr):
-    """Program (column block, j, split): out[split, slot, 16 n + c] for the slots of expert e =
-    experts[j] and the block's NT tile columns n, over the split's input tiles. A step takes
-    one input tile's row of NT tiles ([NT, 32]: a lane a word), decodes each weight once and
-    multiplies it with up to ROWS (1 to 4) rows, each lane's rows of x loaded once a step."""
+def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots,
+                         in_tiles, out_tiles, tiles_per_split, NT: tl.constexpr, DECODE: tl.constexpr):
+    """Program (column block, item j, split): out[split, slot, 16 n + c] for the item's slots
+    (those of expert experts[j] from its first_rows[j]-th, up to 16) and the block's NT tile
+    columns n, over the split's input tiles; rows past the expert's are zeros in the product."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
+    r0 = tl.load(first_rows_ptr + j)
     count = tl.load(counts_ptr + e)
-    start = tl.load(starts_ptr + e)
-    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
-    in_features, out_features = in_tiles * 16, out_tiles * 16
-    here, there = tile_offsets(NT, 31)
-    x_lanes = (tl.arange(0, 32)[None, :] % 4) * 2
-    lane_zeros = x_lanes * 0  # a row's liveness as a tensor (a scalar mask is not every backend's)
-    out_cols = (block * NT + tl.arange(0, NT)[:, None]) * 16 + tl.arange(0, 8)[None, :]
-    col_zeros = out_cols * 0
-    first = split * tiles_per_split
-    for r0 in range(0, count, ROWS):
-        x_at = x_ptr + (start + r0).to(tl.int64) * in_features + x_lanes
-        a0 = tl.zeros([NT, 32], tl.float32)  # row r0's columns t // 4 of the tiles
-        b0 = tl.zeros([NT, 32], tl.float32)  # and t // 4 + 8
-        a1 = tl.zeros([NT, 32], tl.float32)
-        b1 = tl.zeros([NT, 32], tl.float32)
-        a2 = tl.zeros([NT, 32], tl.float32)
-        b2 = tl.zeros([NT, 32], tl.float32)
-        a3 = tl.zeros([NT, 32], tl.float32)
-        b3 = tl.zeros([NT, 32], tl.float32)
-        last = first + tiles_per_split - 1
-        cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
-        prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
-        for kt in range(first, last + 1):
-            # the next step's words requested before this step's work, so that their latency
-            # overlaps it (the last step requests its own again)
-            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32  # far under 2**31 words an expert
-            cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
-            prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
-            w0 = _weight(cur, prev, 0, DECODE)
-            w1 = _weight(cur, prev, 1, DECODE)
-            w2 = _weight(cur, prev, 2, DECODE)
-            w3 = _weight(cur, prev, 3, DECODE)
-            w4 = _weight(cur, prev, 4, DECODE)
-            w5 = _weight(cur, prev, 5, DECODE)
-            w6 = _weight(cur, prev, 6, DECODE)
-            w7 = _weight(cur, prev, 7, DECODE)
-            x_kt = x_at + kt * 16
-            a0, b0 = _row_products(a0, b0, w0, w1, w2, w3, w4, w5, w6, w7, x_kt, lane_zeros + count > r0)
-            if ROWS > 1:
-                a1, b1 = _row_products(a1, b1, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + in_features,
-                                                lane_zeros + count > r0 + 1)
-            if ROWS > 2:
-                a2, b2 = _row_products(a2, b2, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + 2 * in_features,
-                                       lane_zeros + count > r0 + 2)
-                a3, b3 = _row_products(a3, b3, w0, w1, w2, w3, w4, w5, w6, w7, x_kt + 3 * in_features,
-                                       lane_zeros + count > r0 + 3)
-            cur, prev = cur_next, prev_next
-        out_at = out_ptr + (split * slots + start + r0).to(tl.int64) * out_features + out_cols
-        _store_row(out_at, a0, b0, NT, col_zeros + count > r0)
-        if ROWS > 1:
-            _store_row(out_at + out_features, a1, b1, NT, col_zeros + count > r0 + 1)
-        if ROWS > 2:
-            _store_row(out_at + 2 * out_features, a2, b2, NT, col_zeros + count > r0 + 2)
-            _store_row(out_at + 3 * out_features, a3, b3, NT, col_zeros + count > r0 + 3)
-
-
-@triton.jit
-def _expert_tiles_mma_kernel(x_ptr, experts_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots, in_tiles,
-                             out_tiles, tiles_per_split, NT: tl.constexpr, DECODE: tl.constexpr):
-    """The same product on the tensor cores: each step's decoded weights laid out as [16,
-    NT·16] and multiplied with 16 rows of x at once (rows past the expert's are zeros)."""
-    block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(experts_ptr + j)
-    count = tl.load(counts_ptr + e)
-    start = tl.load(starts_ptr + e)
-    trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
-    in_features, out_features = in_tiles * 16, out_tiles * 16
-    here, there = tile_offsets(NT, 31)
-    m = tl.arange(0, 16)[:, None]
-    cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
-    first = split * tiles_per_split
-    last = first + tiles_per_split - 1
-    for r0 in range(0, count, 16):
+    if r0 < count:  # else a padding item
+        start = tl.load(starts_ptr + e)
+        trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
+        in_features, out_features = in_tiles * 16, out_tiles * 16
+        here, there = tile_offsets(NT, 31)
+        m = tl.arange(0, 16)[:, None]
         live = m + r0 < count
         x_at = x_ptr + (start + r0 + m).to(tl.int64) * in_features + tl.arange(0, 16)[None, :]
+        first = split * tiles_per_split
+        last = first + tiles_per_split - 1
         acc = tl.zeros([16, NT * 16], tl.float32)
         cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
         prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
         for kt in range(first, last + 1):
-            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32  # as the CUDA-core kernel's
+            # the next step's words requested before this step's work, so that their latency
+            # overlaps it (the last step requests its own again); an expert's trellis is far
+            # under 2**31 words
+            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32
             cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
             prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
             rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
             acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
             cur, prev = cur_next, prev_next
+        cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
         tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, acc,
                  mask=live & (cols >= 0))
 
 
-def expert_products(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
-                    starts: torch.Tensor, in_features: int, out_features: int, splits: int = 1,
-                    rows: int = ROWS_DEFAULT, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
+def work_items(counts: torch.Tensor, max_items: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert, first row) of every ITEM_ROWS-slot piece of the experts' slots, in expert order,
+    then padding items up to max_items (on the device, no host read: a CUDA graph captures it).
+    counts: int [experts + 1], each expert's slots, the last a padding expert with none (the
+    padding items are its)."""
+    chunks = (counts.long() + ITEM_ROWS - 1) // ITEM_ROWS
+    ends = chunks.cumsum(0)
+    i = torch.arange(max_items, device=counts.device)
+    expert = torch.searchsorted(ends, i, right=True).clamp_(max=len(counts) - 1)
+    return expert, ((i - (ends - chunks)[expert]) * ITEM_ROWS).int()
+
+
+def max_items(slots: int, experts: int) -> int:
+    """The most work items `slots` slots over `experts` experts can make."""
+    return min(slots, experts) + slots // ITEM_ROWS
+
+
+def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
+                    counts: torch.Tensor, starts: torch.Tensor, in_features: int, out_features: int,
+                    splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
     """fp32 [slots, out_features]: each slot's row of x (fp16 [slots, in_features], rotated,
-    sorted by expert) times its expert's decoded weight. experts: int64 [n], the experts to
-    run (one program column each; an expert with no slots costs a program that returns);
-    table: int64, the address of each expert's int16 trellis [in/16, out/16, 64]; counts and
-    starts: int32, where each expert's slots lie in x (all three indexed by expert)."""
+    sorted by expert) times its expert's decoded weight. items: work_items' (experts, first
+    rows); table: int64, the address of each expert's int16 trellis [in/16, out/16, 64];
+    counts and starts: int32, where each expert's slots lie in x (both indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
-    if rows not in (1, 2, 4, 16):
-        raise ValueError(f"the product takes 1, 2 or 4 rows at a time (CUDA cores) or 16 (tensor cores), not {rows}")
     if in_features % 16 or out_tiles % nt or in_tiles % splits:
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
                          f"and {nt}-tile column blocks")
     slots = x.shape[0]
     out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
-    decode_with = ASM_VABSDIFF if x.is_cuda else PURE
-    grid = (out_tiles // nt, len(experts), splits)
-    args = (x, experts, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits)
-    if rows == 16:
-        _expert_tiles_mma_kernel[grid](*args, NT=nt, DECODE=decode_with, num_warps=num_warps)
-    else:
-        _expert_tiles_kernel[grid](*args, ROWS=rows, NT=nt, DECODE=decode_with, num_warps=num_warps)
+    experts, first_rows = items
+    _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
+        x, experts, first_rows, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
+        NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
     return out.sum(0) if splits > 1 else out[0]
 
 

@@ -3,8 +3,9 @@ a call chose is decoded once for all the rows that chose it, the shared expert b
 expert that every row chose. The same call as exl3_experts.Exl3Experts (exllamav3's fused
 kernels), with no host synchronisation either, so a CUDA graph captures it:
 
-1. the (row, expert) slots sorted by expert on the device, and the experts chosen listed in
-   order, so that the kernel's grid spans the slots, not every expert;
+1. the (row, expert) slots sorted by expert on the device and cut into work items of up to 16
+   slots of one expert, so that the kernel's grid spans the slots, not every expert, and an
+   expert many rows chose (the shared one) is spread over as many programs;
 2. gate and up: each slot's row times suh and rotated (128-point Hadamard blocks), the grouped
    product, rotated back and times svh; exllamav3's activation min(silu(g), L) · clamp(u),
    rounded to fp16 as its kernels hand it on;
@@ -68,17 +69,17 @@ class _Projection:
     def __call__(self, x: torch.Tensor, expert_of_slot: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """fp32 [slots, out]: x (fp16 [slots, in], sorted by expert) through each slot's expert."""
         inner = exl3_triton.expert_products(exl3_triton.rotated_in(x, self.suh[expert_of_slot]),
-                                            plan.experts, self.table, plan.counts, plan.starts,
+                                            plan.items, self.table, plan.counts, plan.starts,
                                             self.in_features, self.out_features,
                                             **plan.config(self.in_features, self.out_features))
         return exl3_triton.rotated_out(inner, self.svh[expert_of_slot])
 
 
 class _Plan(NamedTuple):
-    """A call's slots by expert: `experts` lists the experts chosen (then a padding expert with
-    no slots), `counts` and `starts` where each one's slots lie in the sorted order; `kernel`
-    the product's configuration (exl3_triton.expert_products' keywords but splits)."""
-    experts: torch.Tensor
+    """A call's slots by expert: `items` the work items (exl3_triton.work_items), `counts` and
+    `starts` where each expert's slots lie in the sorted order; `kernel` the product's
+    configuration (exl3_triton.expert_products' keywords but splits)."""
+    items: tuple[torch.Tensor, torch.Tensor]
     counts: torch.Tensor
     starts: torch.Tensor
     sms: int
@@ -90,7 +91,7 @@ class _Plan(NamedTuple):
         nt = self.kernel["nt"]
         while (out_features // 16) % nt:  # a narrower weight: fewer tile columns a program
             nt //= 2
-        programs = out_features // (16 * nt) * len(self.experts)
+        programs = out_features // (16 * nt) * len(self.items[0])
         splits = 1
         while programs * splits < 8 * self.sms and (in_features // 16) % (2 * splits) == 0 \
                 and in_features // 16 // splits >= 8:
@@ -111,8 +112,7 @@ class TritonExl3Experts:
             raise ValueError("EXL3 experts cannot run on our kernel: gate, up and down shapes do not chain")
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
-        self.kernel = {"rows": exl3_triton.ROWS_DEFAULT, "nt": exl3_triton.NT_DEFAULT,
-                       "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
+        self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -130,18 +130,12 @@ class TritonExl3Experts:
         """(order: the slots sorted by expert, each sorted slot's expert, the plan), on the device."""
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
-        sorted_experts = flat[order]
         total = self.experts + self.has_shared
         counts = torch.zeros(total + 1, dtype=torch.int32, device=flat.device)  # + the padding expert
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         starts = counts.cumsum(0, dtype=torch.int32) - counts
-        # the experts chosen, in order: sorted slot i starts segment first[i] - 1 when its expert is new
-        new = torch.ones_like(sorted_experts, dtype=torch.bool)
-        new[1:] = sorted_experts[1:] != sorted_experts[:-1]
-        segment = new.cumsum(0) - 1
-        chosen = torch.full((min(len(flat), total),), total, dtype=torch.long, device=flat.device)
-        chosen.scatter_(0, segment, sorted_experts)
-        return order, sorted_experts, _Plan(chosen, counts, starts, self.sms, self.kernel)
+        items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
+        return order, flat[order], _Plan(items, counts, starts, self.sms, self.kernel)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
