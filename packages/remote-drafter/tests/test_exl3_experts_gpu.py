@@ -70,12 +70,42 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
     manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
     eager = Dsv41Drafter(per_matrix, manifest, DEVICE, cuda_graphs=None, fuse_experts=False)
     graphed = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)  # auto: fused, so captured
-    assert graphed.describe()["experts"] == "exl3 fused" and graphed.describe()["cuda_graphs"] != "off (eager rounds)"
+    assert graphed.describe()["experts"].startswith("exl3 fused (") and \
+        graphed.describe()["cuda_graphs"] != "off (eager rounds)"
     assert eager.describe()["experts"].startswith("exl3 per matrix") and \
         eager.describe()["cuda_graphs"] == "off (eager rounds)"
     # 20: above every bucket, eager with the fused experts
     eager_drafts, graphed_drafts = same_rounds(eager, graphed, (1, 4, 16, 20), seed=0)
     assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "fused + graphs vs per matrix eager")
+
+
+def test_our_kernel_gives_the_per_matrix_sum_at_every_row_count(pack):
+    per_matrix, fused = two_models(pack)
+    c = fused.config
+    for layer in fused.layers:
+        assert layer.moe.experts.ours is not None, layer.moe.experts.ours_refusal
+    assert fused.choose_expert_kernels([1], "ours").startswith("exl3 fused (ours at [1] rows")
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    # one row; a block; an expert's slots over two work items; above every bucket
+    for rows in (1, c.block_size, 17, 2 * COOP_SLOTS + 3):
+        for j in range(c.n_mtp_layers):
+            x = torch.randn(rows, c.hidden_size, generator=gen, device=DEVICE).to(torch.bfloat16)
+            want, got = per_matrix.layers[j].moe(x), fused.layers[j].moe(x)
+            error = float((got.float() - want.float()).norm() / want.float().norm())
+            assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
+    fused.choose_expert_kernels([1, 5], "auto")  # measured: one or the other serves each count
+    assert set(fused.layers[0].moe.experts.ours_at) == {1, 5}
+
+
+def test_rounds_on_our_kernel_in_graphs_draft_as_per_matrix_eager_rounds(pack, monkeypatch):
+    monkeypatch.setenv("REMOTE_DRAFTER_EXL3_EXPERTS", "ours")
+    per_matrix, fused = two_models(pack)
+    manifest = Dsv41Drafter.load(pack, device=DEVICE, dtype=torch.bfloat16).manifest()
+    eager = Dsv41Drafter(per_matrix, manifest, DEVICE, cuda_graphs=None, fuse_experts=False)
+    graphed = Dsv41Drafter(fused, manifest, DEVICE, cuda_graphs=None)
+    assert "exllamav3's at no rows" in graphed.describe()["experts"]
+    eager_drafts, graphed_drafts = same_rounds(eager, graphed, (1, 4, 16, 20), seed=1)
+    assert_near_ties_only(draft_agreement(eager_drafts, graphed_drafts), "ours + graphs vs per matrix eager")
 
 
 def same_rounds(a: Dsv41Drafter, b: Dsv41Drafter, batches, seed: int) -> tuple[list, list]:

@@ -87,6 +87,14 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "through exllamav3's fused kernels (the chosen experts only, no host read of the routing), "
     "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
     "(per matrix: each served expert on every row).")
+REMOTE_DRAFTER_EXL3_EXPERTS = EnvVar(
+    "REMOTE_DRAFTER_EXL3_EXPERTS", "auto",
+    "Worker, dsv41 drafter with EXL3 weights on CUDA: what runs each MoE layer's experts. auto = "
+    "at start-up our Triton kernel (each chosen expert decoded once for all its rows) and "
+    "exllamav3's fused kernels are timed at the row counts the rounds run, and the faster serves "
+    "each (status `experts`); ours or exllamav3 = that one at every row count (ours where it "
+    "cannot serve, a 4-bit mul1 pack with unpadded dimensions, falls back to exllamav3's with a "
+    "warning).")
 REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "REMOTE_DRAFTER_EXL3_DENSE_MIB", "1024",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: GPU memory (MiB) for dense fp16 copies of "
@@ -114,7 +122,7 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_STANDBYS, REMOTE_DRAFTER_BACKEND, 
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
        REMOTE_DRAFTER_LOCK_DIR, REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT,
        REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF,
-       REMOTE_DRAFTER_CUDA_GRAPHS, REMOTE_DRAFTER_EXL3_DENSE_MIB]
+       REMOTE_DRAFTER_CUDA_GRAPHS, REMOTE_DRAFTER_EXL3_EXPERTS, REMOTE_DRAFTER_EXL3_DENSE_MIB]
 
 
 def capacity_mode() -> bool:

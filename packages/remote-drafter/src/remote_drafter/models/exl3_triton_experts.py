@@ -123,6 +123,10 @@ class TritonExl3Experts:
             inner = [m.inner for m in linears]
             if any(not i.mul1 for i in inner):
                 raise ValueError(f"EXL3 experts cannot run on our kernel: {refusal([], mul1=False)}")
+            if any((m.in_features, m.out_features) != (16 * m.inner.trellis.shape[0], 16 * m.inner.trellis.shape[1])
+                   for m in linears):
+                raise ValueError("EXL3 experts cannot run on our kernel: stored padded (dimensions not "
+                                 f"multiples of {HAD})")
             return tuple(Stored(i.trellis, i.suh, i.svh) for i in inner)
         return cls([stored(e) for e in routed], None if shared is None else stored(shared), limit)
 

@@ -95,6 +95,8 @@ class Dsv41Drafter(Drafter):
                 log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
             self.experts = "exl3 fused" if why is None else f"exl3 per matrix ({why})"
             self._keep_dense(dense_mib)
+            if why is None:  # before the capture, which bakes the choice in
+                self.experts = self._choose_expert_kernels()
         if cuda_graphs is None:
             cuda_graphs = not model.served or model.experts_fused
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
@@ -114,6 +116,15 @@ class Dsv41Drafter(Drafter):
             log.info("EXL3: %d linears also hold dense fp16 copies (%.0f MiB), faster on this GPU "
                      "from %d rows", len(chosen), sum(c.nbytes for c in chosen) / 2**20,
                      min(c.from_rows for c in chosen))
+
+    def _choose_expert_kernels(self) -> str:
+        """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""
+        mode = env.REMOTE_DRAFTER_EXL3_EXPERTS.get().strip() or "auto"
+        chosen = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
+        if mode == "ours" and "ours cannot serve" in chosen:
+            log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=ours, but exllamav3's kernels serve: %s", chosen)
+        log.info("EXL3 experts: %s", chosen)
+        return chosen
 
     def prepare_graphs(self) -> None:
         """Experts whose round a CUDA graph can hold (no host read of the routing): dense

@@ -33,7 +33,7 @@ from .modules.heads import ConfidenceHead, Head, MarkovHead
 from .modules.inputs import BlockEmbedding, TapProjection
 from .modules.mix import HyperMix, OutputCollapse
 from .modules.module import Linear, Module, Weights
-from .modules.moe import MoE
+from .modules.moe import FusedExperts, MoE
 from .modules.numerics import Numerics, relative_error
 
 
@@ -194,6 +194,15 @@ class Dsv41Model(Module):
                     layer.moe.experts = experts
                 return why
         return None
+
+    def choose_expert_kernels(self, row_counts: list[int], mode: str) -> str:
+        """Each fused layer's experts: ours or exllamav3's kernels per row count
+        (FusedExperts.choose, `mode` as REMOTE_DRAFTER_EXL3_EXPERTS); what serves, as status
+        says it (the first layer's: every layer has the same shapes)."""
+        fused = [layer.moe.experts for layer in self.layers if isinstance(layer.moe.experts, FusedExperts)]
+        for experts in fused:
+            experts.choose(row_counts, mode)
+        return fused[0].describe() if fused else "not fused"
 
     @property
     def experts_fused(self) -> bool:

@@ -119,20 +119,76 @@ class StackedExperts(Module):
 
 
 class FusedExperts(Module):
-    """EXL3 routed experts and the shared one through exllamav3's fused kernels. Its result
-    lives in the kernels' buffers until the next call: MoE copies it out."""
+    """EXL3 routed experts and the shared one in a few launches with no host read: through
+    exllamav3's fused kernels (exl3_experts.py) or our own (exl3_triton_experts.py), per row
+    count as `choose` found faster (exllamav3's until then). Its result may live in the
+    kernels' buffers until the next call: MoE copies it out."""
     includes_shared = True
+    MODES = ("auto", "ours", "exllamav3")
 
     def __init__(self, per_matrix: PerMatrixExperts, shared, device, whole: bool = True):
         super().__init__(per_matrix.numerics)
         from remote_drafter.models.exl3_experts import Exl3Experts
+        from remote_drafter.models.exl3_triton_experts import TritonExl3Experts
         c = self.numerics.config
         self.per_matrix = per_matrix  # the kernels' pointer tables address these linears' tensors
         self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device,
                                    sorted_tier=whole)
+        try:
+            self.ours, self.ours_refusal = TritonExl3Experts.of(per_matrix.experts, shared, c.swiglu_limit), None
+        except ValueError as exc:
+            self.ours, self.ours_refusal = None, str(exc)
+        self.ours_at: dict[int, bool] = {}  # measured row count -> whether ours serves it
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
+        if self.ours is not None and self._ours_serves(flat.shape[0]):
+            return self.ours(flat, weights, experts)
         return self.kernels(flat, weights, experts)
+
+    def _ours_serves(self, rows: int) -> bool:
+        """The choice at the smallest measured row count >= rows (past them all, the largest's)."""
+        if not self.ours_at:
+            return False
+        return self.ours_at[min((n for n in self.ours_at if n >= rows), default=max(self.ours_at))]
+
+    @torch.inference_mode()
+    def choose(self, row_counts: list[int], mode: str) -> None:
+        """ours_at for each row count: ours where it measured faster (mode auto; eager, CUDA
+        events, the median of 5 calls after 2 each), or the one `mode` names."""
+        if mode not in self.MODES:
+            raise ValueError(f"REMOTE_DRAFTER_EXL3_EXPERTS={mode!r}: one of {', '.join(self.MODES)}")
+        if self.ours is None or mode != "auto":
+            self.ours_at = {n: self.ours is not None and mode == "ours" for n in row_counts}
+            return
+        c, dev = self.numerics.config, self.numerics.device
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for n in row_counts:
+            flat = torch.randn(n, c.hidden_size, generator=gen, device=dev).to(self.numerics.dtype)
+            scores = torch.rand(n, len(self.per_matrix.experts), generator=gen, device=dev)
+            call = (flat, *scores.topk(c.num_experts_per_tok, dim=-1))
+            self.ours_at[n] = _median_ms(lambda a=call: self.ours(*a)) < _median_ms(lambda a=call: self.kernels(*a))
+
+    def describe(self) -> str:
+        if self.ours is None:
+            return f"exl3 fused (exllamav3's kernels; ours cannot serve: {self.ours_refusal})"
+        ours = sorted(n for n, mine in self.ours_at.items() if mine)
+        theirs = sorted(n for n, mine in self.ours_at.items() if not mine)
+        return (f"exl3 fused (ours at {ours or 'no'} rows, exllamav3's at {theirs or 'no'} rows"
+                f"{'' if self.ours_at else ' (not measured: exllamav3 serves)'})")
+
+
+def _median_ms(fn, warm_up: int = 2, calls: int = 5) -> float:
+    for _ in range(warm_up):
+        fn()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 class MoE(Module):
