@@ -25,6 +25,7 @@ with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -461,6 +462,45 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
         json.dump(res, f, indent=1)
 
 
+def experts_ab(batches: list[int], rounds: int, out: str) -> None:
+    """The EXL3 round as served (CUDA graphs, the dense copies the drafter chose) with each
+    MoE's experts on exllamav3's fused kernels, then on the kernels chosen at start-up, on one
+    model in one run: p50 / p99 against the floor, their greedy drafts compared, the latter
+    through the worker over tcp loopback."""
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
+                 "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
+    res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
+    res["exllamav3"] = exl3.load_exllamav3(say).version
+    model, sizes = exl3_flash_model()
+    tag = "random-flash-exl3"
+    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, dense_mib=0)  # the floors' router
+    floors = [round_floor(eager, sizes, b, bandwidth) for b in batches]
+    del eager
+    drafts = {}
+    for mode in ("exllamav3", "auto"):
+        say(f"== EXL3 4 bits as served, REMOTE_DRAFTER_EXL3_EXPERTS={mode}")
+        os.environ["REMOTE_DRAFTER_EXL3_EXPERTS"] = mode
+        drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
+        res[mode] = {"experts": drafter.describe()["experts"], "dense": drafter.describe()["exl3_dense"],
+                     "rounds": rounds_of(drafter, sizes, batches, rounds, bandwidth,
+                                         dense_floors(model, floors, batches, bandwidth))}
+        say(f"    experts: {res[mode]['experts']}")
+        drafts[mode] = greedy_drafts(drafter, batches)
+        if mode == "auto":
+            say("== the same through the worker over tcp loopback")
+            res["worker_tcp"] = {"rounds": measure(drafter, batches, rounds)}
+        del drafter
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    res["auto_vs_exllamav3"] = draft_agreement(drafts["exllamav3"], drafts["auto"])
+    for theirs, ours in zip(res["exllamav3"]["rounds"], res["auto"]["rounds"]):
+        say(f"    batch {ours['batch']}: {theirs['p50_ms']:.2f} -> {ours['p50_ms']:.2f} ms "
+            f"({ours['p50_over_floor']}x floor)")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = round_options(__doc__, "drafter-round.json")
     ap.add_argument("--variants", default="exl3_4,bf16", help="which drafters, in one process "
@@ -469,6 +509,10 @@ def main(argv=None) -> int:
                     "by kernel (torch's profiler), written to TXT, for the first of --variants")
     ap.add_argument("--compile-experiment", action="store_true", help="instead: the bf16 round with "
                     "its hyper-connection sublayers compiled by torch.compile, against it as served (--out)")
+    ap.add_argument("--experts-ab", action="store_true", help="instead: the EXL3 round as served with "
+                    "exllamav3's fused experts against the same with each MoE's kernels chosen at start-up "
+                    "(ours where faster: REMOTE_DRAFTER_EXL3_EXPERTS=auto), and the latter through the "
+                    "worker over tcp (--out)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
@@ -477,6 +521,9 @@ def main(argv=None) -> int:
         return 0
     if args.compile_experiment:
         compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+        return 0
+    if args.experts_ab:
+        experts_ab([int(b) for b in args.batches.split(",")], args.rounds, args.out)
         return 0
     run([int(b) for b in args.batches.split(",")], args.rounds, args.out, args.variants.split(","))
     return 0

@@ -46,12 +46,20 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe ]]; then  # =moe: an EXL3 MoE layer through our own kernel against
-    # exllamav3's fused kernels (exl3_moe_layer.py, after our kernels' tests compiled; exllamav3's
-    # build, ~5 min, comes with it when its wheels are carried, else ours is timed alone)
+    # exllamav3's fused kernels (exl3_moe_layer.py, after our kernels' tests compiled and, with
+    # exllamav3, the fused experts' GPU tests; exllamav3's build, ~5 min, comes with it when its
+    # wheels are carried, else ours is timed alone)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
-      packages/remote-drafter/tests/test_exl3_gemv.py 2>&1 | tail -3 | tee "$OUT/exl3-moe-pytest.txt"
+      packages/remote-drafter/tests/test_exl3_gemv.py packages/remote-drafter/tests/test_exl3_experts_gpu.py \
+      2>&1 | tail -5 | tee "$OUT/exl3-moe-pytest.txt" || echo "== tests failed (above); the timing goes on"
     python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json" \
       --profile "$OUT/exl3-moe-layer-profile.txt"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == ab ]]; then  # =ab: the EXL3 round as served, exllamav3's fused
+    # experts against the kernels chosen at start-up (drafter_round.py --experts-ab)
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
+      --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by
