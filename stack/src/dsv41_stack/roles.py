@@ -35,13 +35,15 @@ from .settings import ENGINE_PREFIXES
 SERVED_NAME = "dsv41"
 # What the drafter worker reads of the env file: ofl, and remote_drafter's worker-side device
 # locks, per-client quotas (both kinds of worker) and the DeepSeek-V4.1 drafter's confidence
-# cut-off, CUDA graphs and EXL3 dense copies; the TP2 pair also its own DRAFTER_TP2_* variables.
+# cut-off, CUDA graphs, EXL3 experts' kernels and dense copies; the TP2 pair also its own
+# DRAFTER_TP2_* variables.
 WORKER_PREFIXES = ("OFL_", drafter_env.REMOTE_DRAFTER_DEVICE_LOCK.name,
                    drafter_env.REMOTE_DRAFTER_LOCK_DIR.name,
                    drafter_env.REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT.name,
                    drafter_env.REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT.name,
                    drafter_env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.name,
                    drafter_env.REMOTE_DRAFTER_CUDA_GRAPHS.name,
+                   drafter_env.REMOTE_DRAFTER_EXL3_EXPERTS.name,
                    drafter_env.REMOTE_DRAFTER_EXL3_DENSE_MIB.name)
 HEADLESS_READY = "headless multiproc executor"  # vLLM 0.33's line once rank R > 0 waits for rank 0
 # vLLM's entry points: rank 0's OpenAI server; `vllm serve`, which honours --headless (the
