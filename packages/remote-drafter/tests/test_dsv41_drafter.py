@@ -371,3 +371,32 @@ def test_draft_agreement_reports_where_drafts_part():
     got = draft_agreement(a, b)
     assert got["same_greedy_drafts"] == 1 and got["requests"] == 3
     assert np.allclose(got["top_two_gaps_where_they_part"], [0.01, 0.5])
+
+
+def test_a_capture_collects_dead_cycles_first_and_none_during_it():
+    """cuda_graphs.no_collection (around every graph capture): a dead reference cycle, as an
+    earlier drafter's graphs sit in, is collected on entry; none while inside, however much is
+    allocated; the collector as it was afterwards."""
+    import gc
+    import weakref
+
+    from remote_drafter.models.cuda_graphs import no_collection
+
+    class Cycle:
+        pass
+
+    def dead_cycle(collected: list) -> None:
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        weakref.finalize(a, collected.append, "collected")
+
+    before, during = [], []
+    dead_cycle(before)
+    with no_collection():
+        assert before == ["collected"] and not gc.isenabled()
+        dead_cycle(during)
+        kept = [Cycle() for _ in range(10 * gc.get_threshold()[0])]  # far past the collector's threshold
+        assert during == [] and kept
+    assert gc.isenabled()
+    gc.collect()
+    assert during == ["collected"]

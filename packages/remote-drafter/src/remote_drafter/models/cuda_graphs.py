@@ -13,9 +13,27 @@ caller's stream queued before it). On CPU: no streams, no graphs, fn runs as cal
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Python's cyclic garbage collector run first, then kept off, for a graph's capture: a dead
+    cycle holding another CUDA graph (an earlier drafter's) collected mid-capture destroys that
+    graph, which the driver refuses while a stream captures, and the capture fails. torch's
+    capture no longer collects first by default."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class BucketGraphs:
@@ -38,7 +56,7 @@ class BucketGraphs:
                     self.fn(*static)
             self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
+            with no_collection(), torch.cuda.graph(graph, stream=self.stream):
                 out = self.fn(*static)
             self.graphs[b] = (graph, static, out)
 

@@ -119,10 +119,10 @@ class Dsv41Drafter(Drafter):
 
     def _choose_expert_kernels(self) -> str:
         """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""
-        mode = env.REMOTE_DRAFTER_EXL3_EXPERTS.get().strip() or "auto"
+        mode = env.REMOTE_DRAFTER_EXL3_EXPERTS.get().strip() or env.REMOTE_DRAFTER_EXL3_EXPERTS.default
         chosen = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
-        if mode == "ours" and "ours cannot serve" in chosen:
-            log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=ours, but exllamav3's kernels serve: %s", chosen)
+        if mode != "exllamav3" and "ours cannot serve" in chosen:
+            log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=%s, but exllamav3's kernels serve: %s", mode, chosen)
         log.info("EXL3 experts: %s", chosen)
         return chosen
 

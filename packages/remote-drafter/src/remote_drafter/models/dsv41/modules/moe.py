@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from remote_drafter.models.cuda_graphs import no_collection
+
 from .module import Dense, Module, Weights
 from .numerics import Numerics, relative_error, swiglu
 
@@ -306,7 +308,7 @@ def captured(fn, device) -> torch.Tensor:
     with torch.cuda.stream(stream):
         fn()  # warm-up before capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with no_collection(), torch.cuda.graph(graph, stream=stream):
         out = fn()
     graph.replay()
     torch.cuda.synchronize(device)
