@@ -2,18 +2,18 @@
 step towards expert kernels near the format's decode ceiling on an H200 (exl3_decode_rate.py).
 The kernel (models/exl3_triton.py's, with one expert) reads exllamav3's stored 4-bit trellis
 as it is (models/exl3_format.py says how), decodes each weight (mul1) and multiplies it with
-16 rows at once on the tensor cores, accumulating in fp32; each program takes NT 16-wide tile
-columns over a slice of the input (split K, partials summed by torch, so the result does not
-depend on timing). The Hadamard rotations on both sides are
-torch's, as exllamav3 applies them around its kernel.
+16 rows at a time on the tensor cores, accumulating in fp32; each program takes NT 16-wide
+tile columns over a slice of the input (split K, partials summed by torch, so the result does
+not depend on timing). The Hadamard rotations on both sides are torch's, as exllamav3 applies
+them around its kernel.
 
 On a GPU (the measurement; needs exllamav3 for its side): 16 linears of 4096 x 2048 with random
 trellis bytes, called in turn (64 MiB: read from memory, not from L2), rows 1 / 2 / 4 / 8 / 16:
-our kernel alone (the best of splits 1 to 16 and 4 to 16 tiles a step) and the whole linear (with the rotations) against
-exllamav3's LinearEXL3 forward on the same tensors, all in CUDA graphs, per linear, and the
-kernel's rate in GB/s of trellis (at this size every kernel is latency-bound: exl3_decode_rate.py
-measures rates against the read rate). The outputs are compared with exllamav3's first. Writes
-JSON (--out).
+our kernel alone (the best of splits 1 to 16 and 4 to 16 tile columns a program) and the whole
+linear (with the rotations) against exllamav3's LinearEXL3 forward on the same tensors, all in
+CUDA graphs, per linear, and the kernel's rate in GB/s of trellis (at this size every kernel is
+latency-bound: exl3_decode_rate.py measures rates against the read rate). The outputs are
+compared with exllamav3's first. Writes JSON (--out).
 
     source tools/gpu-env.sh .whl   # with exllamav3 1.6.5 and its missing needs
     python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out exl3-gemv.json
@@ -38,26 +38,34 @@ from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
 BITS = exl3_triton.BITS
 
 
-def inner(x: torch.Tensor, trellis: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
-    """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]: our
-    experts' kernel (models/exl3_triton.py) with one expert."""
-    in_tiles, out_tiles = trellis.shape[:2]
-    if trellis.shape[2] != 16 * BITS:
-        raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
-    rows, dev = x.shape[0], x.device
-    table = torch.tensor([trellis.data_ptr()] * 2, dtype=torch.int64, device=dev)  # + the padding expert's
-    counts = torch.tensor([rows, 0], dtype=torch.int32, device=dev)
-    items = exl3_triton.work_items(counts, exl3_triton.max_items(rows, 1))
-    return exl3_triton.expert_products(x.contiguous(), items, table, counts, torch.zeros_like(counts),
-                                       in_tiles * 16, out_tiles * 16, splits, nt=nt)
+class OneExpert:
+    """One EXL3 linear as our experts' kernel takes it (models/exl3_triton.py, one expert), for
+    `rows` rows: its tables and work items, made once (a timed CUDA graph refuses their copies
+    to the device)."""
 
+    def __init__(self, trellis: torch.Tensor, suh, svh, rows: int):
+        if trellis.shape[2] != 16 * BITS:
+            raise ValueError(f"this kernel reads {BITS}-bit trellis, not {trellis.shape[2] // 16}-bit")
+        dev = trellis.device
+        self.trellis, self.suh, self.svh = trellis, suh, svh
+        self.table = torch.tensor([trellis.data_ptr()] * 2, dtype=torch.int64, device=dev)  # + the padding expert's
+        self.counts = torch.tensor([rows, 0], dtype=torch.int32, device=dev)
+        self.starts = torch.zeros_like(self.counts)
+        self.items = exl3_triton.work_items(self.counts, exl3_triton.max_items(rows, 1))
+        self.hadamard = exl3_triton.hadamard(dev)
 
-def linear(x: torch.Tensor, trellis, suh, svh, splits: int = 1, nt: int = 4) -> torch.Tensor:
-    """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
-    them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
-    scaled by svh."""
-    y = inner(exl3_triton.rotated_in(x, suh), trellis, splits, nt)
-    return exl3_triton.rotated_out(y, svh).half()
+    def inner(self, x: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
+        """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]."""
+        in_tiles, out_tiles = self.trellis.shape[:2]
+        return exl3_triton.expert_products(x.contiguous(), self.items, self.table, self.counts, self.starts,
+                                           in_tiles * 16, out_tiles * 16, splits, nt=nt)
+
+    def linear(self, x: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
+        """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates
+        them (times suh, a 128-point Hadamard per block), the kernel, the output rotated back and
+        scaled by svh."""
+        y = self.inner(exl3_triton.rotated_in(x, self.suh, self.hadamard), splits, nt)
+        return exl3_triton.rotated_out(y, self.svh, self.hadamard).half()
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -102,15 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k, device=dev, generator=gen).half()
-        error = max(relative_error(linear(x, t, u, v, 4), theirs.forward(x, {})) for t, u, v, theirs in linears[:2])
+        ours = [OneExpert(t, u, v, rows) for t, u, v, _ in linears]
+        error = max(relative_error(mine.linear(x, 4), theirs.forward(x, {}))
+                    for mine, (*_, theirs) in zip(ours[:2], linears))
         if error > 0.05:  # exllamav3's few-row path rounds otherwise than ours; a misread weight differs by far more
             raise SystemExit(f"{rows} rows: our linear differs from exllamav3's by {error:.1%} of its largest output")
-        configs = {(s, nt): timed(lambda x=x, s=s, nt=nt: [inner(x, t, s, nt) for t, *_ in linears]) / count
+        configs = {(s, nt): timed(lambda x=x, s=s, nt=nt, ours=ours: [m.inner(x, s, nt) for m in ours]) / count
                    for s in (1, 2, 4, 8, 16) for nt in (4, 8, 16) if (k // 16) % s == 0}
         splits, nt = min(configs, key=configs.get)
         row = {"rows": rows, "splits": splits, "nt": nt, "kernel_ms": configs[splits, nt],
                "max_error_vs_exllamav3": error,
-               "linear_ms": timed(lambda x=x, s=splits, nt=nt: [linear(x, t, u, v, s, nt) for t, u, v, _ in linears])
+               "linear_ms": timed(lambda x=x, s=splits, nt=nt, ours=ours: [m.linear(x, s, nt) for m in ours])
                / count,
                "exllamav3_ms": timed(lambda x=x: [theirs.forward(x, {}) for *_, theirs in linears]) / count}
         row["kernel_gb_s"] = read / count / (row["kernel_ms"] / 1e3) / 1e9

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     cpu_gen = torch.Generator().manual_seed(1)
     results, profiles = [], []
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = CHOSEN.get(rows, min(experts, 2 * rows))
+        chosen = CHOSEN.get(rows, min(experts, max(top_k, 2 * rows)))
         weights, picks = routing(rows, chosen, experts, top_k, cpu_gen)
         x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
         call = (x, weights, picks)

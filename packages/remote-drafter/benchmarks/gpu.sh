@@ -21,7 +21,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # (drafter_round.py), EXL3 with exllamav3's fused experts and bf16, after the fused experts'
   # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
   # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
-  # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel
+  # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
+  # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share and torch's
     # grouped GEMM at the experts' shapes (round_phases.py; no exllamav3 needed)

@@ -84,7 +84,7 @@ def test_our_kernel_gives_the_per_matrix_sum_at_every_row_count(pack):
     c = fused.config
     for layer in fused.layers:
         assert layer.moe.experts.ours is not None, layer.moe.experts.ours_refusal
-    assert fused.choose_expert_kernels([1], "ours").startswith("exl3 fused (ours at [1] rows")
+    assert fused.choose_expert_kernels([1], "ours") == ("exl3 fused (ours at [1] rows, exllamav3's at no rows)", None)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     # one row; a block; an expert's slots over two work items; above every bucket
     for rows in (1, c.block_size, 17, 2 * COOP_SLOTS + 3):
@@ -93,8 +93,9 @@ def test_our_kernel_gives_the_per_matrix_sum_at_every_row_count(pack):
             want, got = per_matrix.layers[j].moe(x), fused.layers[j].moe(x)
             error = float((got.float() - want.float()).norm() / want.float().norm())
             assert error < 1e-2, f"{rows} rows, layer {j}: relative error {error:.2e}"
-    fused.choose_expert_kernels([1, 5], "auto")  # measured: one or the other serves each count
-    assert set(fused.layers[0].moe.experts.ours_at) == {1, 5}
+    fused.choose_expert_kernels([5, 10], "auto")  # timed: one or the other serves each count, the same in every layer
+    chosen = fused.layers[0].moe.experts.ours_at
+    assert set(chosen) == {5, 10} and all(layer.moe.experts.ours_at == chosen for layer in fused.layers)
 
 
 def test_rounds_on_our_kernel_in_graphs_draft_as_per_matrix_eager_rounds(pack, monkeypatch):

@@ -33,14 +33,15 @@ def on_device(a: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("rows,splits", [(1, 1), (3, 2), (5, 4)])
 def test_the_kernel_multiplies_by_the_decoded_weight(rows, splits):
     x = np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float16)
-    got = G.inner(on_device(x), on_device(T["trellis"]), splits).cpu().numpy()
+    got = G.OneExpert(on_device(T["trellis"]), None, None, rows).inner(on_device(x), splits).cpu().numpy()
     want = x.astype(np.float64) @ exl3_format.decoded(T["trellis"], 4).astype(np.float64)
     assert got.shape == (rows, 128)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_the_linear_is_exllamav3s():
-    got = G.linear(on_device(T["x"]), on_device(T["trellis"]), on_device(T["suh"]), on_device(T["svh"]), 2)
+    x = on_device(T["x"])
+    got = G.OneExpert(on_device(T["trellis"]), on_device(T["suh"]), on_device(T["svh"]), len(x)).linear(x, 2)
     want = T["y"].astype(np.float32)
     assert np.abs(got.cpu().numpy().astype(np.float32) - want).max() <= 2e-3 * np.abs(want).max()
 
@@ -48,4 +49,4 @@ def test_the_linear_is_exllamav3s():
 def test_other_bit_widths_are_refused():
     trellis = np.zeros((16, 8, 96), np.int16)
     with pytest.raises(ValueError, match="4-bit trellis, not 6-bit"):
-        G.inner(on_device(np.zeros((1, 256), np.float16)), on_device(trellis))
+        G.OneExpert(on_device(trellis), None, None, 1)

@@ -20,8 +20,6 @@ is imported: Triton decides between interpreter and compiler when a kernel is de
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +27,7 @@ import triton.language as tl
 from . import exl3_format
 
 BITS = 4
-ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor cores' M)
+ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor cores' M: 16 or more)
 NT_DEFAULT, WARPS_DEFAULT = 8, 4  # the product's defaults: tile columns a program, warps
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
@@ -121,7 +119,8 @@ def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
     back; 1: the word after). Both loads are declared scalar and contiguous along the tile, so
     that Triton gives them one layout (a lane a word) and the decode converts none through
     shared memory; left alone it vectorises the first and gives the second, which wraps, a
-    layout of its own."""
+    layout of its own. (The neighbours are not contiguous where they wrap: the claim only
+    orders them, as an alignment of 1 keeps every load scalar.)"""
     cols = tl.arange(0, 32)[None, :].to(tl.int64)
     rows = tl.arange(0, TILES)[:, None].to(tl.int64) * 32
     here = tl.multiple_of(rows + cols, [1, 1])
@@ -131,9 +130,10 @@ def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
 
 @triton.jit
 def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots,
-                         in_tiles, out_tiles, tiles_per_split, NT: tl.constexpr, DECODE: tl.constexpr):
+                         in_tiles, out_tiles, tiles_per_split, M: tl.constexpr, NT: tl.constexpr,
+                         DECODE: tl.constexpr):
     """Program (column block, item j, split): out[split, slot, 16 n + c] for the item's slots
-    (those of expert experts[j] from its first_rows[j]-th, up to 16) and the block's NT tile
+    (those of expert experts[j] from its first_rows[j]-th, up to M) and the block's NT tile
     columns n, over the split's input tiles; rows past the expert's are zeros in the product."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
@@ -144,12 +144,12 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
         trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
         in_features, out_features = in_tiles * 16, out_tiles * 16
         here, there = tile_offsets(NT, 31)
-        m = tl.arange(0, 16)[:, None]
+        m = tl.arange(0, M)[:, None]
         live = m + r0 < count
         x_at = x_ptr + (start + r0 + m).to(tl.int64) * in_features + tl.arange(0, 16)[None, :]
         first = split * tiles_per_split
         last = first + tiles_per_split - 1
-        acc = tl.zeros([16, NT * 16], tl.float32)
+        acc = tl.zeros([M, NT * 16], tl.float32)
         cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
         prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
         for kt in range(first, last + 1):
@@ -180,7 +180,8 @@ def work_items(counts: torch.Tensor, max_items: int) -> tuple[torch.Tensor, torc
 
 
 def max_items(slots: int, experts: int) -> int:
-    """The most work items `slots` slots over `experts` experts can make."""
+    """The most work items `slots` slots over `experts` experts can make (a bound known without
+    reading the routing: each expert with slots makes one item more than its slots // 16)."""
     return min(slots, experts) + slots // ITEM_ROWS
 
 
@@ -192,6 +193,10 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
     rows); table: int64, the address of each expert's int16 trellis [in/16, out/16, 64];
     counts and starts: int32, where each expert's slots lie in x (both indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
+    if x.dtype != torch.float16 or not x.is_contiguous() or x.shape[1:] != (in_features,):
+        raise ValueError(f"x must be contiguous fp16 [slots, {in_features}], not {x.dtype} {tuple(x.shape)}")
+    if not len(table) == len(counts) == len(starts):
+        raise ValueError(f"table, counts and starts cover {len(table)}, {len(counts)} and {len(starts)} experts")
     if in_features % 16 or out_tiles % nt or in_tiles % splits:
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
                          f"and {nt}-tile column blocks")
@@ -200,26 +205,26 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
     experts, first_rows = items
     _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
         x, experts, first_rows, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
-        NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
+        M=ITEM_ROWS, NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
     return out.sum(0) if splits > 1 else out[0]
 
 
-def rotated_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+def hadamard(device) -> torch.Tensor:
+    """The 128-point rotation (float32) on `device`, for rotated_in and rotated_out: made
+    once by its holder (a copy to the device, which a CUDA graph's capture refuses)."""
+    return torch.from_numpy(exl3_format.hadamard()).to(device)
+
+
+def rotated_in(x: torch.Tensor, suh: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
     """fp16 rows as the product takes them: x times suh (per input, or per row [rows, in]),
-    each 128 inputs through the Hadamard rotation, in fp32 then rounded (as exllamav3's kernels
+    each 128 inputs through the rotation `had`, in fp32 then rounded (as exllamav3's kernels
     hand rotated rows on)."""
     rows = x.shape[0]
-    had = _hadamard(x.device)
     return ((x.float() * suh.float()).view(rows, -1, exl3_format.HAD) @ had).view(rows, -1).half()
 
 
-def rotated_out(y: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
-    """fp32: the product's output rotated back, each 128 outputs, times svh (per output, or
-    per row [rows, out])."""
+def rotated_out(y: torch.Tensor, svh: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
+    """fp32: the product's output rotated back by `had`, each 128 outputs, times svh (per
+    output, or per row [rows, out])."""
     rows = y.shape[0]
-    return (y.view(rows, -1, exl3_format.HAD) @ _hadamard(y.device)).view(rows, -1) * svh.float()
-
-
-@functools.lru_cache
-def _hadamard(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(exl3_format.hadamard()).to(device)
+    return (y.view(rows, -1, exl3_format.HAD) @ had).view(rows, -1) * svh.float()

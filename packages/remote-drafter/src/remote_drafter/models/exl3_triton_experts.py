@@ -68,33 +68,37 @@ class _Projection:
 
     def __call__(self, x: torch.Tensor, expert_of_slot: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """fp32 [slots, out]: x (fp16 [slots, in], sorted by expert) through each slot's expert."""
-        inner = exl3_triton.expert_products(exl3_triton.rotated_in(x, self.suh[expert_of_slot]),
+        inner = exl3_triton.expert_products(exl3_triton.rotated_in(x, self.suh[expert_of_slot], plan.hadamard),
                                             plan.items, self.table, plan.counts, plan.starts,
                                             self.in_features, self.out_features,
                                             **plan.config(self.in_features, self.out_features))
-        return exl3_triton.rotated_out(inner, self.svh[expert_of_slot])
+        return exl3_triton.rotated_out(inner, self.svh[expert_of_slot], plan.hadamard)
 
 
 class _Plan(NamedTuple):
     """A call's slots by expert: `items` the work items (exl3_triton.work_items), `counts` and
-    `starts` where each expert's slots lie in the sorted order; `kernel` the product's
-    configuration (exl3_triton.expert_products' keywords but splits)."""
+    `starts` where each expert's slots lie in the sorted order; `sms` the GPU's multiprocessors,
+    `kernel` the product's configuration (exl3_triton.expert_products' keywords but splits),
+    `hadamard` the rotation."""
     items: tuple[torch.Tensor, torch.Tensor]
     counts: torch.Tensor
     starts: torch.Tensor
     sms: int
     kernel: dict
+    hadamard: torch.Tensor
 
     def config(self, in_features: int, out_features: int) -> dict:
         """The kernel's configuration and its split of the input: enough programs to fill the
-        GPU when few experts are chosen (each program's partials are summed afterwards)."""
+        GPU, counting every work item the call may have (the bound, as the routing is not read
+        on the host; an item without slots returns at once), each split at least 8 input tiles
+        (the partials are summed afterwards)."""
         nt = self.kernel["nt"]
         while (out_features // 16) % nt:  # a narrower weight: fewer tile columns a program
             nt //= 2
         programs = out_features // (16 * nt) * len(self.items[0])
         splits = 1
         while programs * splits < 8 * self.sms and (in_features // 16) % (2 * splits) == 0 \
-                and in_features // 16 // splits >= 8:
+                and in_features // 16 // (2 * splits) >= 8:
             splits *= 2
         return {**self.kernel, "nt": nt, "splits": splits}
 
@@ -115,6 +119,7 @@ class TritonExl3Experts:
         self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.hadamard = exl3_triton.hadamard(device)
 
     @classmethod
     def of(cls, routed: list, shared, limit: float | None) -> TritonExl3Experts:
@@ -139,7 +144,7 @@ class TritonExl3Experts:
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         starts = counts.cumsum(0, dtype=torch.int32) - counts
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
-        return order, flat[order], _Plan(items, counts, starts, self.sms, self.kernel)
+        return order, flat[order], _Plan(items, counts, starts, self.sms, self.kernel, self.hadamard)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

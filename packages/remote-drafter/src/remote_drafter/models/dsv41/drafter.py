@@ -94,9 +94,9 @@ class Dsv41Drafter(Drafter):
             if why:
                 log.warning("EXL3 experts run per matrix, not fused (slower rounds): %s", why)
             self.experts = "exl3 fused" if why is None else f"exl3 per matrix ({why})"
-            self._keep_dense(dense_mib)
-            if why is None:  # before the capture, which bakes the choice in
+            if why is None:  # before the dense copies (ours runs the shared expert itself) and the capture
                 self.experts = self._choose_expert_kernels()
+            self._keep_dense(dense_mib)
         if cuda_graphs is None:
             cuda_graphs = not model.served or model.experts_fused
         if cuda_graphs and self._forward.cuda:  # CPU: eager whatever is asked
@@ -120,9 +120,9 @@ class Dsv41Drafter(Drafter):
     def _choose_expert_kernels(self) -> str:
         """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""
         mode = env.REMOTE_DRAFTER_EXL3_EXPERTS.get().strip() or env.REMOTE_DRAFTER_EXL3_EXPERTS.default
-        chosen = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
-        if mode != "exllamav3" and "ours cannot serve" in chosen:
-            log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=%s, but exllamav3's kernels serve: %s", mode, chosen)
+        chosen, refusal = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
+        if mode != "exllamav3" and refusal is not None:
+            log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=%s, but exllamav3's kernels serve: %s", mode, refusal)
         log.info("EXL3 experts: %s", chosen)
         return chosen
 

@@ -195,14 +195,28 @@ class Dsv41Model(Module):
                 return why
         return None
 
-    def choose_expert_kernels(self, row_counts: list[int], mode: str) -> str:
-        """Each fused layer's experts: ours or exllamav3's kernels per row count
-        (FusedExperts.choose, `mode` as REMOTE_DRAFTER_EXL3_EXPERTS); what serves, as status
-        says it (the first layer's: every layer has the same shapes)."""
-        fused = [layer.moe.experts for layer in self.layers if isinstance(layer.moe.experts, FusedExperts)]
-        for experts in fused:
-            experts.choose(row_counts, mode)
-        return fused[0].describe() if fused else "not fused"
+    EXPERT_KERNELS = ("exllamav3", "ours", "auto")
+
+    def choose_expert_kernels(self, row_counts: list[int], mode: str) -> tuple[str, str | None]:
+        """Every fused layer's experts on ours or exllamav3's kernels per row count: `mode` as
+        REMOTE_DRAFTER_EXL3_EXPERTS says (auto: the first layer timed on its own router's
+        choices, the same for every layer: they have the same shapes). (what serves, as status
+        says it; why ours cannot serve, or None)."""
+        if mode not in self.EXPERT_KERNELS:
+            raise ValueError(f"REMOTE_DRAFTER_EXL3_EXPERTS={mode!r}: one of {', '.join(self.EXPERT_KERNELS)}")
+        fused = [layer for layer in self.layers if isinstance(layer.moe.experts, FusedExperts)]
+        if not fused:
+            return "not fused", None
+        first = fused[0].moe.experts
+        if first.ours is None or mode == "exllamav3":
+            chosen = dict.fromkeys(row_counts, False)
+        elif mode == "ours":
+            chosen = dict.fromkeys(row_counts, True)
+        else:
+            chosen = first.faster_ours(fused[0].moe.routed_samples(row_counts))
+        for layer in fused:
+            layer.moe.experts.ours_at = dict(chosen) if layer.moe.experts.ours is not None else {}
+        return first.describe(), first.ours_refusal
 
     @property
     def experts_fused(self) -> bool:
@@ -211,8 +225,9 @@ class Dsv41Model(Module):
     def dense_candidates(self, block_rows: list[int], encode_rows: list[int]) -> dict[str, tuple]:
         """The EXL3 linears that may hold a dense copy (exl3_dense.py), those outside the
         routed experts (attention, the taps' projection, an EXL3 head, each fused layer's
-        shared expert), each with the row counts it runs at: a round's block rows, the
-        encoding's new rows (the taps' projection), or both (`wkv`: encode_rows' context_rows)."""
+        shared expert at the row counts exllamav3's kernels run it), each with the row counts
+        it runs at: a round's block rows, the encoding's new rows (the taps' projection), or
+        both (`wkv`: encode_rows' context_rows)."""
         encoded_only = {id(self.taps.proj)}
         encoded_too = {id(layer.attention.wkv) for layer in self.layers}
         out = {}
@@ -223,8 +238,9 @@ class Dsv41Model(Module):
                 (encode_rows if id(m) in encoded_only | encoded_too else [])
             out[name] = (m, rows)
         for layer in self.layers:
-            if (shared := layer.moe.fused_shared()) is not None:
-                out[f"{layer.moe.prefix}ffn.shared_experts"] = (shared, block_rows)
+            if (shared := layer.moe.fused_shared()) is not None:  # at the row counts exllamav3's kernels run
+                rows = [n for n in block_rows if not layer.moe.experts.ours_serves(n)]
+                out[f"{layer.moe.prefix}ffn.shared_experts"] = (shared, rows)
         return out
 
     def keep_dense_exl3(self, block_rows: list[int], encode_rows: list[int], budget_bytes: int) -> list:

@@ -7,8 +7,9 @@ experts(rows, routing weights, chosen experts) -> the weighted sum in `wide`:
   read: a CUDA graph captures it);
 * StackedExperts: dense experts stacked [experts, out, in]; the chosen ones through grouped
   GEMMs, or every expert on every row (shapes fixed by the batch: graphs capture both);
-* FusedExperts: EXL3 experts through exllamav3's fused multi-expert kernels, the shared
-  expert in the same launches (exl3_experts.py).
+* FusedExperts: EXL3 experts in a few launches, the shared expert in the same ones: through
+  exllamav3's fused multi-expert kernels (exl3_experts.py) or our own (exl3_triton_experts.py),
+  per row count.
 
 Expert parallel (drafter_tp2): a module may hold a slice of the routed experts. It routes
 over all of them as one card does, runs the chosen ones it holds (the others weigh zero),
@@ -123,10 +124,9 @@ class StackedExperts(Module):
 class FusedExperts(Module):
     """EXL3 routed experts and the shared one in a few launches with no host read: through
     exllamav3's fused kernels (exl3_experts.py) or our own (exl3_triton_experts.py), per row
-    count as `choose` found faster (exllamav3's until then). Its result may live in the
+    count as `ours_at` says (exllamav3's where it says nothing). Its result may live in the
     kernels' buffers until the next call: MoE copies it out."""
     includes_shared = True
-    MODES = ("auto", "ours", "exllamav3")
 
     def __init__(self, per_matrix: PerMatrixExperts, shared, device, whole: bool = True):
         super().__init__(per_matrix.numerics)
@@ -136,57 +136,53 @@ class FusedExperts(Module):
         self.per_matrix = per_matrix  # the kernels' pointer tables address these linears' tensors
         self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device,
                                    sorted_tier=whole)
-        try:
+        try:  # ours is optional: whatever stops it leaves exllamav3's serving
             self.ours, self.ours_refusal = TritonExl3Experts.of(per_matrix.experts, shared, c.swiglu_limit), None
-        except ValueError as exc:
-            self.ours, self.ours_refusal = None, str(exc)
-        self.ours_at: dict[int, bool] = {}  # measured row count -> whether ours serves it
+        except Exception as exc:  # noqa: BLE001 - recorded, shown in status
+            self.ours, self.ours_refusal = None, f"{type(exc).__name__}: {exc}"
+        self.ours_at: dict[int, bool] = {}  # row count -> whether ours serves it
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
-        if self.ours is not None and self._ours_serves(flat.shape[0]):
+        if self.ours is not None and self.ours_serves(flat.shape[0]):
             return self.ours(flat, weights, experts)
         return self.kernels(flat, weights, experts)
 
-    def _ours_serves(self, rows: int) -> bool:
-        """The choice at the smallest measured row count >= rows (past them all, the largest's)."""
+    def ours_serves(self, rows: int) -> bool:
+        """The choice at the smallest row count chosen for >= rows (past them all, the largest's)."""
         if not self.ours_at:
             return False
         return self.ours_at[min((n for n in self.ours_at if n >= rows), default=max(self.ours_at))]
 
     @torch.inference_mode()
-    def choose(self, row_counts: list[int], mode: str) -> None:
-        """ours_at for each row count: ours where it measured faster (mode auto; eager, CUDA
-        events, the median of 5 calls after 2 each), or the one `mode` names."""
-        if mode not in self.MODES:
-            raise ValueError(f"REMOTE_DRAFTER_EXL3_EXPERTS={mode!r}: one of {', '.join(self.MODES)}")
-        if self.ours is None or mode != "auto":
-            self.ours_at = {n: self.ours is not None and mode == "ours" for n in row_counts}
-            return
-        c, dev = self.numerics.config, self.numerics.device
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for n in row_counts:
-            flat = torch.randn(n, c.hidden_size, generator=gen, device=dev).to(self.numerics.dtype)
-            scores = torch.rand(n, len(self.per_matrix.experts), generator=gen, device=dev)
-            call = (flat, *scores.topk(c.num_experts_per_tok, dim=-1))
-            self.ours_at[n] = _median_ms(lambda a=call: self.ours(*a)) < _median_ms(lambda a=call: self.kernels(*a))
+    def faster_ours(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, bool]:
+        """For each sample call (rows, routing weights, chosen experts): whether ours ran it
+        faster than exllamav3's kernels, each timed in a CUDA graph as a round runs it (the
+        median of 20 replays)."""
+        return {flat.shape[0]: _graph_ms(lambda a=(flat, w, e): self.ours(*a)) <
+                _graph_ms(lambda a=(flat, w, e): self.kernels(*a)) for flat, w, e in samples}
 
     def describe(self) -> str:
         if self.ours is None:
             return f"exl3 fused (exllamav3's kernels; ours cannot serve: {self.ours_refusal})"
-        ours = sorted(n for n, mine in self.ours_at.items() if mine)
-        theirs = sorted(n for n, mine in self.ours_at.items() if not mine)
-        return (f"exl3 fused (ours at {ours or 'no'} rows, exllamav3's at {theirs or 'no'} rows"
-                f"{'' if self.ours_at else ' (not measured: exllamav3 serves)'})")
+        ours = sorted(n for n, mine in self.ours_at.items() if mine) or "no"
+        theirs = sorted(n for n, mine in self.ours_at.items() if not mine) or ("no" if self.ours_at else "all")
+        return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows)"
 
 
-def _median_ms(fn, warm_up: int = 2, calls: int = 5) -> float:
-    for _ in range(warm_up):
+def _graph_ms(fn, replays: int = 20) -> float:
+    """ms of fn() captured in a CUDA graph: the median replay (after a warm-up call)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with no_collection(), torch.cuda.graph(graph, stream=stream):
         fn()
     times = []
-    for _ in range(calls):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -238,6 +234,16 @@ class MoE(Module):
         if self.sum_over_ranks is not None:
             out = self.sum_over_ranks(out)
         return out.to(x.dtype, copy=True).view_as(x)  # a copy: fused results live in their buffers
+
+    def routed_samples(self, row_counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(rows, routing weights, chosen experts) of random rows through this layer's own
+        router, one per row count (what an experts' implementation is timed on)."""
+        c, gen = self.numerics.config, torch.Generator(device=self.numerics.device).manual_seed(0)
+        out = []
+        for n in row_counts:
+            flat = torch.randn(n, c.hidden_size, generator=gen, device=self.numerics.device).to(self.numerics.dtype)
+            out.append((flat, *self.held_routing(flat)))
+        return out
 
     def fused_shared(self):
         """The shared expert as the fused kernels run it (exl3_experts.Exl3SharedExpert), or None."""
