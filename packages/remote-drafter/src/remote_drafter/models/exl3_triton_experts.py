@@ -1,5 +1,5 @@
 """A DeepSeek drafter MoE layer's EXL3 experts on our own kernel (exl3_triton.py): each expert
-a call chose is decoded once for all the rows that chose it, the shared expert being one more
+a call chose is decoded once for every 16 rows that chose it, the shared expert being one more
 expert that every row chose. The same call as exl3_experts.Exl3Experts (exllamav3's fused
 kernels), with no host synchronisation either, so a CUDA graph captures it:
 
