@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from remote_drafter.models.cuda_graphs import no_collection
 from remote_drafter.models.dspark import DSparkModel
 from remote_drafter.models.llama_layers import rotate
 
@@ -192,7 +193,7 @@ class NativeRound:
                 self.run(ws)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with no_collection(), torch.cuda.graph(graph):  # no graph collected mid-capture
             self.run(ws)
         return graph
 
