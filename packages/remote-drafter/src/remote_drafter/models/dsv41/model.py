@@ -197,23 +197,33 @@ class Dsv41Model(Module):
 
     EXPERT_KERNELS = ("exllamav3", "ours", "auto")
 
+    @torch.inference_mode()
     def choose_expert_kernels(self, row_counts: list[int], mode: str) -> tuple[str, str | None]:
         """Every fused layer's experts on ours or exllamav3's kernels per row count: `mode` as
         REMOTE_DRAFTER_EXL3_EXPERTS says (auto: the first layer timed on its own router's
-        choices, the same for every layer: they have the same shapes). (what serves, as status
-        says it; why ours cannot serve, or None)."""
+        choices, the same for every layer: they have the same shapes; ours: run once on them).
+        Ours failing there leaves exllamav3's kernels serving. (what serves, as status says it;
+        why ours cannot serve, or None)."""
         if mode not in self.EXPERT_KERNELS:
             raise ValueError(f"REMOTE_DRAFTER_EXL3_EXPERTS={mode!r}: one of {', '.join(self.EXPERT_KERNELS)}")
         fused = [layer for layer in self.layers if isinstance(layer.moe.experts, FusedExperts)]
         if not fused:
             return "not fused", None
         first = fused[0].moe.experts
-        if first.ours is None or mode == "exllamav3":
-            chosen = dict.fromkeys(row_counts, False)
-        elif mode == "ours":
-            chosen = dict.fromkeys(row_counts, True)
-        else:
-            chosen = first.faster_ours(fused[0].moe.routed_samples(row_counts))
+        chosen = dict.fromkeys(row_counts, False)
+        if first.ours is not None and mode != "exllamav3":
+            samples = fused[0].moe.routed_samples(row_counts)
+            try:  # our kernel compiles on its first call: a GPU or Triton it fails on is found here
+                if mode == "auto":
+                    chosen = first.faster_ours(samples)
+                else:
+                    for sample in samples:
+                        first.ours(*sample)
+                    chosen = dict.fromkeys(row_counts, True)
+            except Exception as exc:  # noqa: BLE001 - exllamav3's kernels serve, and status says why
+                for layer in fused:
+                    layer.moe.experts.ours = None
+                    layer.moe.experts.ours_refusal = f"it failed on this GPU: {type(exc).__name__}: {exc}"
         for layer in fused:
             layer.moe.experts.ours_at = dict(chosen) if layer.moe.experts.ours is not None else {}
         return first.describe(), first.ours_refusal
