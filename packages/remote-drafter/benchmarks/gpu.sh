@@ -57,8 +57,11 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       --profile "$OUT/exl3-moe-layer-profile.txt"
     exit
   fi
-  if [[ $ONLY_DRAFTER_ROUND == ab ]]; then  # =ab: the EXL3 round as served, exllamav3's fused
-    # experts against the kernels chosen at start-up (drafter_round.py --experts-ab)
+  if [[ $ONLY_DRAFTER_ROUND == ab ]]; then  # =ab: the fused experts' GPU tests (exllamav3's build,
+    # ~5 min, comes with them), then the EXL3 round as served, exllamav3's fused experts against
+    # the kernels chosen at start-up (drafter_round.py --experts-ab): one build for both
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_experts_gpu.py \
+      2>&1 | tail -5 | tee "$OUT/exl3-experts-pytest.txt" || echo "== tests failed (above); the timing goes on"
     python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
       --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
     exit
