@@ -44,6 +44,7 @@ from dsv41_gpu import (  # noqa: E402
     timed,
     width_config,
 )
+from exl3_moe_layer import exl3_linear, random_stored  # noqa: E402
 
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
@@ -58,6 +59,7 @@ CARD_3090 = 24 * 10**9
 BANDWIDTH_3090 = 936e9  # bytes/s, the card's datasheet figure
 BITS = 4
 HEAD_BITS = 6  # exllamav3's default for heads
+FLASH_EXL3_MANIFEST = Manifest(*["random-flash-exl3"] * 4, kind="dsv41")  # the random Flash-width EXL3 drafter
 GOALS = {"exl3_4": {1: 3.0, 4: 3.0, 16: 2.0}, "bf16": {1: 3.0, 4: 3.0, 16: 3.0}}  # x floor
 
 
@@ -72,19 +74,11 @@ def read_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
     return nbytes / (timed(lambda: x.sum(dtype=torch.float32), repeats, warm_up=2)["p50_ms"] / 1e3)
 
 
-def random_exl3(shape: tuple[int, int], bits: int, gen, device) -> exl3.Exl3Linear:
-    """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only)."""
-    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
+def random_exl3(shape: tuple[int, int], bits: int, gen) -> exl3.Exl3Linear:
+    """An EXL3 linear of `shape` [out, in] with random trellis bytes (timing and memory only),
+    stored padded as exllamav3 stores it."""
     n_out, n_in = shape
-    k, n = exl3.padded(n_in), exl3.padded(n_out)
-    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, 16 * bits), generator=gen,
-                            device=device, dtype=torch.int32).to(torch.int16)
-
-    def sign(m: int) -> torch.Tensor:
-        return (torch.randint(0, 2, (m,), generator=gen, device=device) * 2 - 1).half()
-    tensors = {"trellis": trellis, "suh": sign(k), "svh": sign(n) * n_in ** -0.5,
-               **codebook_markers({"mul1": True})}
-    return exl3.Exl3Linear(tensors, n_in, n_out, device)
+    return exl3_linear(random_stored(exl3.padded(n_in), exl3.padded(n_out), gen, bits), n_in, n_out)
 
 
 def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
@@ -95,10 +89,10 @@ def exl3_flash_model() -> tuple[Dsv41Model, dict[str, int]]:
     for name in linear_names(config):
         shape = table[name][0]
         if name.endswith(".attn.wo_a.weight"):
-            linears[name] = exl3.Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), BITS, gen, "cuda")
+            linears[name] = exl3.Exl3Groups([random_exl3((config.o_lora_rank, shape[1]), BITS, gen)
                                              for _ in range(config.o_groups)])
         else:
-            linears[name] = random_exl3(shape, BITS, gen, "cuda")
+            linears[name] = random_exl3(shape, BITS, gen)
     weights = {n: tiny.random_values(n, s, config, gen).to(torch.bfloat16)
                for n, (s, _) in table.items() if n not in linears}
     sizes = {n: t.numel() * t.element_size() for n, t in weights.items()}
@@ -113,7 +107,7 @@ def exl3_head_rounds(model: Dsv41Model, manifest, sizes, floors, batches, rounds
     (a captured round runs no Python router to record); the bf16 head put back after."""
     dense_head = model.head.proj
     shape = weight_table(model.config)["head.weight"][0]
-    model.head.proj = random_exl3(shape, HEAD_BITS, torch.Generator(device="cuda").manual_seed(2), "cuda")
+    model.head.proj = random_exl3(shape, HEAD_BITS, torch.Generator(device="cuda").manual_seed(2))
     change = model.head.proj.stored_bytes - sizes["head.weight"]
     head_floors = shifted(floors, [change] * len(floors), bandwidth)
     try:
@@ -307,8 +301,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     model, sizes = exl3_flash_model()
-    tag = "random-flash-exl3"
-    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    manifest = FLASH_EXL3_MANIFEST
     per_matrix = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, fuse_experts=False, dense_mib=0)
     e = res["exl3_4"] = {"linear_bytes": sum(b for n, b in sizes.items() if n in model.served),
                          "per_matrix_eager": rounds_of(per_matrix, sizes, batches, max(3, rounds // 4), bandwidth)}
@@ -412,8 +405,7 @@ def profile(batches: list[int], out: str, variant: str) -> None:
     if variant == "exl3_4":
         exl3.load_exllamav3(say)
         model, _ = exl3_flash_model()
-        tag = "random-flash-exl3"
-        manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+        manifest = FLASH_EXL3_MANIFEST
     else:
         drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
         model, manifest = drafter.model, drafter.manifest()
@@ -472,8 +464,7 @@ def experts_ab(batches: list[int], rounds: int, out: str) -> None:
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
     res["exllamav3"] = exl3.load_exllamav3(say).version
     model, sizes = exl3_flash_model()
-    tag = "random-flash-exl3"
-    manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind="dsv41")
+    manifest = FLASH_EXL3_MANIFEST
     eager = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=False, dense_mib=0)  # the floors' router
     floors = [round_floor(eager, sizes, b, bandwidth) for b in batches]
     del eager

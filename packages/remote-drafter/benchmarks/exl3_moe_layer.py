@@ -28,35 +28,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsv41_gpu import FLASH  # noqa: E402
-from round_phases import in_graph  # noqa: E402
+from round_phases import CHOSEN_SLOTS, in_graph  # noqa: E402
 
 from remote_drafter.models import exl3, exl3_triton  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
-CHOSEN = {5: 16, 20: 40, 80: 92}  # rows -> experts a Flash-width round chose (batch 1 / 4 / 16)
+# rows -> the experts a Flash-width round chose (batch 1 / 4 / 16 at top 8)
+CHOSEN = {slots // FLASH["dspark_num_experts_per_tok"]: chosen for chosen, slots in CHOSEN_SLOTS.values()}
 CONFIGS = list(itertools.product((4, 8, 16), (2, 4, 8)))  # (tile columns a program, warps)
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
 
-def random_stored(n_in: int, n_out: int, gen) -> Stored:
-    trellis = torch.randint(-2**15, 2**15, (n_in // 16, n_out // 16, 16 * exl3_triton.BITS), dtype=torch.int16,
+def random_stored(n_in: int, n_out: int, gen, bits: int = exl3_triton.BITS) -> Stored:
+    """An EXL3 linear of n_in x n_out (multiples of 16) with random trellis bytes (every pattern is
+    a valid trellis), suh signs and svh signs over sqrt(n_in), on CUDA: timing only."""
+    trellis = torch.randint(-2**15, 2**15, (n_in // 16, n_out // 16, 16 * bits), dtype=torch.int16,
                             device="cuda", generator=gen)
     suh = (torch.randint(0, 2, (n_in,), device="cuda", generator=gen) * 2 - 1).half()
     svh = ((torch.randint(0, 2, (n_out,), device="cuda", generator=gen) * 2 - 1) * n_in ** -0.5).half()
     return Stored(trellis, suh, svh)
 
 
+def exl3_linear(s: Stored, n_in: int | None = None, n_out: int | None = None) -> exl3.Exl3Linear:
+    """exllamav3's linear over s's tensors (no copy), serving n_in x n_out of them (default all)."""
+    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
+    stored_in, stored_out = s.trellis.shape[0] * 16, s.trellis.shape[1] * 16
+    return exl3.Exl3Linear({"trellis": s.trellis, "suh": s.suh, "svh": s.svh, **codebook_markers({"mul1": True})},
+                           n_in or stored_in, n_out or stored_out, "cuda")
+
+
 def exllamav3_layer(routed, shared, top_k: int):
     """exllamav3's fused kernels over the same tensors (Exl3Linears wrap them, no copy)."""
-    from exllamav3.modules.quant.exl3_lib.quantize import codebook_markers
-
     from remote_drafter.models.exl3_experts import Exl3Experts
-
-    def linear(s: Stored):
-        n_in, n_out = s.trellis.shape[0] * 16, s.trellis.shape[1] * 16
-        return exl3.Exl3Linear({"trellis": s.trellis, "suh": s.suh, "svh": s.svh,
-                                **codebook_markers({"mul1": True})}, n_in, n_out, "cuda")
-    return Exl3Experts([tuple(linear(s) for s in e) for e in routed], tuple(linear(s) for s in shared),
+    return Exl3Experts([tuple(exl3_linear(s) for s in e) for e in routed], tuple(exl3_linear(s) for s in shared),
                        top_k, LIMIT, "cuda")
 
 
@@ -70,7 +74,7 @@ def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torc
 
 def products_only(moe: TritonExl3Experts, x, weights, experts) -> callable:
     """The call's three grouped products alone (inputs prepared once, as the call prepares them)."""
-    experts = torch.cat([experts, torch.full_like(experts[:, :1], moe.experts)], 1)  # + the shared expert
+    _, experts = moe.with_shared(weights, experts)
     order, _, plan = moe.plan(experts)
     xs = x.half()[order // experts.shape[1]]
     act = torch.randn(len(xs), moe.down.in_features, device=x.device).half()

@@ -82,9 +82,9 @@ def test_fused_rounds_in_graphs_draft_as_per_matrix_eager_rounds(pack):
 def test_our_kernel_gives_the_per_matrix_sum_at_every_row_count(pack):
     per_matrix, fused = two_models(pack)
     c = fused.config
+    assert fused.choose_expert_kernels([1], "ours") == ("exl3 fused (ours at [1] rows, exllamav3's at no rows)", None)
     for layer in fused.layers:
         assert layer.moe.experts.ours is not None, layer.moe.experts.ours_refusal
-    assert fused.choose_expert_kernels([1], "ours") == ("exl3 fused (ours at [1] rows, exllamav3's at no rows)", None)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     # one row; a block; an expert's slots over two work items; above every bucket
     for rows in (1, c.block_size, 17, 2 * COOP_SLOTS + 3):

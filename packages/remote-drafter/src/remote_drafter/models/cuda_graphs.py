@@ -36,6 +36,18 @@ def no_collection():
             gc.enable()
 
 
+def side_stream_graph(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn() warmed up on a side stream, then captured there: (the graph, fn's output in it)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # warm-up before capture: lazy kernel choices and allocations
+    graph = torch.cuda.CUDAGraph()
+    with no_collection(), torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out
+
+
 class BucketGraphs:
     def __init__(self, fn: Callable, device: str):
         self.fn, self.device = fn, device

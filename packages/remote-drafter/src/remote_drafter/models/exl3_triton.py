@@ -31,6 +31,7 @@ ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor c
 NT_DEFAULT, WARPS_DEFAULT = 8, 4  # the product's defaults: tile columns a program, warps
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
+_MUL1 = tl.constexpr(MUL1)  # a kernel reads a global only as a constexpr
 
 # Inline PTX, a state ($1) to its fp16 weight ($0). mul1: the byte sum plus 0x6400 (dp4a against
 # 0x01010101, or vabsdiff4 against 0) whose low half is fp16 1024 + sum, then one fp16 fma; mcg:
@@ -96,7 +97,7 @@ def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
         state = cur & 0xFFFF
     else:
         state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
-    return decode(state, 0, DECODE)
+    return decode(state, _MUL1, DECODE)
 
 
 @triton.jit

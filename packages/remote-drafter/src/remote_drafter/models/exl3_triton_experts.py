@@ -146,12 +146,18 @@ class TritonExl3Experts:
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
         return order, flat[order], _Plan(items, counts, starts, self.sms, self.kernel, self.hadamard)
 
+    def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""
+        if not self.has_shared:
+            return weights, experts
+        rows = experts.shape[0]
+        every = torch.full((rows, 1), self.experts, dtype=experts.dtype, device=experts.device)
+        return (torch.cat([weights.float(), torch.ones((rows, 1), device=weights.device)], 1),
+                torch.cat([experts, every], 1))
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.has_shared:
-            every = torch.full((rows, 1), self.experts, dtype=experts.dtype, device=experts.device)
-            experts = torch.cat([experts, every], 1)
-            weights = torch.cat([weights.float(), torch.ones((rows, 1), device=weights.device)], 1)
+        weights, experts = self.with_shared(weights, experts)
         k = experts.shape[1]
         order, expert_of_slot, plan = self.plan(experts)
         xs = x.half()[order // k]

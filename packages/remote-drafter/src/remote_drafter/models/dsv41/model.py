@@ -211,6 +211,9 @@ class Dsv41Model(Module):
             return "not fused", None
         first = fused[0].moe.experts
         chosen = dict.fromkeys(row_counts, False)
+        if mode != "exllamav3":
+            for layer in fused:
+                layer.moe.experts.build_ours()
         if first.ours is not None and mode != "exllamav3":
             samples = fused[0].moe.routed_samples(row_counts)
             try:  # our kernel compiles on its first call: a GPU or Triton it fails on is found here

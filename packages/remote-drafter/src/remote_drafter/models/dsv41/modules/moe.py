@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from remote_drafter.models.cuda_graphs import no_collection
+from remote_drafter.models.cuda_graphs import side_stream_graph
 
 from .module import Dense, Module, Weights
 from .numerics import Numerics, relative_error, swiglu
@@ -131,16 +131,24 @@ class FusedExperts(Module):
     def __init__(self, per_matrix: PerMatrixExperts, shared, device, whole: bool = True):
         super().__init__(per_matrix.numerics)
         from remote_drafter.models.exl3_experts import Exl3Experts
-        from remote_drafter.models.exl3_triton_experts import TritonExl3Experts
         c = self.numerics.config
         self.per_matrix = per_matrix  # the kernels' pointer tables address these linears' tensors
         self.kernels = Exl3Experts(per_matrix.experts, shared, c.num_experts_per_tok, c.swiglu_limit, device,
                                    sorted_tier=whole)
-        try:  # ours is optional: whatever stops it leaves exllamav3's serving
-            self.ours, self.ours_refusal = TritonExl3Experts.of(per_matrix.experts, shared, c.swiglu_limit), None
-        except Exception as exc:  # noqa: BLE001 - recorded, shown in status
-            self.ours, self.ours_refusal = None, f"{type(exc).__name__}: {exc}"
+        self.shared = shared
+        self.ours, self.ours_refusal = None, None  # our kernel's layer once asked for (build_ours)
         self.ours_at: dict[int, bool] = {}  # row count -> whether ours serves it
+
+    def build_ours(self) -> None:
+        """Our kernel's layer over the same tensors, once: whatever stops it leaves exllamav3's
+        kernels serving, the reason in ours_refusal."""
+        if self.ours is not None or self.ours_refusal is not None:
+            return
+        from remote_drafter.models.exl3_triton_experts import TritonExl3Experts
+        try:
+            self.ours = TritonExl3Experts.of(self.per_matrix.experts, self.shared, self.numerics.config.swiglu_limit)
+        except Exception as exc:  # noqa: BLE001 - recorded, shown in status
+            self.ours_refusal = f"{type(exc).__name__}: {exc}"
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
         if self.ours is not None and self.ours_serves(flat.shape[0]):
@@ -158,26 +166,23 @@ class FusedExperts(Module):
         """For each sample call (rows, routing weights, chosen experts): whether ours ran it
         faster than exllamav3's kernels, each timed in a CUDA graph as a round runs it (the
         median of 20 replays)."""
-        return {flat.shape[0]: _graph_ms(lambda a=(flat, w, e): self.ours(*a)) <
-                _graph_ms(lambda a=(flat, w, e): self.kernels(*a)) for flat, w, e in samples}
+        dev = self.numerics.device
+        return {flat.shape[0]: _graph_ms(lambda a=(flat, w, e): self.ours(*a), dev) <
+                _graph_ms(lambda a=(flat, w, e): self.kernels(*a), dev) for flat, w, e in samples}
 
     def describe(self) -> str:
-        if self.ours is None:
+        if self.ours_refusal is not None:
             return f"exl3 fused (exllamav3's kernels; ours cannot serve: {self.ours_refusal})"
+        if self.ours is None:
+            return "exl3 fused (exllamav3's kernels)"
         ours = sorted(n for n, mine in self.ours_at.items() if mine) or "no"
         theirs = sorted(n for n, mine in self.ours_at.items() if not mine) or ("no" if self.ours_at else "all")
         return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows)"
 
 
-def _graph_ms(fn, replays: int = 20) -> float:
-    """ms of fn() captured in a CUDA graph: the median replay (after a warm-up call)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with no_collection(), torch.cuda.graph(graph, stream=stream):
-        fn()
+def _graph_ms(fn, device, replays: int = 20) -> float:
+    """ms of fn() captured in a CUDA graph: the median replay."""
+    graph, _ = side_stream_graph(fn, device)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -309,13 +314,7 @@ class MoE(Module):
 
 def captured(fn, device) -> torch.Tensor:
     """fn() captured in a CUDA graph on a side stream and replayed: its output then."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()  # warm-up before capture
-    graph = torch.cuda.CUDAGraph()
-    with no_collection(), torch.cuda.graph(graph, stream=stream):
-        out = fn()
+    graph, out = side_stream_graph(fn, device)
     graph.replay()
     torch.cuda.synchronize(device)
     return out.clone()
