@@ -58,7 +58,7 @@ class OneExpert:
         """fp32 [M, out] = x [M, in] (fp16, rotated already) @ the decoded weight [in, out]."""
         in_tiles, out_tiles = self.trellis.shape[:2]
         return exl3_triton.expert_products(x.contiguous(), self.items, self.table, self.counts, self.starts,
-                                           in_tiles * 16, out_tiles * 16, splits, nt=nt)
+                                           in_tiles * 16, out_tiles * 16, splits, nt=nt).sum(0)
 
     def linear(self, x: torch.Tensor, splits: int = 1, nt: int = 4) -> torch.Tensor:
         """fp16 [M, out] = x [M, in] @ the linear's weight: the rows rotated as exllamav3 rotates

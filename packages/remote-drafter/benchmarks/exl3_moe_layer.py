@@ -75,14 +75,13 @@ def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torc
 def products_only(moe: TritonExl3Experts, x, weights, experts) -> callable:
     """The call's three grouped products alone (inputs prepared once, as the call prepares them)."""
     _, experts = moe.with_shared(weights, experts)
-    order, _, plan = moe.plan(experts)
-    xs = x.half()[order // experts.shape[1]]
+    plan = moe.plan(experts)
+    xs = x.half()[plan.row_of_slot]
     act = torch.randn(len(xs), moe.down.in_features, device=x.device).half()
 
     def run():
         for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, act)):
-            exl3_triton.expert_products(rows, plan.items, p.table, plan.counts, plan.starts, p.in_features,
-                                        p.out_features, **plan.config(p.in_features, p.out_features))
+            p.partials(rows, plan)
     return run
 
 

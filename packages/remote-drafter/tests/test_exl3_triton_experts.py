@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # before Triton defines a kernel: it picks in
 pytest.importorskip("triton", reason="needs Triton: remote-drafter[test] installs it")
 
 from remote_drafter.models import exl3_format, exl3_triton  # noqa: E402
+from remote_drafter.models import exl3_triton_experts as layer_kernels  # noqa: E402
 from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts, refusal  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,7 +59,9 @@ def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
     assert items[0].tolist() == [0, 2, 2, 3, 4, 4] and items[1].tolist()[:4] == [0, 0, n, 0]
     got = exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), items, table, counts_on,
                                       torch.tensor(starts, dtype=torch.int32, device=DEVICE), 256, 256,
-                                      splits).cpu().numpy()
+                                      splits)
+    assert got.shape[0] == splits
+    got = got.sum(0).cpu().numpy()
     want = np.concatenate([x[s:s + c].astype(np.float64) @ exl3_format.decoded(t.cpu().numpy(), 4).astype(np.float64)
                            for t, c, s in zip(trellis, counts, starts)])
     assert got.shape == want.shape
@@ -92,6 +95,38 @@ def test_the_layer_is_the_routed_weighted_sum_plus_the_shared_expert(rows, offer
     assert got.shape == (rows, H) and got.dtype == np.float32
     # the product's rows are rounded to fp16 after each rotation and the activation, as exllamav3's
     assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
+
+
+def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
+    """The layer's kernels besides the product (the rows in, the activation, the combination)
+    against the same steps in torch (exl3_triton.rotated_in / rotated_out), on a split product."""
+    routed, shared, moe = layer(5, experts=3)
+    rng = np.random.default_rng(6)
+    rows, k, splits = 7, 2, 2
+    x = torch.from_numpy(rng.standard_normal((rows, H)).astype(np.float16)).to(DEVICE)
+    weights, experts = moe.with_shared(torch.from_numpy(rng.random((rows, k)).astype(np.float32)).to(DEVICE),
+                                       torch.from_numpy(np.stack([rng.choice(3, k, replace=False)
+                                                                  for _ in range(rows)])).to(DEVICE))
+    plan = moe.plan(experts)
+    e, had = plan.expert_of_slot, plan.hadamard
+    assert torch.equal(e[plan.slot_of], experts.reshape(-1))  # slot_of inverts the sort
+
+    def close(got, want, ulps):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert float((got.float() - want.float()).abs().max()) <= ulps * float(want.float().abs().max())
+
+    close(layer_kernels._rows_in(x, plan, moe.gate.suh), exl3_triton.rotated_in(x[plan.row_of_slot], moe.gate.suh[e], had),
+          2 ** -10)
+    g, u = (torch.from_numpy(rng.standard_normal((splits, len(e), INTER)).astype(np.float32)).to(DEVICE) for _ in "gu")
+    gate, up = (exl3_triton.rotated_out(p.sum(0), svh[e], had) for p, svh in ((g, moe.gate.svh), (u, moe.up.svh)))
+    act = (gate.sigmoid() * gate).clamp(max=LIMIT) * up.clamp(-LIMIT, LIMIT)
+    close(layer_kernels._activation(g, u, plan, moe.gate.svh, moe.up.svh, moe.down.suh, LIMIT),
+          exl3_triton.rotated_in(act.half(), moe.down.suh[e], had), 2 ** -9)
+    y = torch.from_numpy(rng.standard_normal((splits, len(e), H)).astype(np.float32)).to(DEVICE)
+    order = plan.slot_of.argsort()  # each slot's (row, choice)
+    slots = exl3_triton.rotated_out(y.sum(0), moe.down.svh[e], had) * weights.reshape(-1)[order][:, None]
+    want = torch.empty_like(slots).index_copy_(0, order, slots)
+    close(layer_kernels._combine(y, plan, weights, moe.down.svh), want.view(rows, k + 1, H).sum(1), 1e-5)
 
 
 def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():

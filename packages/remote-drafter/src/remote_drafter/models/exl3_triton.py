@@ -7,8 +7,8 @@ The product, for the 4-bit trellis our packs and exllamav3's conversions store (
 out[slot, n] = sum over k of x[slot, k] * decoded W_e[k, n], for the slots [start_e, start_e +
 count_e) of every expert e, x already rotated (the Hadamard rotations stay outside). The work
 is cut into items of 16 slots of one expert (`work_items`); a program takes one item, NT
-16-wide tile columns and a slice of the input (split K: partials written apart and summed by
-the caller, the same result every run). A step decodes one input tile's row of NT tiles: a
+16-wide tile columns and a slice of the input (split K: partials written apart, summed by
+the caller's next kernel in a fixed order, the same result every run). A step decodes one input tile's row of NT tiles: a
 tile's 32 words are its 32 lanes, and lane t's word holds the ends of weights 8t .. 8t + 7,
 whose 16-bit states reach back into word t - 1 (most significant bit first); weight 8t + i
 sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The
@@ -189,10 +189,11 @@ def max_items(slots: int, experts: int) -> int:
 def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
                     counts: torch.Tensor, starts: torch.Tensor, in_features: int, out_features: int,
                     splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
-    """fp32 [slots, out_features]: each slot's row of x (fp16 [slots, in_features], rotated,
-    sorted by expert) times its expert's decoded weight. items: work_items' (experts, first
-    rows); table: int64, the address of each expert's int16 trellis [in/16, out/16, 64];
-    counts and starts: int32, where each expert's slots lie in x (both indexed by expert)."""
+    """fp32 [splits, slots, out_features]: each slot's row of x (fp16 [slots, in_features],
+    rotated, sorted by expert) times its expert's decoded weight, a partial product per split of
+    the input (their sum is the product). items: work_items' (experts, first rows); table:
+    int64, the address of each expert's int16 trellis [in/16, out/16, 64]; counts and starts:
+    int32, where each expert's slots lie in x (both indexed by expert)."""
     in_tiles, out_tiles = in_features // 16, out_features // 16
     if x.dtype != torch.float16 or not x.is_contiguous() or x.shape[1:] != (in_features,):
         raise ValueError(f"x must be contiguous fp16 [slots, {in_features}], not {x.dtype} {tuple(x.shape)}")
@@ -207,7 +208,7 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
     _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
         x, experts, first_rows, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
         M=ITEM_ROWS, NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
-    return out.sum(0) if splits > 1 else out[0]
+    return out
 
 
 def hadamard(device) -> torch.Tensor:
@@ -219,7 +220,8 @@ def hadamard(device) -> torch.Tensor:
 def rotated_in(x: torch.Tensor, suh: torch.Tensor, had: torch.Tensor) -> torch.Tensor:
     """fp16 rows as the product takes them: x times suh (per input, or per row [rows, in]),
     each 128 inputs through the rotation `had`, in fp32 then rounded (as exllamav3's kernels
-    hand rotated rows on)."""
+    hand rotated rows on). In torch: one linear's rows (exl3_gemv.py), and what the MoE
+    layer's fused rotations are tested against."""
     rows = x.shape[0]
     return ((x.float() * suh.float()).view(rows, -1, exl3_format.HAD) @ had).view(rows, -1).half()
 

@@ -6,25 +6,34 @@ kernels), with no host synchronisation either, so a CUDA graph captures it:
 1. the (row, expert) slots sorted by expert on the device and cut into work items of up to 16
    slots of one expert, so that the kernel's grid spans the slots, not every expert, and an
    expert many rows chose (the shared one) is spread over as many programs;
-2. gate and up: each slot's row times suh and rotated (128-point Hadamard blocks), the grouped
-   product, rotated back and times svh; exllamav3's activation min(silu(g), L) · clamp(u),
-   rounded to fp16 as its kernels hand it on;
-3. down likewise, each slot's result times its routing weight, then each row's slots summed in
-   slot order (the same result every run).
+2. gate and up: each slot's row gathered, times its expert's suh and rotated (128-point
+   Hadamard blocks) in one kernel (`_rows_in_kernel`), then the grouped product;
+3. one kernel (`_activation_kernel`) per 16 slots and 128 intermediate columns: the split's
+   partial products summed, gate and up rotated back and times svh, exllamav3's activation
+   min(silu(g), L) · clamp(u) rounded to fp16 as its kernels hand it on, then times down's
+   suh and rotated: down's rows;
+4. down's grouped product, then one kernel (`_combine_kernel`) per row and 128 outputs: each
+   of the row's slots summed over the split, rotated back, times svh and its routing weight,
+   and the slots added in a fixed order (the same result every run).
 
-It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's conversions store);
-`refusal` says why not otherwise."""
+The rotations run in fp32 (`tl.dot` at IEEE precision, as exllamav3 rotates in fp32) inside
+those kernels: a rotation mixes only the 128 columns of its block, so each block is a program's
+own. It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's conversions
+store); `refusal` says why not otherwise."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-from torch.nn import functional as F
+import triton
+import triton.language as tl
 
 from . import exl3_format, exl3_triton
 
 HAD = exl3_format.HAD
+_HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
+SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
 
 
 class Stored(NamedTuple):
@@ -66,20 +75,23 @@ class _Projection:
         self.svh = torch.stack([s.svh for s in linears]).half()
         self.in_features, self.out_features = 16 * first.shape[0], 16 * first.shape[1]
 
-    def __call__(self, x: torch.Tensor, expert_of_slot: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """fp32 [slots, out]: x (fp16 [slots, in], sorted by expert) through each slot's expert."""
-        inner = exl3_triton.expert_products(exl3_triton.rotated_in(x, self.suh[expert_of_slot], plan.hadamard),
-                                            plan.items, self.table, plan.counts, plan.starts,
-                                            self.in_features, self.out_features,
-                                            **plan.config(self.in_features, self.out_features))
-        return exl3_triton.rotated_out(inner, self.svh[expert_of_slot], plan.hadamard)
+    def partials(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """fp32 [splits, slots, out]: x (fp16 [slots, in], rotated, sorted by expert) through each
+        slot's expert, a partial product per split of the input."""
+        return exl3_triton.expert_products(x, plan.items, self.table, plan.counts, plan.starts,
+                                           self.in_features, self.out_features,
+                                           **plan.config(self.in_features, self.out_features))
 
 
 class _Plan(NamedTuple):
-    """A call's slots by expert: `items` the work items (exl3_triton.work_items), `counts` and
-    `starts` where each expert's slots lie in the sorted order; `sms` the GPU's multiprocessors,
-    `kernel` the product's configuration (exl3_triton.expert_products' keywords but splits),
-    `hadamard` the rotation."""
+    """A call's slots by expert, on the device: `row_of_slot`, `expert_of_slot` for each slot in
+    sorted order, `slot_of` each (row, choice)'s slot in it; `items` the work items
+    (exl3_triton.work_items), `counts` and `starts` where each expert's slots lie; `sms` the
+    GPU's multiprocessors, `kernel` the product's configuration (exl3_triton.expert_products'
+    keywords but splits), `hadamard` the rotation."""
+    row_of_slot: torch.Tensor
+    expert_of_slot: torch.Tensor
+    slot_of: torch.Tensor
     items: tuple[torch.Tensor, torch.Tensor]
     counts: torch.Tensor
     starts: torch.Tensor
@@ -135,8 +147,8 @@ class TritonExl3Experts:
             return tuple(Stored(i.trellis, i.suh, i.svh) for i in inner)
         return cls([stored(e) for e in routed], None if shared is None else stored(shared), limit)
 
-    def plan(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _Plan]:
-        """(order: the slots sorted by expert, each sorted slot's expert, the plan), on the device."""
+    def plan(self, experts: torch.Tensor) -> _Plan:
+        """The slots of `experts` ([rows, k]) sorted by expert, on the device."""
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         total = self.experts + self.has_shared
@@ -144,7 +156,9 @@ class TritonExl3Experts:
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         starts = counts.cumsum(0, dtype=torch.int32) - counts
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
-        return order, flat[order], _Plan(items, counts, starts, self.sms, self.kernel, self.hadamard)
+        slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+        return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms, self.kernel,
+                     self.hadamard)
 
     def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""
@@ -156,15 +170,117 @@ class TritonExl3Experts:
                 torch.cat([experts, every], 1))
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
         weights, experts = self.with_shared(weights, experts)
-        k = experts.shape[1]
-        order, expert_of_slot, plan = self.plan(experts)
-        xs = x.half()[order // k]
-        g = self.gate(xs, expert_of_slot, plan)
-        u = self.up(xs, expert_of_slot, plan)
-        g = F.silu(g)
-        if self.limit:
-            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
-        y = self.down((g * u).half(), expert_of_slot, plan) * weights.reshape(-1)[order, None].float()
-        return torch.empty_like(y).index_copy_(0, order, y).view(rows, k, -1).sum(1)
+        plan = self.plan(experts)
+        x = x.contiguous()
+        g = self.gate.partials(_rows_in(x, plan, self.gate.suh), plan)
+        u = self.up.partials(_rows_in(x, plan, self.up.suh), plan)
+        y = self.down.partials(_activation(g, u, plan, self.gate.svh, self.up.svh, self.down.suh, self.limit), plan)
+        return _combine(y, plan, weights.float().contiguous(), self.down.svh)
+
+
+@triton.jit
+def _rotated(v, had_ptr):
+    """v [R, 128] (fp32) through the 128-point rotation, in fp32."""
+    i = tl.arange(0, _HAD)
+    return tl.dot(v, tl.load(had_ptr + i[:, None] * _HAD + i[None, :]), input_precision="ieee")
+
+
+@triton.jit
+def _summed(ptr, at, splits, stride, mask):
+    """The split's partials at offsets `at` (split p's at p·stride further) summed in split order."""
+    acc = tl.load(ptr + at, mask=mask, other=0.0)
+    for p in range(1, splits):
+        acc += tl.load(ptr + p * stride + at, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, had_ptr, out_ptr, slots, features,
+                    S: tl.constexpr):
+    """Program (slot block, 128-input block): out[slot] = x[the slot's row] (rounded to fp16, as
+    exllamav3's kernels take it) times its expert's suh, rotated, rounded to fp16."""
+    s = tl.program_id(0) * S + tl.arange(0, S)
+    live = s < slots
+    row = tl.load(row_of_slot_ptr + s, mask=live, other=0).to(tl.int64)
+    e = tl.load(expert_of_slot_ptr + s, mask=live, other=0).to(tl.int64)
+    cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
+    v = tl.load(x_ptr + row[:, None] * features + cols).to(tl.float16).to(tl.float32)
+    v *= tl.load(suh_ptr + e[:, None] * features + cols).to(tl.float32)
+    tl.store(out_ptr + s[:, None].to(tl.int64) * features + cols, _rotated(v, had_ptr).to(tl.float16),
+             mask=live[:, None] & (cols >= 0))
+
+
+@triton.jit
+def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr,
+                       had_ptr, out_ptr, limit, S: tl.constexpr, LIMITED: tl.constexpr):
+    """Program (slot block, 128-column block of the intermediate): gate's and up's partials
+    summed, rotated back, times svh; min(silu(g), limit) · clamp(u, ±limit) (LIMITED, else
+    silu(g) · u) rounded to fp16; times down's suh, rotated, rounded to fp16: down's rows."""
+    s = tl.program_id(0) * S + tl.arange(0, S)
+    live = s < slots
+    e = tl.load(expert_of_slot_ptr + s, mask=live, other=0).to(tl.int64)
+    cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
+    at = s[:, None].to(tl.int64) * features + cols
+    mask = live[:, None] & (cols >= 0)
+    per_expert = e[:, None] * features + cols
+    g = _rotated(_summed(g_ptr, at, splits, slots * features, mask), had_ptr)
+    g *= tl.load(svh_g_ptr + per_expert).to(tl.float32)
+    u = _rotated(_summed(u_ptr, at, splits, slots * features, mask), had_ptr)
+    u *= tl.load(svh_u_ptr + per_expert).to(tl.float32)
+    g = g * tl.sigmoid(g)
+    if LIMITED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = (g * u).to(tl.float16).to(tl.float32) * tl.load(suh_d_ptr + per_expert).to(tl.float32)
+    tl.store(out_ptr + at, _rotated(h, had_ptr).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_ptr, weights_ptr, svh_ptr, had_ptr,
+                    out_ptr, k, K: tl.constexpr):
+    """Program (row, 128-output block): each of the row's k slots summed over the split, rotated
+    back, times svh and its routing weight; the slots added (fp32)."""
+    r = tl.program_id(0)
+    j = tl.arange(0, K)
+    live = j < k
+    slot = tl.load(slot_of_ptr + r * k + j, mask=live, other=0).to(tl.int64)
+    e = tl.load(expert_of_slot_ptr + slot, mask=live, other=0).to(tl.int64)
+    w = tl.load(weights_ptr + r * k + j, mask=live, other=0.0)
+    cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
+    y = _rotated(_summed(y_ptr, slot[:, None] * features + cols, splits, slots * features,
+                         live[:, None] & (cols >= 0)), had_ptr)
+    y *= tl.load(svh_ptr + e[:, None] * features + cols).to(tl.float32) * w[:, None]
+    tl.store(out_ptr + r.to(tl.int64) * features + cols, tl.sum(y, 0)[None, :])
+
+
+def _rows_in(x: torch.Tensor, plan: _Plan, suh: torch.Tensor) -> torch.Tensor:
+    """fp16 [slots, in]: each slot's row of x times its expert's suh ([experts, in]), rotated."""
+    slots, features = len(plan.row_of_slot), x.shape[1]
+    out = torch.empty((slots, features), dtype=torch.float16, device=x.device)
+    _rows_in_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
+        x, plan.row_of_slot, plan.expert_of_slot, suh, plan.hadamard, out, slots, features, S=SLOT_BLOCK)
+    return out
+
+
+def _activation(g: torch.Tensor, u: torch.Tensor, plan: _Plan, svh_g: torch.Tensor, svh_u: torch.Tensor,
+                suh_d: torch.Tensor, limit: float) -> torch.Tensor:
+    """fp16 [slots, intermediate]: down's rows from gate's and up's partials ([splits, slots, I])."""
+    splits, slots, features = g.shape
+    out = torch.empty((slots, features), dtype=torch.float16, device=g.device)
+    _activation_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
+        g, u, splits, slots, features, plan.expert_of_slot, svh_g, svh_u, suh_d, plan.hadamard, out, limit,
+        S=SLOT_BLOCK, LIMITED=bool(limit))
+    return out
+
+
+def _combine(y: torch.Tensor, plan: _Plan, weights: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows, out]: each row's slots of down's partials ([splits, slots, out]), rotated back,
+    times svh and the routing weights (fp32 [rows, k]), summed."""
+    splits, slots, features = y.shape
+    rows, k = weights.shape
+    out = torch.empty((rows, features), dtype=torch.float32, device=y.device)
+    _combine_kernel[(rows, features // HAD)](
+        y, splits, slots, features, plan.slot_of, plan.expert_of_slot, weights, svh, plan.hadamard, out, k,
+        K=max(SLOT_BLOCK, triton.next_power_of_2(k)))
+    return out
