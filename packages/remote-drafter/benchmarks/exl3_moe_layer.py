@@ -7,8 +7,8 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
 drafter_round.py). Per row count: ours at every kernel configuration tried (tile columns a
-program, warps), the best kept, and its three grouped
-products alone; exllamav3's (when it loads); their relative difference; and the bytes of
+program, warps), the best kept, then each way of rotating (ROTATIONS) at it, and its three
+grouped products alone; exllamav3's (when it loads); their relative difference; and the bytes of
 trellis the call must read (each chosen expert once and the shared one) over each time.
 Prints a line per row count and writes JSON (--out).
 
@@ -31,7 +31,7 @@ from dsv41_gpu import FLASH  # noqa: E402
 from round_phases import CHOSEN_SLOTS, in_graph  # noqa: E402
 
 from remote_drafter.models import exl3, exl3_triton  # noqa: E402
-from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
+from remote_drafter.models.exl3_triton_experts import ROTATIONS, Stored, TritonExl3Experts  # noqa: E402
 
 # rows -> the experts a Flash-width round chose (batch 1 / 4 / 16 at top 8)
 CHOSEN = {slots // FLASH["dspark_num_experts_per_tok"]: chosen for chosen, slots in CHOSEN_SLOTS.values()}
@@ -148,9 +148,16 @@ def main(argv=None) -> int:
                            "ms": in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3})
         best = min(trials, key=lambda t: t["ms"])
         ours.kernel = {"nt": best["nt"], "num_warps": best["num_warps"]}
+        rotations = {}  # the rotations' ways at the best configuration
+        for way in sorted(ROTATIONS):
+            ours.rotation = way
+            rotations[way] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
+        ours.rotation = min(rotations, key=rotations.get)
+        ms = rotations[ours.rotation]
         read = (chosen + 1) * expert_bytes
-        row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": best["ms"],
-               "ours_config": ours.kernel, "ours_gb_s": read / best["ms"] / 1e6,
+        row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": ms,
+               "ours_config": {**ours.kernel, "rotation": ours.rotation}, "ours_rotations_ms": rotations,
+               "ours_gb_s": read / ms / 1e6,
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "trials": trials}
         if theirs is not None:

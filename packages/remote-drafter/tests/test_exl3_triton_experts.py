@@ -97,10 +97,12 @@ def test_the_layer_is_the_routed_weighted_sum_plus_the_shared_expert(rows, offer
     assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
 
 
-def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
+@pytest.mark.parametrize("rotation", sorted(layer_kernels.ROTATIONS))
+def test_the_fused_rotations_equal_torchs_rotations_around_the_product(rotation):
     """The layer's kernels besides the product (the rows in, the activation, the combination)
     against the same steps in torch (exl3_triton.rotated_in / rotated_out), on a split product."""
     routed, shared, moe = layer(5, experts=3)
+    moe.rotation = rotation
     rng = np.random.default_rng(6)
     rows, k, splits = 7, 2, 2
     x = torch.from_numpy(rng.standard_normal((rows, H)).astype(np.float16)).to(DEVICE)
@@ -108,7 +110,7 @@ def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
                                        torch.from_numpy(np.stack([rng.choice(3, k, replace=False)
                                                                   for _ in range(rows)])).to(DEVICE))
     plan = moe.plan(experts)
-    e, had = plan.expert_of_slot, plan.hadamard
+    e, had = plan.expert_of_slot, exl3_triton.hadamard(DEVICE)
     assert torch.equal(e[plan.slot_of], experts.reshape(-1))  # slot_of inverts the sort
 
     def close(got, want, ulps):
@@ -122,7 +124,8 @@ def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
     act = (gate.sigmoid() * gate).clamp(max=LIMIT) * up.clamp(-LIMIT, LIMIT)
     close(layer_kernels._activation(g, u, plan, moe.gate.svh, moe.up.svh, moe.down.suh, LIMIT),
           exl3_triton.rotated_in(act.half(), moe.down.suh[e], had), 2 ** -9)
-    y = torch.from_numpy(rng.standard_normal((splits, len(e), H)).astype(np.float32)).to(DEVICE)
+    # down's sums past fp16's range (the split rotation scales each row into it)
+    y = torch.from_numpy(rng.standard_normal((splits, len(e), H)).astype(np.float32) * 3e5).to(DEVICE)
     order = plan.slot_of.argsort()  # each slot's (row, choice)
     slots = exl3_triton.rotated_out(y.sum(0), moe.down.svh[e], had) * weights.reshape(-1)[order][:, None]
     want = torch.empty_like(slots).index_copy_(0, order, slots)

@@ -88,7 +88,7 @@ class _Plan(NamedTuple):
     sorted order, `slot_of` each (row, choice)'s slot in it; `items` the work items
     (exl3_triton.work_items), `counts` and `starts` where each expert's slots lie; `sms` the
     GPU's multiprocessors, `kernel` the product's configuration (exl3_triton.expert_products'
-    keywords but splits), `hadamard` the rotation."""
+    keywords but splits), `hadamard` the rotation as `rot` (ROTATIONS) takes it."""
     row_of_slot: torch.Tensor
     expert_of_slot: torch.Tensor
     slot_of: torch.Tensor
@@ -98,6 +98,7 @@ class _Plan(NamedTuple):
     sms: int
     kernel: dict
     hadamard: torch.Tensor
+    rot: int
 
     def config(self, in_features: int, out_features: int) -> dict:
         """The kernel's configuration and its split of the input: enough programs to fill the
@@ -131,7 +132,9 @@ class TritonExl3Experts:
         self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self.hadamard = exl3_triton.hadamard(device)
+        self.rotation = "split_fp16"  # how the kernels rotate (ROTATIONS; a benchmark may try the other)
+        had = exl3_triton.hadamard(device)
+        self.hadamards = {"tf32x3": had, "split_fp16": (had * HAD ** 0.5).round().half()}
 
     @classmethod
     def of(cls, routed: list, shared, limit: float | None) -> TritonExl3Experts:
@@ -158,7 +161,7 @@ class TritonExl3Experts:
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
         slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
         return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms, self.kernel,
-                     self.hadamard)
+                     self.hadamards[self.rotation], ROTATIONS[self.rotation])
 
     def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""
@@ -179,11 +182,29 @@ class TritonExl3Experts:
         return _combine(y, plan, weights.float().contiguous(), self.down.svh)
 
 
+ROTATIONS = {"tf32x3": 0, "split_fp16": 1}  # how the kernels rotate (both near fp32; the faster serves)
+_RSQRT_HAD = tl.constexpr(float(HAD) ** -0.5)
+
+
 @triton.jit
-def _rotated(v, had_ptr):
-    """v [R, 128] (fp32) through the 128-point rotation, in fp32."""
+def _rotated(v, had_ptr, ROT: tl.constexpr):
+    """v [R, 128] (fp32) through the 128-point rotation, near fp32 precision on the tensor cores.
+    ROT 0: had_ptr the rotation (fp32), tf32 in three products. ROT 1: had_ptr its signs (fp16
+    ±1, exact): each row scaled by a power of two that puts its largest entry in [2**14, 2**15),
+    split into two fp16 parts (22 significant bits), both multiplied by the signs with fp32
+    sums, then scaled back over sqrt(128)."""
     i = tl.arange(0, _HAD)
-    return tl.dot(v, tl.load(had_ptr + i[:, None] * _HAD + i[None, :]), input_precision="ieee")
+    if ROT == 0:
+        return tl.dot(v, tl.load(had_ptr + i[:, None] * _HAD + i[None, :]), input_precision="tf32x3")
+    else:
+        e = tl.maximum((tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23), 15)  # the biased exponent
+        scale = ((268 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2 ** (14 - exponent)
+        back = ((e - 14) << 23).to(tl.float32, bitcast=True)[:, None] * _RSQRT_HAD
+        v = v * scale
+        hi = v.to(tl.float16)
+        lo = (v - hi.to(tl.float32)).to(tl.float16)
+        signs = tl.load(had_ptr + i[:, None] * _HAD + i[None, :])
+        return tl.dot(lo, signs, tl.dot(hi, signs)) * back
 
 
 @triton.jit
@@ -197,7 +218,7 @@ def _summed(ptr, at, splits, stride, mask):
 
 @triton.jit
 def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, had_ptr, out_ptr, slots, features,
-                    S: tl.constexpr):
+                    S: tl.constexpr, ROT: tl.constexpr):
     """Program (slot block, 128-input block): out[slot] = x[the slot's row] (rounded to fp16, as
     exllamav3's kernels take it) times its expert's suh, rotated, rounded to fp16."""
     s = tl.program_id(0) * S + tl.arange(0, S)
@@ -207,13 +228,13 @@ def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, had_ptr
     cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
     v = tl.load(x_ptr + row[:, None] * features + cols).to(tl.float16).to(tl.float32)
     v *= tl.load(suh_ptr + e[:, None] * features + cols).to(tl.float32)
-    tl.store(out_ptr + s[:, None].to(tl.int64) * features + cols, _rotated(v, had_ptr).to(tl.float16),
+    tl.store(out_ptr + s[:, None].to(tl.int64) * features + cols, _rotated(v, had_ptr, ROT).to(tl.float16),
              mask=live[:, None] & (cols >= 0))
 
 
 @triton.jit
 def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr,
-                       had_ptr, out_ptr, limit, S: tl.constexpr, LIMITED: tl.constexpr):
+                       had_ptr, out_ptr, limit, S: tl.constexpr, LIMITED: tl.constexpr, ROT: tl.constexpr):
     """Program (slot block, 128-column block of the intermediate): gate's and up's partials
     summed, rotated back, times svh; min(silu(g), limit) · clamp(u, ±limit) (LIMITED, else
     silu(g) · u) rounded to fp16; times down's suh, rotated, rounded to fp16: down's rows."""
@@ -224,21 +245,21 @@ def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr
     at = s[:, None].to(tl.int64) * features + cols
     mask = live[:, None] & (cols >= 0)
     per_expert = e[:, None] * features + cols
-    g = _rotated(_summed(g_ptr, at, splits, slots * features, mask), had_ptr)
+    g = _rotated(_summed(g_ptr, at, splits, slots * features, mask), had_ptr, ROT)
     g *= tl.load(svh_g_ptr + per_expert).to(tl.float32)
-    u = _rotated(_summed(u_ptr, at, splits, slots * features, mask), had_ptr)
+    u = _rotated(_summed(u_ptr, at, splits, slots * features, mask), had_ptr, ROT)
     u *= tl.load(svh_u_ptr + per_expert).to(tl.float32)
     g = g * tl.sigmoid(g)
     if LIMITED:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = (g * u).to(tl.float16).to(tl.float32) * tl.load(suh_d_ptr + per_expert).to(tl.float32)
-    tl.store(out_ptr + at, _rotated(h, had_ptr).to(tl.float16), mask=mask)
+    tl.store(out_ptr + at, _rotated(h, had_ptr, ROT).to(tl.float16), mask=mask)
 
 
 @triton.jit
 def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_ptr, weights_ptr, svh_ptr, had_ptr,
-                    out_ptr, k, K: tl.constexpr):
+                    out_ptr, k, K: tl.constexpr, ROT: tl.constexpr):
     """Program (row, 128-output block): each of the row's k slots summed over the split, rotated
     back, times svh and its routing weight; the slots added (fp32)."""
     r = tl.program_id(0)
@@ -249,7 +270,7 @@ def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_
     w = tl.load(weights_ptr + r * k + j, mask=live, other=0.0)
     cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
     y = _rotated(_summed(y_ptr, slot[:, None] * features + cols, splits, slots * features,
-                         live[:, None] & (cols >= 0)), had_ptr)
+                         live[:, None] & (cols >= 0)), had_ptr, ROT)
     y *= tl.load(svh_ptr + e[:, None] * features + cols).to(tl.float32) * w[:, None]
     tl.store(out_ptr + r.to(tl.int64) * features + cols, tl.sum(y, 0)[None, :])
 
@@ -259,7 +280,8 @@ def _rows_in(x: torch.Tensor, plan: _Plan, suh: torch.Tensor) -> torch.Tensor:
     slots, features = len(plan.row_of_slot), x.shape[1]
     out = torch.empty((slots, features), dtype=torch.float16, device=x.device)
     _rows_in_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
-        x, plan.row_of_slot, plan.expert_of_slot, suh, plan.hadamard, out, slots, features, S=SLOT_BLOCK)
+        x, plan.row_of_slot, plan.expert_of_slot, suh, plan.hadamard, out, slots, features, S=SLOT_BLOCK,
+        ROT=plan.rot)
     return out
 
 
@@ -270,7 +292,7 @@ def _activation(g: torch.Tensor, u: torch.Tensor, plan: _Plan, svh_g: torch.Tens
     out = torch.empty((slots, features), dtype=torch.float16, device=g.device)
     _activation_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
         g, u, splits, slots, features, plan.expert_of_slot, svh_g, svh_u, suh_d, plan.hadamard, out, limit,
-        S=SLOT_BLOCK, LIMITED=bool(limit))
+        S=SLOT_BLOCK, LIMITED=bool(limit), ROT=plan.rot)
     return out
 
 
@@ -282,5 +304,5 @@ def _combine(y: torch.Tensor, plan: _Plan, weights: torch.Tensor, svh: torch.Ten
     out = torch.empty((rows, features), dtype=torch.float32, device=y.device)
     _combine_kernel[(rows, features // HAD)](
         y, splits, slots, features, plan.slot_of, plan.expert_of_slot, weights, svh, plan.hadamard, out, k,
-        K=max(SLOT_BLOCK, triton.next_power_of_2(k)))
+        K=max(SLOT_BLOCK, triton.next_power_of_2(k)), ROT=plan.rot)
     return out
