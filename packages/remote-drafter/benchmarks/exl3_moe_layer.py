@@ -6,10 +6,11 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
-drafter_round.py). Per row count: ours at every kernel configuration tried (tile columns a
-program, warps), the best kept, then each way of rotating (ROTATIONS) at it, and its three
-grouped products alone; exllamav3's (when it loads); their relative difference; and the bytes of
-trellis the call must read (each chosen expert once and the shared one) over each time.
+drafter_round.py). Per row count: ours tuned as a worker tunes it (TritonExl3Experts.tune: the
+fastest of its CONFIGS, each one's time kept), then each way of rotating (ROTATIONS) at it, and
+its three grouped products alone (as the layer splits the input, and split 1 to 16 ways);
+exllamav3's (when it loads); their relative difference; and the bytes of trellis the call must
+read (each chosen expert once and the shared one) over each time.
 Prints a line per row count and writes JSON (--out).
 
     source tools/gpu-env.sh .whl   # exllamav3 1.6.5 and its needs for its side (else ours alone)
@@ -19,7 +20,6 @@ Prints a line per row count and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -35,8 +35,8 @@ from remote_drafter.models.exl3_triton_experts import ROTATIONS, Stored, TritonE
 
 # rows -> the experts a Flash-width round chose (batch 1 / 4 / 16 at top 8)
 CHOSEN = {slots // FLASH["dspark_num_experts_per_tok"]: chosen for chosen, slots in CHOSEN_SLOTS.values()}
-CONFIGS = list(itertools.product((4, 8, 16), (2, 4, 8)))  # (tile columns a program, warps)
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
+SPLITS = (1, 2, 4, 8, 16)  # the products' input splits timed beside the layer's own choice
 
 
 def random_stored(n_in: int, n_out: int, gen, bits: int = exl3_triton.BITS) -> Stored:
@@ -72,8 +72,9 @@ def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torc
     return weights.cuda(), picks.cuda()
 
 
-def products_only(moe: TritonExl3Experts, x, weights, experts) -> callable:
-    """The call's three grouped products alone (inputs prepared once, as the call prepares them)."""
+def products_only(moe: TritonExl3Experts, x, weights, experts, splits: int | None = None) -> callable:
+    """The call's three grouped products alone (inputs prepared once, as the call prepares them),
+    the input split as the layer splits it or into `splits`."""
     _, experts = moe.with_shared(weights, experts)
     plan = moe.plan(experts)
     xs = x.half()[plan.row_of_slot]
@@ -81,7 +82,9 @@ def products_only(moe: TritonExl3Experts, x, weights, experts) -> callable:
 
     def run():
         for p, rows in ((moe.gate, xs), (moe.up, xs), (moe.down, act)):
-            p.partials(rows, plan)
+            config = plan.config(p.in_features, p.out_features)
+            exl3_triton.expert_products(rows, plan.items, p.table, plan.counts, plan.starts, p.in_features,
+                                        p.out_features, **{**config, "splits": splits or config["splits"]})
     return run
 
 
@@ -141,14 +144,9 @@ def main(argv=None) -> int:
         weights, picks = routing(rows, chosen, experts, top_k, cpu_gen)
         x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
         call = (x, weights, picks)
-        trials = []
-        for nt, w in CONFIGS:
-            ours.kernel = {"nt": nt, "num_warps": w}
-            trials.append({"nt": nt, "num_warps": w,
-                           "ms": in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3})
-        best = min(trials, key=lambda t: t["ms"])
-        ours.kernel = {"nt": best["nt"], "num_warps": best["num_warps"]}
-        rotations = {}  # the rotations' ways at the best configuration
+        tuned = ours.tune([call])[rows]  # as a worker tunes it at start-up
+        trials = [{**config, "ms": ms} for config, ms in zip(ours.CONFIGS, tuned["trials"])]
+        rotations = {}  # the rotations' ways at the tuned configuration
         for way in sorted(ROTATIONS):
             ours.rotation = way
             rotations[way] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
@@ -156,9 +154,11 @@ def main(argv=None) -> int:
         ms = rotations[ours.rotation]
         read = (chosen + 1) * expert_bytes
         row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": ms,
-               "ours_config": {**ours.kernel, "rotation": ours.rotation}, "ours_rotations_ms": rotations,
+               "ours_config": {**tuned["config"], "rotation": ours.rotation}, "ours_rotations_ms": rotations,
                "ours_gb_s": read / ms / 1e6,
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
+               "products_ms_by_splits": {n: in_graph(products_only(ours, *call, n), args.replays, calls=1) / 1e3
+                                          for n in SPLITS},
                "trials": trials}
         if theirs is not None:
             mine = ours(x, weights, picks)

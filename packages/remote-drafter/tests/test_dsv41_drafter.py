@@ -404,25 +404,26 @@ def test_a_capture_collects_dead_cycles_first_and_none_during_it():
 
 @pytest.mark.parametrize("mode", ["ours", "auto"])
 def test_our_expert_kernel_failing_at_start_up_leaves_exllamav3s_serving(folders, mode):
-    """Dsv41Model.choose_expert_kernels runs our kernel on the layer's own routing first (auto:
-    timed in CUDA graphs, which this CPU has none of; ours: once): an exception there leaves
-    exllamav3's kernels serving every layer and says why. The fused layers are stand-ins here
-    (exllamav3 needs CUDA; the GPU tier runs the real ones)."""
+    """Dsv41Model.choose_expert_kernels tunes our kernel on the layer's own routing first (in
+    CUDA graphs; auto then times exllamav3's against it): an exception there leaves exllamav3's
+    kernels serving every layer and says why. The fused layers are stand-ins here (exllamav3
+    needs CUDA; the GPU tier runs the real ones)."""
     from remote_drafter.models.dsv41.modules.moe import FusedExperts
     model = load_drafter("dsv41:" + folders["dsv41"], folders["target"]).model
     calls = []
 
-    def failing(flat, weights, experts):
-        calls.append(flat.shape[0])
-        raise RuntimeError("no kernel for this GPU")
+    class Failing:
+        def tune(self, samples):
+            calls.append([x.shape[0] for x, _, _ in samples])
+            raise RuntimeError("no kernel for this GPU")
     for layer in model.layers:
         stand_in = object.__new__(FusedExperts)
-        stand_in.ours, stand_in.ours_refusal, stand_in.ours_at = failing, None, {}
+        stand_in.ours, stand_in.ours_refusal, stand_in.ours_at = Failing(), None, {}
         layer.moe.experts = stand_in
     with pytest.raises(ValueError, match="REMOTE_DRAFTER_EXL3_EXPERTS='fastest'"):
         model.choose_expert_kernels([5], "fastest")
     described, why = model.choose_expert_kernels([5, 10], mode)
-    assert why is not None and why.startswith("it failed on this GPU")
+    assert why == "it failed on this GPU: RuntimeError: no kernel for this GPU"
     assert described.startswith("exl3 fused (exllamav3's kernels; ours cannot serve: it failed on this GPU")
     assert all(layer.moe.experts.ours is None and layer.moe.experts.ours_at == {} for layer in model.layers)
-    assert calls == ([5] if mode == "ours" else [])  # auto fails before: no CUDA stream to time on
+    assert calls == [[5, 10]]  # the first layer tuned, on both row counts

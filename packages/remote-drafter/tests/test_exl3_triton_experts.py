@@ -159,3 +159,13 @@ def test_what_the_kernel_does_not_decode_is_refused_by_name():
     with pytest.raises(ValueError, match="not multiples of 128"):
         TritonExl3Experts(narrow, None, LIMIT)
     assert "mul1" in refusal(unchained[0][:1], mul1=False)
+
+
+def test_a_call_takes_the_configuration_tuned_at_the_fewest_rows_at_or_above_its_own():
+    _, _, moe = layer(7, experts=2, shared=False)
+    assert moe.config_at(3) == moe.kernel  # nothing tuned yet
+    five, twenty = moe.CONFIGS[0], moe.CONFIGS[-1]
+    moe.tuned = {5: five, 20: twenty}
+    assert [moe.config_at(n) for n in (1, 5, 6, 20, 80)] == [five, five, twenty, twenty, twenty]
+    assert moe.plan(torch.zeros((6, 2), dtype=torch.int64, device=DEVICE)).kernel == twenty
+    assert all(set(c) == set(moe.kernel) for c in moe.CONFIGS)  # every configuration a plan can take

@@ -88,13 +88,14 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
     "(per matrix: each served expert on every row).")
 REMOTE_DRAFTER_EXL3_EXPERTS = EnvVar(
-    "REMOTE_DRAFTER_EXL3_EXPERTS", "exllamav3",
+    "REMOTE_DRAFTER_EXL3_EXPERTS", "auto",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: what runs each MoE layer's experts. "
     "exllamav3 = its fused kernels at every row count; ours = our Triton kernel (each chosen "
-    "expert decoded once for every 16 rows that chose it, on the tensor cores) at every row "
-    "count; auto = both timed at start-up at the row counts the rounds run, the faster serving "
-    "each (status `experts`). Ours serves 4-bit mul1 packs with unpadded dimensions; otherwise "
-    "exllamav3's kernels do, with a warning.")
+    "expert decoded once for every 16 rows that chose it, on the tensor cores; its configuration "
+    "tuned at start-up per row count the rounds run) at every row count; auto = ours tuned, "
+    "then both timed at those row counts, the faster serving each (status `experts`). Ours "
+    "serves 4-bit mul1 packs with unpadded dimensions; otherwise exllamav3's kernels do, with a "
+    "warning.")
 REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "REMOTE_DRAFTER_EXL3_DENSE_MIB", "1024",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: GPU memory (MiB) for dense fp16 copies of "

@@ -48,6 +48,20 @@ def side_stream_graph(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+def graph_ms(fn, device, replays: int = 20) -> float:
+    """ms of fn() captured in a CUDA graph (side_stream_graph): the median replay."""
+    graph, _ = side_stream_graph(fn, device)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 class BucketGraphs:
     def __init__(self, fn: Callable, device: str):
         self.fn, self.device = fn, device

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import exl3_format, exl3_triton
+from .cuda_graphs import graph_ms
 
 HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
@@ -87,8 +88,8 @@ class _Plan(NamedTuple):
     """A call's slots by expert, on the device: `row_of_slot`, `expert_of_slot` for each slot in
     sorted order, `slot_of` each (row, choice)'s slot in it; `items` the work items
     (exl3_triton.work_items), `counts` and `starts` where each expert's slots lie; `sms` the
-    GPU's multiprocessors, `kernel` the product's configuration (exl3_triton.expert_products'
-    keywords but splits), `hadamard` the rotation as `rot` (ROTATIONS) takes it."""
+    GPU's multiprocessors, `kernel` the product's configuration for this call's row count
+    (TritonExl3Experts.CONFIGS' form), `hadamard` the rotation as `rot` (ROTATIONS) takes it."""
     row_of_slot: torch.Tensor
     expert_of_slot: torch.Tensor
     slot_of: torch.Tensor
@@ -101,25 +102,32 @@ class _Plan(NamedTuple):
     rot: int
 
     def config(self, in_features: int, out_features: int) -> dict:
-        """The kernel's configuration and its split of the input: enough programs to fill the
-        GPU, counting every work item the call may have (the bound, as the routing is not read
-        on the host; an item without slots returns at once), each split at least 8 input tiles
-        (the partials are summed afterwards)."""
+        """exl3_triton.expert_products' configuration for one projection: the plan's tile
+        columns a program and warps, and a split of the input into enough programs to reach
+        `fill` a multiprocessor, counting every work item the call may have (the bound, as the
+        routing is not read on the host; an item without slots returns at once), each split at
+        least 8 input tiles (the partials are summed afterwards)."""
         nt = self.kernel["nt"]
         while (out_features // 16) % nt:  # a narrower weight: fewer tile columns a program
             nt //= 2
         programs = out_features // (16 * nt) * len(self.items[0])
         splits = 1
-        while programs * splits < 8 * self.sms and (in_features // 16) % (2 * splits) == 0 \
+        while programs * splits < self.kernel["fill"] * self.sms and (in_features // 16) % (2 * splits) == 0 \
                 and in_features // 16 // (2 * splits) >= 8:
             splits *= 2
-        return {**self.kernel, "nt": nt, "splits": splits}
+        return {"nt": nt, "num_warps": self.kernel["num_warps"], "splits": splits}
 
 
 class TritonExl3Experts:
     """Layer j's MoE in EXL3 on our kernel: call with x [rows, H], the routing (weights
     [rows, k], chosen experts [rows, k] int64) -> [rows, H] float32, routed sum plus the shared
-    expert."""
+    expert. The product's configuration per row count is `tuned`'s at the fewest rows it holds
+    at or above the call's (past them all, the most's; `kernel` while it holds none)."""
+
+    # what a worker times at start-up per row count (FusedExperts.tune_ours): tile columns a
+    # program and warps, and `fill`, the programs a multiprocessor the input's split aims at
+    CONFIGS = [{"nt": nt, "num_warps": warps, "fill": fill} for nt, warps in ((4, 2), (8, 4), (16, 4))
+               for fill in (8, 32, 128)]
 
     def __init__(self, routed: list[tuple[Stored, Stored, Stored]], shared: tuple[Stored, Stored, Stored] | None,
                  limit: float | None):
@@ -129,7 +137,8 @@ class TritonExl3Experts:
             raise ValueError("EXL3 experts cannot run on our kernel: gate, up and down shapes do not chain")
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
-        self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT}  # the product's configuration (a benchmark may try others)
+        self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT, "fill": 8}  # untuned
+        self.tuned: dict[int, dict] = {}  # row count -> the product's configuration timed fastest there
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.rotation = "split_fp16"  # how the kernels rotate (ROTATIONS; a benchmark may try the other)
@@ -160,8 +169,32 @@ class TritonExl3Experts:
         starts = counts.cumsum(0, dtype=torch.int32) - counts
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
         slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
-        return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms, self.kernel,
-                     self.hadamards[self.rotation], ROTATIONS[self.rotation])
+        return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms,
+                     self.config_at(experts.shape[0]), self.hadamards[self.rotation], ROTATIONS[self.rotation])
+
+    @torch.inference_mode()
+    def tune(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, dict]:
+        """The product's configuration for each sample call's row count (rows, routing weights,
+        chosen experts): the fastest of CONFIGS, each timed in a CUDA graph as a round runs it
+        (the median of 20 replays), kept in `tuned`. {rows: {"ms": its time, "config": it,
+        "trials": [every configuration's ms, in CONFIGS' order]}}."""
+        out = {}
+        for x, weights, experts in samples:
+            rows = x.shape[0]
+            trials = []
+            for config in self.CONFIGS:
+                self.tuned[rows] = config
+                trials.append(graph_ms(lambda a=(x, weights, experts): self(*a), x.device))
+            best = min(range(len(trials)), key=trials.__getitem__)
+            self.tuned[rows] = self.CONFIGS[best]
+            out[rows] = {"ms": trials[best], "config": self.CONFIGS[best], "trials": trials}
+        return out
+
+    def config_at(self, rows: int) -> dict:
+        """The product's configuration for a call of `rows` rows."""
+        if not self.tuned:
+            return self.kernel
+        return self.tuned[min((n for n in self.tuned if n >= rows), default=max(self.tuned))]
 
     def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""

@@ -200,9 +200,10 @@ class Dsv41Model(Module):
     @torch.inference_mode()
     def choose_expert_kernels(self, row_counts: list[int], mode: str) -> tuple[str, str | None]:
         """Every fused layer's experts on ours or exllamav3's kernels per row count: `mode` as
-        REMOTE_DRAFTER_EXL3_EXPERTS says (auto: the first layer timed on its own router's
-        choices, the same for every layer: they have the same shapes; ours: run once on them).
-        Ours failing there leaves exllamav3's kernels serving. (what serves, as status says it;
+        REMOTE_DRAFTER_EXL3_EXPERTS says (ours: our kernel's configuration tuned per row count
+        on the first layer's own router's choices, in CUDA graphs; auto: then timed against
+        exllamav3's there; both the same for every layer: they have the same shapes). Ours
+        failing there leaves exllamav3's kernels serving. (what serves, as status says it;
         why ours cannot serve, or None)."""
         if mode not in self.EXPERT_KERNELS:
             raise ValueError(f"REMOTE_DRAFTER_EXL3_EXPERTS={mode!r}: one of {', '.join(self.EXPERT_KERNELS)}")
@@ -220,8 +221,7 @@ class Dsv41Model(Module):
                 if mode == "auto":
                     chosen = first.faster_ours(samples)
                 else:
-                    for sample in samples:
-                        first.ours(*sample)
+                    first.ours.tune(samples)
                     chosen = dict.fromkeys(row_counts, True)
             except Exception as exc:  # noqa: BLE001 - exllamav3's kernels serve, and status says why
                 for layer in fused:
@@ -229,6 +229,8 @@ class Dsv41Model(Module):
                     layer.moe.experts.ours_refusal = f"it failed on this GPU: {type(exc).__name__}: {exc}"
         for layer in fused:
             layer.moe.experts.ours_at = dict(chosen) if layer.moe.experts.ours is not None else {}
+            if layer.moe.experts.ours is not None:
+                layer.moe.experts.ours.tuned = dict(first.ours.tuned)
         return first.describe(), first.ours_refusal
 
     @property

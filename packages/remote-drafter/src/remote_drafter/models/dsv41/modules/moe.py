@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from remote_drafter.models.cuda_graphs import side_stream_graph
+from remote_drafter.models.cuda_graphs import graph_ms, side_stream_graph
 
 from .module import Dense, Module, Weights
 from .numerics import Numerics, relative_error, swiglu
@@ -163,12 +163,12 @@ class FusedExperts(Module):
 
     @torch.inference_mode()
     def faster_ours(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, bool]:
-        """For each sample call (rows, routing weights, chosen experts): whether ours ran it
-        faster than exllamav3's kernels, each timed in a CUDA graph as a round runs it (the
-        median of 20 replays)."""
-        dev = self.numerics.device
-        return {flat.shape[0]: _graph_ms(lambda a=(flat, w, e): self.ours(*a), dev) <
-                _graph_ms(lambda a=(flat, w, e): self.kernels(*a), dev) for flat, w, e in samples}
+        """For each sample call (rows, routing weights, chosen experts): whether ours, tuned at its
+        row count (TritonExl3Experts.tune), ran it faster than exllamav3's kernels, both timed in
+        a CUDA graph as a round runs them."""
+        ours = self.ours.tune(samples)
+        return {flat.shape[0]: ours[flat.shape[0]]["ms"] < graph_ms(lambda a=(flat, w, e): self.kernels(*a),
+                                                                     self.numerics.device) for flat, w, e in samples}
 
     def describe(self) -> str:
         if self.ours_refusal is not None:
@@ -178,20 +178,6 @@ class FusedExperts(Module):
         ours = sorted(n for n, mine in self.ours_at.items() if mine) or "no"
         theirs = sorted(n for n, mine in self.ours_at.items() if not mine) or ("no" if self.ours_at else "all")
         return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows)"
-
-
-def _graph_ms(fn, device, replays: int = 20) -> float:
-    """ms of fn() captured in a CUDA graph: the median replay."""
-    graph, _ = side_stream_graph(fn, device)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 class MoE(Module):
