@@ -7,8 +7,8 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
 drafter_round.py). Per row count: ours tuned as a worker tunes it (TritonExl3Experts.tune: the
-fastest of its CONFIGS, each one's time kept), then each way of rotating (ROTATIONS) at it, and
-its three grouped products alone (as the layer splits the input, and split 1 to 16 ways);
+fastest of its CONFIGS, each one's time kept) and timed again, and its three grouped products
+alone (as the layer splits the input, and split 1 to 16 ways);
 exllamav3's (when it loads); their relative difference; and the bytes of trellis the call must
 read (each chosen expert once and the shared one) over each time.
 Prints a line per row count and writes JSON (--out).
@@ -31,7 +31,7 @@ from dsv41_gpu import FLASH  # noqa: E402
 from round_phases import CHOSEN_SLOTS, in_graph  # noqa: E402
 
 from remote_drafter.models import exl3, exl3_triton  # noqa: E402
-from remote_drafter.models.exl3_triton_experts import ROTATIONS, Stored, TritonExl3Experts  # noqa: E402
+from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts  # noqa: E402
 
 # rows -> the experts a Flash-width round chose (batch 1 / 4 / 16 at top 8)
 CHOSEN = {slots // FLASH["dspark_num_experts_per_tok"]: chosen for chosen, slots in CHOSEN_SLOTS.values()}
@@ -146,15 +146,10 @@ def main(argv=None) -> int:
         call = (x, weights, picks)
         tuned = ours.tune([call])[rows]  # as a worker tunes it at start-up
         trials = [{**config, "ms": ms} for config, ms in zip(ours.CONFIGS, tuned["trials"])]
-        rotations = {}  # the rotations' ways at the tuned configuration
-        for way in sorted(ROTATIONS):
-            ours.rotation = way
-            rotations[way] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
-        ours.rotation = min(rotations, key=rotations.get)
-        ms = rotations[ours.rotation]
+        ms = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
         read = (chosen + 1) * expert_bytes
         row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": ms,
-               "ours_config": {**tuned["config"], "rotation": ours.rotation}, "ours_rotations_ms": rotations,
+               "ours_config": tuned["config"],
                "ours_gb_s": read / ms / 1e6,
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "products_ms_by_splits": {n: in_graph(products_only(ours, *call, n), args.replays, calls=1) / 1e3

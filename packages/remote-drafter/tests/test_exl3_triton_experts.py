@@ -97,12 +97,11 @@ def test_the_layer_is_the_routed_weighted_sum_plus_the_shared_expert(rows, offer
     assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("rotation", sorted(layer_kernels.ROTATIONS))
-def test_the_fused_rotations_equal_torchs_rotations_around_the_product(rotation):
+def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
     """The layer's kernels besides the product (the rows in, the activation, the combination)
-    against the same steps in torch (exl3_triton.rotated_in / rotated_out), on a split product."""
+    against the same steps in torch (exl3_triton.rotated_in / rotated_out, in fp32), on a
+    split product."""
     routed, shared, moe = layer(5, experts=3)
-    moe.rotation = rotation
     rng = np.random.default_rng(6)
     rows, k, splits = 7, 2, 2
     x = torch.from_numpy(rng.standard_normal((rows, H)).astype(np.float16)).to(DEVICE)

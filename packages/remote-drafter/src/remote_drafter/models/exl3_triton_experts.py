@@ -16,9 +16,9 @@ kernels), with no host synchronisation either, so a CUDA graph captures it:
    of the row's slots summed over the split, rotated back, times svh and its routing weight,
    and the slots added in a fixed order (the same result every run).
 
-The rotations run in fp32 (`tl.dot` at IEEE precision, as exllamav3 rotates in fp32) inside
-those kernels: a rotation mixes only the 128 columns of its block, so each block is a program's
-own. It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's conversions
+The rotations run inside those kernels, near fp32 precision (exllamav3 rotates in fp32) on the
+tensor cores (`_rotated`): a rotation mixes only the 128 columns of its block, so each block
+is a program's own. It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's conversions
 store); `refusal` says why not otherwise."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class _Plan(NamedTuple):
     sorted order, `slot_of` each (row, choice)'s slot in it; `items` the work items
     (exl3_triton.work_items), `counts` and `starts` where each expert's slots lie; `sms` the
     GPU's multiprocessors, `kernel` the product's configuration for this call's row count
-    (TritonExl3Experts.CONFIGS' form), `hadamard` the rotation as `rot` (ROTATIONS) takes it."""
+    (TritonExl3Experts.CONFIGS' form), `signs` the rotation's signs (fp16 ±1)."""
     row_of_slot: torch.Tensor
     expert_of_slot: torch.Tensor
     slot_of: torch.Tensor
@@ -98,8 +98,7 @@ class _Plan(NamedTuple):
     starts: torch.Tensor
     sms: int
     kernel: dict
-    hadamard: torch.Tensor
-    rot: int
+    signs: torch.Tensor
 
     def config(self, in_features: int, out_features: int) -> dict:
         """exl3_triton.expert_products' configuration for one projection: the plan's tile
@@ -141,9 +140,7 @@ class TritonExl3Experts:
         self.tuned: dict[int, dict] = {}  # row count -> the product's configuration timed fastest there
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self.rotation = "split_fp16"  # how the kernels rotate (ROTATIONS; a benchmark may try the other)
-        had = exl3_triton.hadamard(device)
-        self.hadamards = {"tf32x3": had, "split_fp16": (had * HAD ** 0.5).round().half()}
+        self.signs = (exl3_triton.hadamard(device) * HAD ** 0.5).round().half()  # the rotation's, exact
 
     @classmethod
     def of(cls, routed: list, shared, limit: float | None) -> TritonExl3Experts:
@@ -170,7 +167,7 @@ class TritonExl3Experts:
         items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
         slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
         return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms,
-                     self.config_at(experts.shape[0]), self.hadamards[self.rotation], ROTATIONS[self.rotation])
+                     self.config_at(experts.shape[0]), self.signs)
 
     @torch.inference_mode()
     def tune(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, dict]:
@@ -215,29 +212,25 @@ class TritonExl3Experts:
         return _combine(y, plan, weights.float().contiguous(), self.down.svh)
 
 
-ROTATIONS = {"tf32x3": 0, "split_fp16": 1}  # how the kernels rotate (both near fp32; the faster serves)
 _RSQRT_HAD = tl.constexpr(float(HAD) ** -0.5)
 
 
 @triton.jit
-def _rotated(v, had_ptr, ROT: tl.constexpr):
-    """v [R, 128] (fp32) through the 128-point rotation, near fp32 precision on the tensor cores.
-    ROT 0: had_ptr the rotation (fp32), tf32 in three products. ROT 1: had_ptr its signs (fp16
-    ±1, exact): each row scaled by a power of two that puts its largest entry in [2**14, 2**15),
-    split into two fp16 parts (22 significant bits), both multiplied by the signs with fp32
-    sums, then scaled back over sqrt(128)."""
+def _rotated(v, signs_ptr):
+    """v [R, 128] (fp32) through the 128-point rotation, near fp32 precision on the tensor cores:
+    each row scaled by a power of two that puts its largest entry in [2**14, 2**15), split into
+    two fp16 parts (22 significant bits), both multiplied by the rotation's signs (fp16 ±1,
+    exact) with fp32 sums, then scaled back over sqrt(128). (IEEE fp32 products spill; tf32 in
+    three products was slower.)"""
     i = tl.arange(0, _HAD)
-    if ROT == 0:
-        return tl.dot(v, tl.load(had_ptr + i[:, None] * _HAD + i[None, :]), input_precision="tf32x3")
-    else:
-        e = tl.maximum((tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23), 15)  # the biased exponent
-        scale = ((268 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2 ** (14 - exponent)
-        back = ((e - 14) << 23).to(tl.float32, bitcast=True)[:, None] * _RSQRT_HAD
-        v = v * scale
-        hi = v.to(tl.float16)
-        lo = (v - hi.to(tl.float32)).to(tl.float16)
-        signs = tl.load(had_ptr + i[:, None] * _HAD + i[None, :])
-        return tl.dot(lo, signs, tl.dot(hi, signs)) * back
+    e = tl.maximum((tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23), 15)  # the biased exponent
+    scale = ((268 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2 ** (14 - exponent)
+    back = ((e - 14) << 23).to(tl.float32, bitcast=True)[:, None] * _RSQRT_HAD
+    v = v * scale
+    hi = v.to(tl.float16)
+    lo = (v - hi.to(tl.float32)).to(tl.float16)
+    signs = tl.load(signs_ptr + i[:, None] * _HAD + i[None, :])
+    return tl.dot(lo, signs, tl.dot(hi, signs)) * back
 
 
 @triton.jit
@@ -250,8 +243,8 @@ def _summed(ptr, at, splits, stride, mask):
 
 
 @triton.jit
-def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, had_ptr, out_ptr, slots, features,
-                    S: tl.constexpr, ROT: tl.constexpr):
+def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, signs_ptr, out_ptr, slots, features,
+                    S: tl.constexpr):
     """Program (slot block, 128-input block): out[slot] = x[the slot's row] (rounded to fp16, as
     exllamav3's kernels take it) times its expert's suh, rotated, rounded to fp16."""
     s = tl.program_id(0) * S + tl.arange(0, S)
@@ -261,13 +254,13 @@ def _rows_in_kernel(x_ptr, row_of_slot_ptr, expert_of_slot_ptr, suh_ptr, had_ptr
     cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
     v = tl.load(x_ptr + row[:, None] * features + cols).to(tl.float16).to(tl.float32)
     v *= tl.load(suh_ptr + e[:, None] * features + cols).to(tl.float32)
-    tl.store(out_ptr + s[:, None].to(tl.int64) * features + cols, _rotated(v, had_ptr, ROT).to(tl.float16),
+    tl.store(out_ptr + s[:, None].to(tl.int64) * features + cols, _rotated(v, signs_ptr).to(tl.float16),
              mask=live[:, None] & (cols >= 0))
 
 
 @triton.jit
 def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr,
-                       had_ptr, out_ptr, limit, S: tl.constexpr, LIMITED: tl.constexpr, ROT: tl.constexpr):
+                       signs_ptr, out_ptr, limit, S: tl.constexpr, LIMITED: tl.constexpr):
     """Program (slot block, 128-column block of the intermediate): gate's and up's partials
     summed, rotated back, times svh; min(silu(g), limit) · clamp(u, ±limit) (LIMITED, else
     silu(g) · u) rounded to fp16; times down's suh, rotated, rounded to fp16: down's rows."""
@@ -278,21 +271,21 @@ def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr
     at = s[:, None].to(tl.int64) * features + cols
     mask = live[:, None] & (cols >= 0)
     per_expert = e[:, None] * features + cols
-    g = _rotated(_summed(g_ptr, at, splits, slots * features, mask), had_ptr, ROT)
+    g = _rotated(_summed(g_ptr, at, splits, slots * features, mask), signs_ptr)
     g *= tl.load(svh_g_ptr + per_expert).to(tl.float32)
-    u = _rotated(_summed(u_ptr, at, splits, slots * features, mask), had_ptr, ROT)
+    u = _rotated(_summed(u_ptr, at, splits, slots * features, mask), signs_ptr)
     u *= tl.load(svh_u_ptr + per_expert).to(tl.float32)
     g = g * tl.sigmoid(g)
     if LIMITED:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     h = (g * u).to(tl.float16).to(tl.float32) * tl.load(suh_d_ptr + per_expert).to(tl.float32)
-    tl.store(out_ptr + at, _rotated(h, had_ptr, ROT).to(tl.float16), mask=mask)
+    tl.store(out_ptr + at, _rotated(h, signs_ptr).to(tl.float16), mask=mask)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_ptr, weights_ptr, svh_ptr, had_ptr,
-                    out_ptr, k, K: tl.constexpr, ROT: tl.constexpr):
+def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_ptr, weights_ptr, svh_ptr, signs_ptr,
+                    out_ptr, k, K: tl.constexpr):
     """Program (row, 128-output block): each of the row's k slots summed over the split, rotated
     back, times svh and its routing weight; the slots added (fp32)."""
     r = tl.program_id(0)
@@ -303,7 +296,7 @@ def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_
     w = tl.load(weights_ptr + r * k + j, mask=live, other=0.0)
     cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
     y = _rotated(_summed(y_ptr, slot[:, None] * features + cols, splits, slots * features,
-                         live[:, None] & (cols >= 0)), had_ptr, ROT)
+                         live[:, None] & (cols >= 0)), signs_ptr)
     y *= tl.load(svh_ptr + e[:, None] * features + cols).to(tl.float32) * w[:, None]
     tl.store(out_ptr + r.to(tl.int64) * features + cols, tl.sum(y, 0)[None, :])
 
@@ -313,8 +306,7 @@ def _rows_in(x: torch.Tensor, plan: _Plan, suh: torch.Tensor) -> torch.Tensor:
     slots, features = len(plan.row_of_slot), x.shape[1]
     out = torch.empty((slots, features), dtype=torch.float16, device=x.device)
     _rows_in_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
-        x, plan.row_of_slot, plan.expert_of_slot, suh, plan.hadamard, out, slots, features, S=SLOT_BLOCK,
-        ROT=plan.rot)
+        x, plan.row_of_slot, plan.expert_of_slot, suh, plan.signs, out, slots, features, S=SLOT_BLOCK)
     return out
 
 
@@ -324,8 +316,8 @@ def _activation(g: torch.Tensor, u: torch.Tensor, plan: _Plan, svh_g: torch.Tens
     splits, slots, features = g.shape
     out = torch.empty((slots, features), dtype=torch.float16, device=g.device)
     _activation_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
-        g, u, splits, slots, features, plan.expert_of_slot, svh_g, svh_u, suh_d, plan.hadamard, out, limit,
-        S=SLOT_BLOCK, LIMITED=bool(limit), ROT=plan.rot)
+        g, u, splits, slots, features, plan.expert_of_slot, svh_g, svh_u, suh_d, plan.signs, out, limit,
+        S=SLOT_BLOCK, LIMITED=bool(limit))
     return out
 
 
@@ -336,6 +328,6 @@ def _combine(y: torch.Tensor, plan: _Plan, weights: torch.Tensor, svh: torch.Ten
     rows, k = weights.shape
     out = torch.empty((rows, features), dtype=torch.float32, device=y.device)
     _combine_kernel[(rows, features // HAD)](
-        y, splits, slots, features, plan.slot_of, plan.expert_of_slot, weights, svh, plan.hadamard, out, k,
-        K=max(SLOT_BLOCK, triton.next_power_of_2(k)), ROT=plan.rot)
+        y, splits, slots, features, plan.slot_of, plan.expert_of_slot, weights, svh, plan.signs, out, k,
+        K=max(SLOT_BLOCK, triton.next_power_of_2(k)))
     return out

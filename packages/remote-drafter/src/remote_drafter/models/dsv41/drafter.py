@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import fields, replace
 
 import numpy as np
@@ -120,10 +121,12 @@ class Dsv41Drafter(Drafter):
     def _choose_expert_kernels(self) -> str:
         """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""
         mode = env.REMOTE_DRAFTER_EXL3_EXPERTS.get().strip() or env.REMOTE_DRAFTER_EXL3_EXPERTS.default
+        started = time.monotonic()
         chosen, refusal = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
         if mode != "exllamav3" and refusal is not None:
             log.warning("REMOTE_DRAFTER_EXL3_EXPERTS=%s, but exllamav3's kernels serve: %s", mode, refusal)
-        log.info("EXL3 experts: %s", chosen)
+        log.info("EXL3 experts (REMOTE_DRAFTER_EXL3_EXPERTS=%s, chosen in %.1f s): %s", mode,
+                 time.monotonic() - started, chosen)
         return chosen
 
     def prepare_graphs(self) -> None:
