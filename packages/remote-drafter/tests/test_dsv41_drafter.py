@@ -408,7 +408,6 @@ def test_our_expert_kernel_failing_at_start_up_leaves_exllamav3s_serving(folders
     CUDA graphs; auto then times exllamav3's against it): an exception there leaves exllamav3's
     kernels serving every layer and says why. The fused layers are stand-ins here (exllamav3
     needs CUDA; the GPU tier runs the real ones)."""
-    from remote_drafter.models.dsv41.modules.moe import FusedExperts
     model = load_drafter("dsv41:" + folders["dsv41"], folders["target"]).model
     calls = []
 
@@ -416,10 +415,7 @@ def test_our_expert_kernel_failing_at_start_up_leaves_exllamav3s_serving(folders
         def tune(self, samples):
             calls.append([x.shape[0] for x, _, _ in samples])
             raise RuntimeError("no kernel for this GPU")
-    for layer in model.layers:
-        stand_in = object.__new__(FusedExperts)
-        stand_in.ours, stand_in.ours_refusal, stand_in.ours_at = Failing(), None, {}
-        layer.moe.experts = stand_in
+    stand_in_experts(model, lambda j: Failing())
     with pytest.raises(ValueError, match="REMOTE_DRAFTER_EXL3_EXPERTS='fastest'"):
         model.choose_expert_kernels([5], "fastest")
     described, why = model.choose_expert_kernels([5, 10], mode)
@@ -427,3 +423,36 @@ def test_our_expert_kernel_failing_at_start_up_leaves_exllamav3s_serving(folders
     assert described.startswith("exl3 fused (exllamav3's kernels; ours cannot serve: it failed on this GPU")
     assert all(layer.moe.experts.ours is None and layer.moe.experts.ours_at == {} for layer in model.layers)
     assert calls == [[5, 10]]  # the first layer tuned, on both row counts
+
+
+def stand_in_experts(model, ours) -> None:
+    """Every layer's experts a FusedExperts stand-in whose `ours` is ours(layer index) (None:
+    refused): exllamav3's layers need CUDA."""
+    from remote_drafter.models.dsv41.modules.moe import FusedExperts
+    for j, layer in enumerate(model.layers):
+        stand_in = object.__new__(FusedExperts)
+        stand_in.ours, stand_in.ours_at = ours(j), {}
+        stand_in.ours_refusal = None if stand_in.ours is not None else "ValueError: 5-bit trellis"
+        layer.moe.experts = stand_in
+
+
+def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
+    """Dsv41Model.choose_expert_kernels: the first layer's tuned configurations serve every layer;
+    a first layer ours cannot serve leaves exllamav3's kernels serving every layer (no layer
+    runs ours untuned), and status says why."""
+    model = load_drafter("dsv41:" + folders["dsv41"], folders["target"]).model
+    assert len(model.layers) > 1
+
+    class Tunable:
+        def tune(self, samples):
+            self.tuned = {x.shape[0]: {"nt": 8, "num_warps": 4, "fill": 32} for x, _, _ in samples}
+    stand_in_experts(model, lambda j: Tunable())
+    described, why = model.choose_expert_kernels([5, 10], "ours")
+    assert why is None and described == "exl3 fused (ours at [5, 10] rows, exllamav3's at no rows)"
+    first = model.layers[0].moe.experts.ours.tuned
+    assert set(first) == {5, 10} and all(layer.moe.experts.ours.tuned == first for layer in model.layers)
+    stand_in_experts(model, lambda j: Tunable() if j else None)
+    for mode in ("ours", "auto"):
+        described, why = model.choose_expert_kernels([5, 10], mode)
+        assert why == "ValueError: 5-bit trellis" and "ours cannot serve: ValueError: 5-bit trellis" in described
+        assert all(layer.moe.experts.ours_at == {} for layer in model.layers)

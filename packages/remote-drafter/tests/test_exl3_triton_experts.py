@@ -140,8 +140,8 @@ def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():
     first = moe(x, weights, chosen)
     assert torch.equal(first, moe(x, weights, chosen))
     assert torch.equal(first[2:], torch.zeros_like(first[2:]))
-    # without the padding: the same sums within rounding (the rotations' GEMMs over fewer rows
-    # may be other cuBLAS kernels on a GPU)
+    # without the padding: the same sums within rounding (fewer rows may split the input
+    # otherwise, which orders the sums otherwise)
     alone = moe(x[:2], weights[:2], chosen[:2])
     assert torch.allclose(first[:2], alone, rtol=1e-5, atol=1e-6 * float(alone.abs().max()))
 
@@ -168,3 +168,46 @@ def test_a_call_takes_the_configuration_tuned_at_the_fewest_rows_at_or_above_its
     assert [moe.config_at(n) for n in (1, 5, 6, 20, 80)] == [five, five, twenty, twenty, twenty]
     assert moe.plan(torch.zeros((6, 2), dtype=torch.int64, device=DEVICE)).kernel == twenty
     assert all(set(c) == set(moe.kernel) for c in moe.CONFIGS)  # every configuration a plan can take
+
+
+def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(monkeypatch):
+    """TritonExl3Experts.tune with the graph timing faked (CUDA graphs need a GPU; the GPU tier
+    tunes for real): per row count the fastest configuration that ran, every configuration's
+    time in CONFIGS' order, a failing one at inf; all failing raises; a new tuning starts afresh."""
+    _, _, moe = layer(8, experts=2, shared=False)
+    fastest = moe.CONFIGS[4]
+    calls = []
+
+    def fake_ms(fn, device):
+        config = moe.config_at(calls[-1] if calls else 0)
+        if config is moe.CONFIGS[0]:
+            raise RuntimeError("out of resources")
+        return 0.5 if config is fastest else 1.0 + moe.CONFIGS.index(config)
+    monkeypatch.setattr(layer_kernels, "graph_ms", fake_ms)
+    sample = (torch.zeros((5, H), dtype=torch.float16, device=DEVICE), torch.ones((5, 2), device=DEVICE),
+              torch.zeros((5, 2), dtype=torch.int64, device=DEVICE))
+    calls.append(5)
+    result = moe.tune([sample])
+    assert result[5]["config"] is fastest and result[5]["ms"] == 0.5 and moe.tuned == {5: fastest}
+    assert result[5]["trials"][0] == float("inf") and len(result[5]["trials"]) == len(moe.CONFIGS)
+    assert result[5]["trials"][1:] == [0.5 if c is fastest else 1.0 + i + 1 for i, c in enumerate(moe.CONFIGS[1:])]
+
+    def failing(fn, device):
+        raise RuntimeError("no kernel for this GPU")
+    monkeypatch.setattr(layer_kernels, "graph_ms", failing)
+    with pytest.raises(RuntimeError, match="no kernel for this GPU"):
+        moe.tune([sample])
+    assert moe.tuned == {}  # the earlier tuning is gone, and no failing configuration is left
+
+
+def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_tiles():
+    _, _, moe = layer(9, experts=2, shared=False)
+    experts = torch.zeros((3, 2), dtype=torch.int64, device=DEVICE)
+    splits = {}
+    for fill in (1, 8, 1 << 20):
+        moe.kernel = {**moe.kernel, "fill": fill}
+        config = moe.plan(experts).config(H, INTER)
+        assert set(config) == {"nt", "num_warps", "splits"} and INTER // 16 % config["nt"] == 0
+        splits[fill] = config["splits"]
+    assert splits[1] == 1  # one multiprocessor's worth of programs is there without a split
+    assert splits[1] <= splits[8] <= splits[1 << 20] == H // 16 // 8  # then at most down to 8 input tiles

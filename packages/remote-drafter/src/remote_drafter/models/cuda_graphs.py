@@ -48,6 +48,11 @@ def side_stream_graph(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+def bucket_for(keys, n: int, past_all=None):
+    """The smallest of `keys` at or above n; past them all, `past_all`."""
+    return min((k for k in keys if k >= n), default=past_all)
+
+
 def graph_ms(fn, device, replays: int = 20) -> float:
     """ms of fn() captured in a CUDA graph (side_stream_graph): the median replay."""
     graph, _ = side_stream_graph(fn, device)
@@ -91,7 +96,7 @@ class BucketGraphs:
         if not self.cuda:
             return self.fn(*inputs)
         b = inputs[0].shape[0]
-        bucket = min((x for x in self.graphs if x >= b), default=None)
+        bucket = bucket_for(self.graphs, b)
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)  # inputs were made there
         with torch.cuda.stream(self.stream):

@@ -7,9 +7,9 @@ The product, for the 4-bit trellis our packs and exllamav3's conversions store (
 out[slot, n] = sum over k of x[slot, k] * decoded W_e[k, n], for the slots [start_e, start_e +
 count_e) of every expert e, x already rotated (the Hadamard rotations stay outside). The work
 is cut into items of 16 slots of one expert (`work_items`); a program takes one item, NT
-16-wide tile columns and a slice of the input (split K: partials written apart, summed by
-the caller's next kernel in a fixed order, the same result every run). A step decodes one input tile's row of NT tiles: a
-tile's 32 words are its 32 lanes, and lane t's word holds the ends of weights 8t .. 8t + 7,
+16-wide tile columns and a slice of the input (split K: partials written apart, summed by the
+caller's next kernel in a fixed order, the same result every run). A step decodes one input
+tile's row of NT tiles: a tile's 32 words are its 32 lanes, and lane t's word holds the ends of weights 8t .. 8t + 7,
 whose 16-bit states reach back into word t - 1 (most significant bit first); weight 8t + i
 sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The
 decoded weights are laid out as the weight's [16, NT·16] and multiplied with the item's rows
@@ -212,8 +212,9 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
 
 
 def hadamard(device) -> torch.Tensor:
-    """The 128-point rotation (float32) on `device`, for rotated_in and rotated_out: made
-    once by its holder (a copy to the device, which a CUDA graph's capture refuses)."""
+    """The 128-point rotation (float32) on `device`, for rotated_in and rotated_out (and the
+    signs the MoE layer's kernels rotate by): made once by its holder (a copy to the device,
+    which a CUDA graph's capture refuses)."""
     return torch.from_numpy(exl3_format.hadamard()).to(device)
 
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import exl3_format, exl3_triton
-from .cuda_graphs import graph_ms
+from .cuda_graphs import bucket_for, graph_ms
 
 HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
@@ -121,10 +121,13 @@ class TritonExl3Experts:
     """Layer j's MoE in EXL3 on our kernel: call with x [rows, H], the routing (weights
     [rows, k], chosen experts [rows, k] int64) -> [rows, H] float32, routed sum plus the shared
     expert. The product's configuration per row count is `tuned`'s at the fewest rows it holds
-    at or above the call's (past them all, the most's; `kernel` while it holds none)."""
+    at or above the call's (past them all, the most's; `kernel` while it holds none). A call
+    gives the same sums every time in one process; the configuration sets the input's split
+    and so the order of the sums, so another tuning (a restart) may differ in the last bits."""
 
-    # what a worker times at start-up per row count (FusedExperts.tune_ours): tile columns a
-    # program and warps, and `fill`, the programs a multiprocessor the input's split aims at
+    # what a worker times at start-up per row count (tune, from Dsv41Model.choose_expert_kernels):
+    # tile columns a program and warps, and `fill`, the programs a multiprocessor the input's
+    # split aims at
     CONFIGS = [{"nt": nt, "num_warps": warps, "fill": fill} for nt, warps in ((4, 2), (8, 4), (16, 4))
                for fill in (8, 32, 128)]
 
@@ -171,18 +174,25 @@ class TritonExl3Experts:
 
     @torch.inference_mode()
     def tune(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, dict]:
-        """The product's configuration for each sample call's row count (rows, routing weights,
-        chosen experts): the fastest of CONFIGS, each timed in a CUDA graph as a round runs it
-        (the median of 20 replays), kept in `tuned`. {rows: {"ms": its time, "config": it,
+        """`tuned` afresh: for each sample call's row count (rows, routing weights, chosen
+        experts), the fastest of CONFIGS, each timed in a CUDA graph as a round runs it (the
+        median of 20 replays). A configuration that fails there is left out (its time inf);
+        all of them failing raises the first failure. {rows: {"ms": its time, "config": it,
         "trials": [every configuration's ms, in CONFIGS' order]}}."""
-        out = {}
+        self.tuned, out = {}, {}
         for x, weights, experts in samples:
-            rows = x.shape[0]
-            trials = []
+            rows, trials, failure = x.shape[0], [], None
             for config in self.CONFIGS:
                 self.tuned[rows] = config
-                trials.append(graph_ms(lambda a=(x, weights, experts): self(*a), x.device))
+                try:
+                    trials.append(graph_ms(lambda a=(x, weights, experts): self(*a), x.device))
+                except Exception as exc:  # noqa: BLE001 - this configuration left out; all failing raises
+                    failure = failure or exc
+                    trials.append(float("inf"))
             best = min(range(len(trials)), key=trials.__getitem__)
+            if trials[best] == float("inf"):
+                del self.tuned[rows]
+                raise failure
             self.tuned[rows] = self.CONFIGS[best]
             out[rows] = {"ms": trials[best], "config": self.CONFIGS[best], "trials": trials}
         return out
@@ -191,7 +201,7 @@ class TritonExl3Experts:
         """The product's configuration for a call of `rows` rows."""
         if not self.tuned:
             return self.kernel
-        return self.tuned[min((n for n in self.tuned if n >= rows), default=max(self.tuned))]
+        return self.tuned[bucket_for(self.tuned, rows, max(self.tuned))]
 
     def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""
@@ -238,7 +248,7 @@ def _summed(ptr, at, splits, stride, mask):
     """The split's partials at offsets `at` (split p's at p·stride further) summed in split order."""
     acc = tl.load(ptr + at, mask=mask, other=0.0)
     for p in range(1, splits):
-        acc += tl.load(ptr + p * stride + at, mask=mask, other=0.0)
+        acc += tl.load(ptr + p * stride.to(tl.int64) + at, mask=mask, other=0.0)
     return acc
 
 

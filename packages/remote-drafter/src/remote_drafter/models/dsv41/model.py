@@ -227,10 +227,11 @@ class Dsv41Model(Module):
                 for layer in fused:
                     layer.moe.experts.ours = None
                     layer.moe.experts.ours_refusal = f"it failed on this GPU: {type(exc).__name__}: {exc}"
-        for layer in fused:
-            layer.moe.experts.ours_at = dict(chosen) if layer.moe.experts.ours is not None else {}
-            if layer.moe.experts.ours is not None:
-                layer.moe.experts.ours.tuned = dict(first.ours.tuned)
+        for layer in fused:  # the first layer's choice, or exllamav3's kernels everywhere
+            mine = layer.moe.experts
+            mine.ours_at = dict(chosen) if first.ours is not None and mine.ours is not None else {}
+            if mine.ours_at:
+                mine.ours.tuned = dict(first.ours.tuned)
         return first.describe(), first.ours_refusal
 
     @property

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from remote_drafter.models.cuda_graphs import graph_ms, side_stream_graph
+from remote_drafter.models.cuda_graphs import bucket_for, graph_ms, side_stream_graph
 
 from .module import Dense, Module, Weights
 from .numerics import Numerics, relative_error, swiglu
@@ -159,16 +159,18 @@ class FusedExperts(Module):
         """The choice at the smallest row count chosen for >= rows (past them all, the largest's)."""
         if not self.ours_at:
             return False
-        return self.ours_at[min((n for n in self.ours_at if n >= rows), default=max(self.ours_at))]
+        return self.ours_at[bucket_for(self.ours_at, rows, max(self.ours_at))]
 
     @torch.inference_mode()
     def faster_ours(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, bool]:
         """For each sample call (rows, routing weights, chosen experts): whether ours, tuned at its
-        row count (TritonExl3Experts.tune), ran it faster than exllamav3's kernels, both timed in
-        a CUDA graph as a round runs them."""
-        ours = self.ours.tune(samples)
-        return {flat.shape[0]: ours[flat.shape[0]]["ms"] < graph_ms(lambda a=(flat, w, e): self.kernels(*a),
-                                                                     self.numerics.device) for flat, w, e in samples}
+        row count (TritonExl3Experts.tune), ran it faster than exllamav3's kernels, each timed
+        once more in a CUDA graph as a round runs them, side by side (the tuning's figure is the
+        best of several, which would favour ours)."""
+        self.ours.tune(samples)
+        dev = self.numerics.device
+        return {flat.shape[0]: graph_ms(lambda a=(flat, w, e): self.ours(*a), dev) <
+                graph_ms(lambda a=(flat, w, e): self.kernels(*a), dev) for flat, w, e in samples}
 
     def describe(self) -> str:
         if self.ours_refusal is not None:
