@@ -7,7 +7,8 @@ decodes an expert once per slot up to 256 slots), on the same tensors and rows, 
 Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 8 distinct
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
 drafter_round.py). Per row count: ours tuned as a worker tunes it (TritonExl3Experts.tune: the
-fastest of its CONFIGS, each one's time kept) and timed again, and its three grouped products
+fastest of its CONFIGS, each one's time kept, and the seconds the tuning took: the first row
+count's include compiling the kernels) and timed again, and its three grouped products
 alone (as the layer splits the input, and split 1 to 16 ways);
 exllamav3's (when it loads); their relative difference; and the bytes of trellis the call must
 read (each chosen expert once and the shared one) over each time.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -144,12 +146,14 @@ def main(argv=None) -> int:
         weights, picks = routing(rows, chosen, experts, top_k, cpu_gen)
         x = torch.randn(rows, hidden, device="cuda", generator=gen).half()
         call = (x, weights, picks)
+        started = time.monotonic()
         tuned = ours.tune([call])[rows]  # as a worker tunes it at start-up
+        tune_s = time.monotonic() - started
         trials = [{**config, "ms": ms} for config, ms in zip(ours.CONFIGS, tuned["trials"])]
         ms = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
         read = (chosen + 1) * expert_bytes
         row = {"rows": rows, "experts_chosen": chosen, "trellis_bytes": read, "ours_ms": ms,
-               "ours_config": tuned["config"],
+               "ours_config": tuned["config"], "tune_s": round(tune_s, 2),
                "ours_gb_s": read / ms / 1e6,
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "products_ms_by_splits": {n: in_graph(products_only(ours, *call, n), args.replays, calls=1) / 1e3
