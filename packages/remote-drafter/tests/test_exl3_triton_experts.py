@@ -202,6 +202,7 @@ def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(m
 
 def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_tiles():
     _, _, moe = layer(9, experts=2, shared=False)
+    moe.sms = 1  # one multiprocessor, as on a CPU
     experts = torch.zeros((3, 2), dtype=torch.int64, device=DEVICE)
     splits = {}
     for fill in (1, 8, 1 << 20):
