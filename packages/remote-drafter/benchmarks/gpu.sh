@@ -22,7 +22,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # GPU tests; =tests or =bench runs one half (exllamav3's build, ~5 min, comes with the first),
   # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
-  # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up
+  # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
+  # both =moe and =ab in one call
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share and torch's
     # grouped GEMM at the experts' shapes (round_phases.py; no exllamav3 needed)
@@ -46,22 +47,26 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out "$OUT/exl3-gemv.json"
     exit
   fi
-  if [[ $ONLY_DRAFTER_ROUND == moe ]]; then  # =moe: an EXL3 MoE layer through our own kernel against
-    # exllamav3's fused kernels (exl3_moe_layer.py, after our kernels' tests compiled and, with
-    # exllamav3, the fused experts' GPU tests; exllamav3's build, ~5 min, comes with it when its
-    # wheels are carried, else ours is timed alone)
+  if [[ $ONLY_DRAFTER_ROUND == moe || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =moe: an EXL3 MoE
+    # layer through our own kernels against exllamav3's fused kernels (exl3_moe_layer.py, after
+    # our kernels' tests compiled and, with exllamav3, the fused experts' GPU tests; exllamav3's
+    # build, ~5 min, comes with it when its wheels are carried, else ours is timed alone);
+    # =kernels: that, then the round's A/B below (=ab) without its tests again: one call, ~9 min
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_exl3_gemv.py packages/remote-drafter/tests/test_exl3_experts_gpu.py \
       2>&1 | tail -5 | tee "$OUT/exl3-moe-pytest.txt" || echo "== tests failed (above); the timing goes on"
     python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json" \
       --profile "$OUT/exl3-moe-layer-profile.txt"
-    exit
+    [[ $ONLY_DRAFTER_ROUND == moe ]] && exit
   fi
-  if [[ $ONLY_DRAFTER_ROUND == ab ]]; then  # =ab: the fused experts' GPU tests (exllamav3's build,
-    # ~5 min, comes with them), then the EXL3 round as served, exllamav3's fused experts against
-    # the kernels chosen at start-up (drafter_round.py --experts-ab): one build for both
-    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_experts_gpu.py \
-      2>&1 | tail -5 | tee "$OUT/exl3-experts-pytest.txt" || echo "== tests failed (above); the timing goes on"
+  if [[ $ONLY_DRAFTER_ROUND == ab || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =ab: the fused
+    # experts' GPU tests (exllamav3's build, ~5 min, comes with them), then the EXL3 round as
+    # served, exllamav3's fused experts against the kernels chosen at start-up
+    # (drafter_round.py --experts-ab): one build for both
+    if [[ $ONLY_DRAFTER_ROUND == ab ]]; then
+      python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_experts_gpu.py \
+        2>&1 | tail -5 | tee "$OUT/exl3-experts-pytest.txt" || echo "== tests failed (above); the timing goes on"
+    fi
     python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
       --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
     exit
