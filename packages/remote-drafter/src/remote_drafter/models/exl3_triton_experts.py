@@ -18,8 +18,9 @@ kernels), with no host synchronisation either, so a CUDA graph captures it:
 
 The rotations run inside those kernels, near fp32 precision (exllamav3 rotates in fp32) on the
 tensor cores (`_rotated`): a rotation mixes only the 128 columns of its block, so each block
-is a program's own. It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's conversions
-store); `refusal` says why not otherwise."""
+is a program's own. It serves exllamav3's 4-bit mul1 trellis (what our packs and exllamav3's
+conversions store); `refusal` says why not otherwise. `TritonExl3Experts.tune` picks the
+product's configuration per row count by timing, at a worker's start-up."""
 
 from __future__ import annotations
 
