@@ -51,7 +51,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # layer through our own kernels against exllamav3's fused kernels (exl3_moe_layer.py, after
     # our kernels' tests compiled and, with exllamav3, the fused experts' GPU tests; exllamav3's
     # build, ~5 min, comes with it when its wheels are carried, else ours is timed alone);
-    # =kernels: that, then the round's A/B below (=ab) without its tests again: one call, ~9 min
+    # =kernels: that, then the round's A/B below (=ab) without its tests again: one build, near
+    # a device call's 10 minutes (cut short, rerun drafter_round.py --experts-ab on the warm machine)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_exl3_gemv.py packages/remote-drafter/tests/test_exl3_experts_gpu.py \
       2>&1 | tail -5 | tee "$OUT/exl3-moe-pytest.txt" || echo "== tests failed (above); the timing goes on"
