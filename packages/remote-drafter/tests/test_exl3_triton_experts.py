@@ -170,7 +170,7 @@ def test_a_call_takes_the_configuration_tuned_at_the_fewest_rows_at_or_above_its
     assert all(set(c) == set(moe.kernel) for c in moe.CONFIGS)  # every configuration a plan can take
 
 
-def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(monkeypatch):
+def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(monkeypatch, caplog):
     """TritonExl3Experts.tune with the graph timing faked (CUDA graphs need a GPU; the GPU tier
     tunes for real): per row count the fastest configuration that ran, every configuration's
     time in CONFIGS' order, a failing one at inf; all failing raises; a new tuning starts afresh."""
@@ -190,6 +190,8 @@ def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(m
     result = moe.tune([sample])
     assert result[5]["config"] is fastest and result[5]["ms"] == 0.5 and moe.tuned == {5: fastest}
     assert result[5]["trials"][0] == float("inf") and len(result[5]["trials"]) == len(moe.CONFIGS)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"our expert kernel's configuration {moe.CONFIGS[0]} failed at 5 rows (left out): RuntimeError: out of resources"]
     assert result[5]["trials"][1:] == [0.5 if c is fastest else 1.0 + i + 1 for i, c in enumerate(moe.CONFIGS[1:])]
 
     def failing(fn, device):

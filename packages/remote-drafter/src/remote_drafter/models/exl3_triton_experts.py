@@ -24,6 +24,7 @@ product's configuration per row count by timing, at a worker's start-up."""
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ import triton.language as tl
 from . import exl3_format, exl3_triton
 from .cuda_graphs import bucket_for, graph_ms
 
+log = logging.getLogger(__name__)
 HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
 SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
@@ -177,8 +179,8 @@ class TritonExl3Experts:
     def tune(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, dict]:
         """`tuned` afresh: for each sample call's row count (rows, routing weights, chosen
         experts), the fastest of CONFIGS, each timed in a CUDA graph as a round runs it (the
-        median of 20 replays). A configuration that fails there is left out (its time inf);
-        all of them failing raises the first failure. {rows: {"ms": its time, "config": it,
+        median of 20 replays). A configuration that fails there is left out (its time inf, a
+        warning logged); all of them failing raises the first failure. {rows: {"ms": its time, "config": it,
         "trials": [every configuration's ms, in CONFIGS' order]}}."""
         self.tuned, out = {}, {}
         for x, weights, experts in samples:
@@ -188,6 +190,8 @@ class TritonExl3Experts:
                 try:
                     trials.append(graph_ms(lambda a=(x, weights, experts): self(*a), x.device))
                 except Exception as exc:  # noqa: BLE001 - this configuration left out; all failing raises
+                    log.warning("our expert kernel's configuration %s failed at %d rows (left out): %s: %s",
+                                config, rows, type(exc).__name__, exc)
                     failure = failure or exc
                     trials.append(float("inf"))
             best = min(range(len(trials)), key=trials.__getitem__)
