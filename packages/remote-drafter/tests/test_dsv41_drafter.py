@@ -456,3 +456,27 @@ def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
         described, why = model.choose_expert_kernels([5, 10], mode)
         assert why == "ValueError: 5-bit trellis" and "ours cannot serve: ValueError: 5-bit trellis" in described
         assert all(layer.moe.experts.ours_at == {} for layer in model.layers)
+
+
+def test_auto_serves_ours_at_the_row_counts_where_it_timed_faster(monkeypatch):
+    """FusedExperts.faster_ours: ours tuned first, then ours and exllamav3's kernels each timed
+    again on the same call, per row count (the graph timing faked: it needs CUDA)."""
+    from types import SimpleNamespace
+
+    from remote_drafter.models.dsv41.modules import moe
+    ms = {("ours", 5): 1.0, ("theirs", 5): 2.0, ("ours", 80): 3.0, ("theirs", 80): 2.5}
+    tuned = []
+
+    class Ours:
+        def tune(self, samples):
+            tuned.append([x.shape[0] for x, _, _ in samples])
+
+        def __call__(self, x, weights, experts):
+            return "ours", x.shape[0]
+    monkeypatch.setattr(moe, "graph_ms", lambda fn, device: ms[fn()])
+    fused = object.__new__(moe.FusedExperts)
+    fused.ours, fused.kernels = Ours(), lambda x, weights, experts: ("theirs", x.shape[0])
+    fused.numerics = SimpleNamespace(device="cpu")
+    samples = [(torch.zeros(n, 4), torch.ones(n, 2), torch.zeros(n, 2, dtype=torch.int64)) for n in (5, 80)]
+    assert fused.faster_ours(samples) == {5: True, 80: False}
+    assert tuned == [[5, 80]]
