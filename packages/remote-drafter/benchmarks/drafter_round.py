@@ -457,8 +457,9 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
 def experts_ab(batches: list[int], rounds: int, out: str) -> None:
     """The EXL3 round as served (CUDA graphs, the dense copies the drafter chose) with each
     MoE's experts on exllamav3's fused kernels, then on the kernels chosen at start-up, on one
-    model in one run: p50 / p99 against the floor, their greedy drafts compared, the latter
-    through the worker over tcp loopback."""
+    model in one run: p50 / p99 against the floor, the GPU memory each drafter adds to the
+    weights (with four sequences' windows), their greedy drafts compared, the latter through
+    the worker over tcp loopback."""
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
                  "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
@@ -472,11 +473,20 @@ def experts_ab(batches: list[int], rounds: int, out: str) -> None:
     for mode in ("exllamav3", "auto"):
         say(f"== EXL3 4 bits as served, REMOTE_DRAFTER_EXL3_EXPERTS={mode}")
         os.environ["REMOTE_DRAFTER_EXL3_EXPERTS"] = mode
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         drafter = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None)
         res[mode] = {"experts": drafter.describe()["experts"], "dense": drafter.describe()["exl3_dense"],
                      "rounds": rounds_of(drafter, sizes, batches, rounds, bandwidth,
                                          dense_floors(model, floors, batches, bandwidth))}
-        say(f"    experts: {res[mode]['experts']}")
+        drafter.draft(random_rounds(drafter, 4, 160, 0), want_probs=False)  # four sequences' windows
+        # what this drafter adds to the model's weights: its graphs' pools, windows, kernels'
+        # buffers and the dense copies it bought (not those an earlier drafter bought)
+        res[mode]["memory"] = {"allocated_bytes": torch.cuda.memory_allocated() - allocated,
+                               "reserved_bytes": torch.cuda.memory_reserved() - reserved,
+                               "peak_allocated_bytes": torch.cuda.max_memory_allocated() - allocated}
+        say(f"    experts: {res[mode]['experts']}; memory beyond the weights: {res[mode]['memory']}")
         drafts[mode] = greedy_drafts(drafter, batches)
         if mode == "auto":
             say("== the same through the worker over tcp loopback")
@@ -502,8 +512,8 @@ def main(argv=None) -> int:
                     "its hyper-connection sublayers compiled by torch.compile, against it as served (--out)")
     ap.add_argument("--experts-ab", action="store_true", help="instead: the EXL3 round as served with "
                     "exllamav3's fused experts against the same with each MoE's kernels chosen at start-up "
-                    "(ours where faster: REMOTE_DRAFTER_EXL3_EXPERTS=auto), and the latter through the "
-                    "worker over tcp (--out)")
+                    "(ours where faster: REMOTE_DRAFTER_EXL3_EXPERTS=auto), the GPU memory each adds, and the latter "
+                    "through the worker over tcp (--out)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
