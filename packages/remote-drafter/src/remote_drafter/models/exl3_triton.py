@@ -9,11 +9,11 @@ count_e) of every expert e, x already rotated (the Hadamard rotations stay outsi
 is cut into items of 16 slots of one expert (`work_items`); a program takes one item, NT
 16-wide tile columns and a slice of the input (split K: partials written apart, summed by the
 caller's next kernel in a fixed order, the same result every run). A step decodes one input
-tile's row of NT tiles: a tile's 32 words are its 32 lanes, and lane t's word holds the ends of weights 8t .. 8t + 7,
-whose 16-bit states reach back into word t - 1 (most significant bit first); weight 8t + i
-sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4) of its tile. The
-decoded weights are laid out as the weight's [16, NT·16] and multiplied with the item's rows
-on the tensor cores (tl.dot).
+tile's row of NT tiles: a tile's 32 words are its 32 lanes, and lane t's word holds the ends
+of weights 8t .. 8t + 7, whose 16-bit states reach back into word t - 1 (most significant bit
+first); weight 8t + i sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4)
+of its tile. The decoded weights are laid out as the weight's [16, NT·16] and multiplied with
+the item's rows on the tensor cores (tl.dot).
 
 On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
 is imported: Triton decides between interpreter and compiler when a kernel is defined)."""

@@ -235,8 +235,8 @@ def _rotated(v, signs_ptr):
     """v [R, 128] (fp32) through the 128-point rotation, near fp32 precision on the tensor cores:
     each row scaled by a power of two that puts its largest entry in [2**14, 2**15), split into
     two fp16 parts (22 significant bits), both multiplied by the rotation's signs (fp16 ±1,
-    exact) with fp32 sums, then scaled back over sqrt(128). (IEEE fp32 products spill; tf32 in
-    three products was slower.)"""
+    exact) with fp32 sums, then scaled back over sqrt(128). (Why not fp32 or tf32 products:
+    findings/exl3-drafter.md, run 14.)"""
     i = tl.arange(0, _HAD)
     e = tl.maximum((tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23), 15)  # the biased exponent
     scale = ((268 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2 ** (14 - exponent)

@@ -35,7 +35,7 @@ from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
 from .config import flatten, linear_names
-from .model import Dsv41Model
+from .model import FAILED_HERE, Dsv41Model
 
 log = logging.getLogger(__name__)
 GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds run eagerly
@@ -124,7 +124,7 @@ class Dsv41Drafter(Drafter):
         started = time.monotonic()
         chosen, refusal = self.model.choose_expert_kernels([b * self.max_depth for b in GRAPH_BATCHES], mode)
         if mode != "exllamav3" and refusal is not None:  # a pack ours does not read is no surprise under auto
-            warn = mode == "ours" or refusal.startswith("it failed on this GPU")
+            warn = mode == "ours" or refusal.startswith(FAILED_HERE)
             log.log(logging.WARNING if warn else logging.INFO,
                     "REMOTE_DRAFTER_EXL3_EXPERTS=%s, but exllamav3's kernels serve: %s", mode, refusal)
         log.info("EXL3 experts (REMOTE_DRAFTER_EXL3_EXPERTS=%s, chosen in %.1f s): %s", mode,

@@ -56,6 +56,10 @@ class DecoderLayer(Module):
         return self.ffn_mix.post(self.moe(x), residual, post, comb), ffn_pre
 
 
+# how a refusal of our expert kernel begins when it failed on the serving GPU (not the pack)
+FAILED_HERE = "it failed on this GPU"
+
+
 class Dsv41Model(Module):
     """The drafter from (config, {checkpoint name: dequantised tensor}). Bulk weights are
     cast to `dtype` (default: as given); those DeepSeek ships in float32 (mHC, sinks, gate
@@ -215,9 +219,9 @@ class Dsv41Model(Module):
         if mode != "exllamav3":
             for layer in fused:
                 layer.moe.experts.build_ours()
-        if first.ours is not None and mode != "exllamav3":
-            samples = fused[0].moe.routed_samples(row_counts)
+        if mode != "exllamav3" and first.ours is not None:
             try:  # our kernel compiles on its first call: a GPU or Triton it fails on is found here
+                samples = fused[0].moe.routed_samples(row_counts)
                 if mode == "auto":
                     chosen = first.faster_ours(samples)
                 else:
@@ -226,7 +230,7 @@ class Dsv41Model(Module):
             except Exception as exc:  # noqa: BLE001 - exllamav3's kernels serve, and status says why
                 for layer in fused:
                     layer.moe.experts.ours = None
-                    layer.moe.experts.ours_refusal = f"it failed on this GPU: {type(exc).__name__}: {exc}"
+                    layer.moe.experts.ours_refusal = f"{FAILED_HERE}: {type(exc).__name__}: {exc}"
         for layer in fused:  # the first layer's choice, or exllamav3's kernels everywhere
             mine = layer.moe.experts
             mine.ours_at = dict(chosen) if first.ours is not None and mine.ours is not None else {}
