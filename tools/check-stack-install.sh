@@ -22,3 +22,4 @@ grep -q "remote_engram.cli serve" <<<"$offload_host"
 "$OLDPWD/$venv/bin/python" -c "import dsv41_stack, ofl, remote_engram, async_handoff, longctx_bench, acceptance_ceiling"
 "$OLDPWD/$venv/bin/python" -c "import torch" 2>/dev/null && { echo "the base stack pulled torch" >&2; exit 1; }
 echo "stack installed alone: $("$OLDPWD/$venv/bin/python" -m pip list 2>/dev/null | grep -c -i dsv41) dsv41 packages, launcher and templates work"
+rm -rf "$OLDPWD/$venv" "$OLDPWD/$house" stack-local.env  # passed: disk back (a failure keeps them)

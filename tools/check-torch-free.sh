@@ -47,3 +47,4 @@ import remote_drafter.worker.server, remote_drafter.models.ngram  # noqa: F401,E
 assert "torch" not in sys.modules, "a torch-free package imported torch"
 print("check-torch-free: ok, no torch imported")
 PY
+rm -rf "$venv"  # passed: its disk back (a CI disk may be small; a failure keeps it to be read)

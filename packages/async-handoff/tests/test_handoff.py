@@ -1,11 +1,16 @@
 """The proxy end to end over ofl (tcp, shm) against a test worker, and the fault drills:
 kill -9, SIGSTOP, unreachable and late workers, garbage in slots, the region removed
-underneath, the respawn bound, torch kept out; and a 10,000-round soak."""
+underneath, a killed engine's region removed by the next start, the respawn bound, torch
+kept out; and a 10,000-round soak."""
 
+import contextlib
+import json
 import os
 import re
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -331,6 +336,45 @@ def test_region_removed_underneath():
         assert round_trip(h, b"three") == b"eerht"
     finally:
         h.close()
+        worker.stop()
+
+
+ENGINE = """
+import json, sys
+from async_handoff import Handoff, HandoffConfig
+h = Handoff(HandoffConfig(**json.loads(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3])).start()
+print(h.flags.path, h.proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_start_removes_the_region_a_killed_engine_left():
+    """An engine SIGKILLed while its handoff ran leaves its region in /dev/shm; the next
+    engine's start removes it and counts it, and serves."""
+    worker = Worker()
+    c = config()
+    settings = {f: getattr(c, f) for f in ("mode", "round_deadline_ms", "max_wait_ms",
+                                           "heartbeat_timeout_ms", "startup_timeout_s", "proxy_env")}
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(settings), ECHO,
+                               json.dumps({"address": worker.address, "backend": "tcp"})],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    h = None
+    try:
+        path, proxy = engine.stdout.readline().split()  # serving: the event the kill waits for
+        engine.kill()
+        engine.wait()
+        with contextlib.suppress(ProcessLookupError):  # its proxy, unless gone already
+            os.kill(int(proxy), signal.SIGKILL)
+        assert os.path.exists(path)  # left behind
+        h = start(worker)
+        assert not os.path.exists(path)
+        assert h.counters()["orphans_removed"] >= 1  # (another test process's may go too)
+        assert round_trip(h, b"one") == b"eno"
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        if h is not None:
+            h.close()
         worker.stop()
 
 

@@ -25,12 +25,20 @@ from dataclasses import dataclass, field, fields
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ofl.env import EnvVar
+from ofl.region import SHM_DIR, remove_orphans
 
 from . import env
 from ._hostflags import lib
-from .hostflags import PROXY_FAILED, PROXY_READY, WAIT_MODES, HostFlags, Ticket
+from .hostflags import (
+    PROXY_FAILED,
+    PROXY_READY,
+    WAIT_MODES,
+    HostFlags,
+    Ticket,
+)
 
 log = logging.getLogger("async_handoff")
+REGION_PREFIX = "async-handoff-"  # the engine's host-flags regions in /dev/shm
 
 
 def env_field(var: EnvVar, kind: type = str):
@@ -76,6 +84,8 @@ class Metrics:
         self.disabled_skips = c("disabled_skips", "submits refused: handoff not running")
         self.watchdog_fires = c("watchdog_fires", "dead or stuck proxies detected")
         self.respawns = c("respawns", "proxies respawned")
+        self.orphans_removed = c("orphan_regions_removed",
+                                 "host-flags regions of dead engines removed at start")
         self.latency = Histogram("async_handoff_round_seconds", "submit -> reply taken",
                                  registry=r, buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2,
                                                       3e-2, 0.1, 0.3, 1.0))
@@ -120,8 +130,12 @@ class Handoff:
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> Handoff:
         """Create the host flags, start the proxy, wait for its self-test (startup bound)."""
-        self.flags = HostFlags.create(f"async-handoff-{os.getpid()}-{secrets.token_hex(4)}",
-                                      self.config.slots, self.config.slot_bytes)
+        removed, size = remove_orphans(REGION_PREFIX)
+        if removed:
+            self.metrics.orphans_removed.inc(removed)
+            log.warning("removed %d host-flags regions of engines that died without closing "
+                        "them (%.1f MiB of %s)", removed, size / 2**20, SHM_DIR)
+        self.flags = self._new_flags()
         mlock = self.flags.lock()
         self.metrics.mlocked.set(mlock == "ok")
         log.info("host flags %s: mlock %s", self.flags.path, mlock)
@@ -136,13 +150,16 @@ class Handoff:
                 log.error("async handoff counters not served on %s: %s", self.config.metrics_listen, exc)
         return self
 
+    def _new_flags(self) -> HostFlags:
+        return HostFlags.create(f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
+                                self.config.slots, self.config.slot_bytes)
+
     def _spawn(self) -> bool:
         """Start a proxy for a fresh generation; True once its self-test passed."""
         if not os.path.exists(self.flags.path):  # the region was removed underneath: renew it
             old = self.flags
             old.new_generation()
-            self.flags = HostFlags.create(f"async-handoff-{os.getpid()}-{secrets.token_hex(4)}",
-                                          self.config.slots, self.config.slot_bytes)
+            self.flags = self._new_flags()
             self.metrics.mlocked.set(self.flags.lock() == "ok")
             self._retired.append(old)  # outstanding tickets still point into it: keep mapped
         self.generation, reclaimed = self.flags.new_generation()
@@ -314,4 +331,4 @@ class Handoff:
         m = self.metrics
         return {name: m.value(getattr(m, name)) for name in (
             "rounds_ok", "rounds_failed", "rounds_timed_out", "rounds_bad", "stale_dropped",
-            "no_slot", "disabled_skips", "watchdog_fires", "respawns")}
+            "no_slot", "disabled_skips", "watchdog_fires", "respawns", "orphans_removed")}

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 
 from ofl import Region
+from ofl.region import SHM_DIR, create_shm
 
 from ._hostflags import ffi, lib
 
-SHM_DIR = "/dev/shm"
 WAIT_MODES = {"spin": lib.HF_SPIN, "nap": lib.HF_NAP}
 PROXY_STARTING, PROXY_READY, PROXY_FAILED = 0, 1, 2
 
@@ -35,8 +35,9 @@ class Ticket:
 
 
 class HostFlags:
-    def __init__(self, region: Region, path: str):
+    def __init__(self, region: Region, path: str, held: int | None = None):
         self.region, self.path = region, path
+        self._held = held  # the creator's locked descriptor (create_shm)
         self.base = ffi.cast("void *", region.address)
         # The geometry is validated once and kept here, never re-read from shared memory.
         self.r = ffi.new("struct hf_region *")
@@ -51,15 +52,15 @@ class HostFlags:
     def create(cls, name: str, nslots: int, slot_bytes: int) -> HostFlags:
         path = os.path.join(SHM_DIR, name)
         size = lib.hf_region_size(nslots, slot_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_shm(name, size)  # held until close: ofl's remove_orphans leaves it
         try:
-            os.ftruncate(fd, size)
-        finally:
+            region = Region.from_file(name, path, writable=True)
+            if lib.hf_format(ffi.cast("void *", region.address), size, nslots, slot_bytes):
+                raise HostFlagsError("cannot format the region")
+        except BaseException:
             os.close(fd)
-        region = Region.from_file(name, path, writable=True)
-        if lib.hf_format(ffi.cast("void *", region.address), size, nslots, slot_bytes):
-            raise HostFlagsError("cannot format the region")
-        return cls(region, path)
+            raise
+        return cls(region, path, held=fd)
 
     @classmethod
     def open(cls, path: str) -> HostFlags:
@@ -133,8 +134,12 @@ class HostFlags:
 
     def close(self, unlink: bool = False) -> None:
         self.region.close()
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
         if unlink:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+

@@ -8,6 +8,7 @@ same-host peer, which is what the shm backend needs.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import secrets
@@ -18,6 +19,7 @@ import numpy as np
 from .errors import OutOfRange
 
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "ofl-"  # Region.allocate's files: ofl-{pid}-{random}
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,51 @@ def _libc_call(name: str, address: int, length: int, *extra: int) -> str:
     return os.strerror(ctypes.get_errno())
 
 
-def remove_stale_shm() -> None:
-    """Unlink /dev/shm files left by ofl processes that died without closing (kill -9)."""
+def create_shm(name: str, size: int) -> int:
+    """Create SHM_DIR/name of `size` bytes; returns its descriptor, which holds a shared lock
+    on the file until it is closed or this process ends, however it ends (the kernel drops
+    it then): remove_orphans leaves a file while its lock is held."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith("ofl-")]
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, size)  # after the lock: a file with bytes has been held
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_orphans(prefix: str) -> tuple[int, int]:
+    """Unlink the files SHM_DIR/{prefix}{pid}-... whose creator died without closing them
+    (kill -9, a crash: each restart would leave another); returns (files, bytes). A file goes
+    only when both say its creator is gone: no process holds its lock, which is right across
+    PID namespaces sharing this /dev/shm and after a pid is reused, and no process of that
+    pid is seen here, which keeps the files of creators that hold no lock."""
+    removed = size = 0
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
     except OSError:
-        return
-    for n in names:
-        pid = n.split("-")[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except OSError:
-                pass
+        return 0, 0
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            n = os.fstat(fd).st_size
+            if n:  # (an empty file is being created: its creator locks it before sizing it)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a holder lives
+                os.unlink(path)
+                removed, size = removed + 1, size + n
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed, size
 
 
 class Region:
@@ -89,6 +123,7 @@ class Region:
         self.file_offset = file_offset
         self._owned = _owned
         self._unlink = False
+        self._held: int | None = None  # an allocated file's locked descriptor (create_shm)
 
     @property
     def length(self) -> int:
@@ -115,16 +150,17 @@ class Region:
     @classmethod
     def allocate(cls, name: str, length: int) -> Region:
         """Page-aligned shared memory under /dev/shm, usable by every backend; unlinked on close."""
-        remove_stale_shm()
-        path = os.path.join(SHM_DIR, f"ofl-{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        remove_orphans(SHM_PREFIX)
+        file = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        fd = create_shm(file, max(length, 1))
         try:
-            os.ftruncate(fd, max(length, 1))
             mm = mmap.mmap(fd, max(length, 1))
-        finally:
+        except BaseException:
             os.close(fd)
-        region = cls(name, memoryview(mm)[:length], path=path, _owned=(mm,))
-        region._unlink = True
+            os.unlink(os.path.join(SHM_DIR, file))
+            raise
+        region = cls(name, memoryview(mm)[:length], path=os.path.join(SHM_DIR, file), _owned=(mm,))
+        region._unlink, region._held = True, fd
         return region
 
     @classmethod
@@ -173,6 +209,9 @@ class Region:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
         self._owned = ()
 
     def __enter__(self) -> Region:
