@@ -3,7 +3,10 @@ estimated V4.1-Flash width in bf16, CUDA graphs, rounds whose every request brin
 new rows (as a worker in service drafts), against the same requests with none; per batch the
 round's p50, the layout of its windows (new rows encoded and written, the context gathered),
 the forward graph's replay alone and the encoding graph's replay alone. What a round spends
-outside those replays is the host's share. Then (`--grouped-mm`) torch's grouped GEMM at the
+outside those replays is the host's share. With `--copies-ab`, the round with new rows
+twice more, alternating round by round: the small host arrays (indices, positions, masks)
+copied queued as served (staging.to_device) and with torch's blocking copy, which waits for
+the device's queued work (the form before). Then (`--grouped-mm`) torch's grouped GEMM at the
 experts' shapes (bf16, the routed experts a round chose): gate and up as two GEMMs or one over
 their joined weights, and down, against their bytes over the H200's bandwidth; and
 (`--host-profile`) the rounds' host time by function.
@@ -26,6 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from dsv41_gpu import random_drafter, random_rounds, round_options, timed  # noqa: E402
 
+from remote_drafter.bench import percentiles  # noqa: E402
+from remote_drafter.models import staging, window  # noqa: E402
+from remote_drafter.models.dsv41 import drafter as drafter_module  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 
 H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on these machines
@@ -34,14 +40,15 @@ H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on thes
 CHOSEN_SLOTS = {1: (16, 40), 4: (40, 160), 16: (92, 640)}
 
 
-def phases(batches: list[int], rounds: int, new_rows: int, host_profile: str | None) -> list[dict]:
+def phases(batches: list[int], rounds: int, new_rows: int, host_profile: str | None,
+           copies: bool = False) -> list[dict]:
     drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
     d = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
     rng = np.random.default_rng(0)
     out, profiles = [], []
     for batch in batches:
         requests = random_rounds(d, batch, 160, batch)
-        out.append(phase_row(d, requests, rounds, new_rows, rng))
+        out.append(phase_row(d, requests, rounds, new_rows, rng, copies))
         print(f"  batch {batch}: {out[-1]}", file=sys.stderr, flush=True)
         if host_profile:
             profiles.append(f"== batch {batch}, {rounds} rounds with new rows\n"
@@ -67,7 +74,28 @@ def profile_host(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> 
     return text.getvalue()
 
 
-def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> dict:
+def blocking_copy(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device)
+
+
+def copies_ab(d: Dsv41Drafter, requests, rounds: int, grow) -> dict:
+    """The round with new rows, its small host arrays copied queued (as served) and blocking,
+    alternating round by round; p50 / p99 of each and blocking / queued."""
+    ways = {"queued": staging.to_device, "blocking": blocking_copy}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        for i in range(2 * rounds):
+            way = "queued" if i % 2 else "blocking"
+            window.to_device = drafter_module.to_device = ways[way]
+            times[way] += [timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3]
+    finally:
+        window.to_device = drafter_module.to_device = staging.to_device
+    out = {way: percentiles(t) for way, t in times.items()}
+    out["blocking_over_queued_p50"] = round(out["blocking"]["p50_ms"] / out["queued"]["p50_ms"], 3)
+    return out
+
+
+def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng, copies: bool = False) -> dict:
     batch = len(requests)
 
     def grow():
@@ -92,6 +120,8 @@ def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng) -> dic
            "encode_replay": timed(encode.replay, rounds)}
     row["host_share_p50_ms"] = round(row["round_new_rows"]["p50_ms"] - row["forward_replay"]["p50_ms"]
                                      - row["encode_replay"]["p50_ms"], 3)
+    if copies:
+        row["copies_ab"] = copies_ab(d, requests, rounds, grow)
     return row
 
 
@@ -156,6 +186,8 @@ def main(argv=None) -> int:
     ap = round_options(__doc__, "round-phases.json", rounds=40)
     ap.add_argument("--new-rows", type=int, default=3, help="rows each request brings a round "
                     "(default: %(default)s)")
+    ap.add_argument("--copies-ab", action="store_true", help="also the round with its small host "
+                    "arrays copied queued (as served) against torch's blocking copy, alternating")
     ap.add_argument("--grouped-mm", action="store_true", help="also torch's grouped GEMM at the "
                     "experts' shapes")
     ap.add_argument("--host-profile", metavar="TXT", help="also the rounds' host time by function "
@@ -165,7 +197,7 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "rounds": phases([int(b) for b in args.batches.split(",")], args.rounds, args.new_rows,
-                             args.host_profile)}
+                             args.host_profile, args.copies_ab)}
     if args.grouped_mm:
         res["grouped_mm"] = grouped_mm(args.rounds)
     with open(args.out, "w") as f:
@@ -175,6 +207,11 @@ def main(argv=None) -> int:
         print(f"{r['batch']:>5} | {r['round_no_new_rows']['p50_ms']:>18.2f} | {r['round_new_rows']['p50_ms']:>13.2f} | "
               f"{r['lay_out_new_rows']['p50_ms']:>7.2f} | {r['forward_replay']['p50_ms']:>14.2f} | "
               f"{r['encode_replay']['p50_ms']:>13.2f} | {r['host_share_p50_ms']:.2f}")
+    for r in res["rounds"]:
+        if "copies_ab" in r:
+            ab = r["copies_ab"]
+            print(f"batch {r['batch']}: small copies queued {ab['queued']['p50_ms']:.3f} ms, blocking "
+                  f"{ab['blocking']['p50_ms']:.3f} ms (p50; blocking / queued {ab['blocking_over_queued_p50']})")
     return 0
 
 

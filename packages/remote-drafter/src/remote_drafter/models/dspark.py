@@ -33,6 +33,7 @@ from . import exl3
 from .base import Draft, Drafter, DraftRequest
 from .llama_layers import Block, RMSNorm
 from .pick import Picker, split
+from .staging import to_device
 from .tensors import tensor_bytes
 from .window import DeviceWindows
 
@@ -254,15 +255,15 @@ class DSparkDrafter(Drafter):
         lengths = np.array([r.history.length for r in requests], np.int64)
         pos = np.where(valid, lengths[:, None] - 1 - n + np.arange(n), 0)
         if not self.feature:
-            ctx = torch.from_numpy(ctx).to(device)
-        return ctx, torch.from_numpy(valid).to(device), torch.from_numpy(pos).to(device)
+            ctx = to_device(ctx, device)
+        return ctx, to_device(valid, device), to_device(pos, device)
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
         dev = self.device
         ctx, valid, pos = self._inputs(requests, dev)
-        anchor = torch.tensor([int(r.history.tokens[-1]) for r in requests], device=dev)
-        anchor_pos = torch.tensor([r.history.length - 1 for r in requests], device=dev)
+        anchor = to_device(np.array([int(r.history.tokens[-1]) for r in requests], np.int64), dev)
+        anchor_pos = to_device(np.array([r.history.length - 1 for r in requests], np.int64), dev)
         z = self.model.block_logits(ctx, valid, pos, anchor, anchor_pos)
         pick, previous = Picker(requests, want_probs), anchor
         for i in range(max(r.depth for r in requests)):

@@ -1,9 +1,9 @@
-"""A round's new rows on their way to the drafter's device. On CUDA they are joined into a
+"""A round's host data on its way to the drafter's device. The new rows are joined into a
 pinned host buffer kept for the next round (the join is the one host copy) and copied to the
 device without blocking the host; from pageable memory the driver would first stage them and
-the host would wait. Small arrays (indices, masks) are not worth it: the pinned path's own
-Python costs more than their copy. Elsewhere (a CPU device) the rows are joined and used as
-they are."""
+the host would wait. Small arrays (indices, masks, positions) go from pageable memory, which
+costs less than the pinned path's own Python, but queued (`to_device`), never as torch's
+default blocking copy. Elsewhere (a CPU device) the rows are joined and used as they are."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ def host_tensor(rows: np.ndarray) -> torch.Tensor:
     if rows.dtype == BFLOAT16:
         return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(rows)
+
+
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """A small host array on `device`, queued behind the device's work: torch's default
+    (blocking) copy synchronises the stream, so each one would hold the host until the
+    device had run everything queued before it, and a round's host work would stop
+    overlapping its kernels. CUDA copies pageable memory into its own staging buffer before
+    the call returns, so `a` may change or go at once."""
+    return torch.from_numpy(a).to(device, non_blocking=True)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:

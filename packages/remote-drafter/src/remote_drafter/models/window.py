@@ -18,7 +18,7 @@ import torch
 
 from remote_drafter.engine.history import History
 
-from .staging import RowStage
+from .staging import RowStage, to_device
 
 # (the round's new rows [k, feature] on the device, as the histories keep them; their
 # positions [k] on the device) -> rows [k, width]
@@ -65,7 +65,7 @@ class DeviceWindows(dict):
                 writes.append(where)
             rings.append(ring)
         if rows:
-            new = self.encode(pool.rows.to_device(rows), torch.from_numpy(np.concatenate(positions)).to(pool.device))
+            new = self.encode(pool.rows.to_device(rows), to_device(np.concatenate(positions), pool.device))
             pool.write(np.concatenate(writes), new.to(self.dtype))
         return pool.gather(rings), np.array([r.m for r in rings], np.int64)
 
@@ -126,14 +126,14 @@ class RingPool:
 
     def write(self, where: np.ndarray, rows: torch.Tensor) -> None:
         flat = self.store.view(-1, self.width)
-        flat.index_copy_(0, torch.from_numpy(where).to(self.device), rows)
+        flat.index_copy_(0, to_device(where, self.device), rows)
 
     def gather(self, rings: list[RowRing]) -> torch.Tensor:
         """[B, window, width]: each ring's rows oldest first (its valid ones at the end)."""
         n = self.window
         slots, heads = (np.array([(r.slot, r.head) for r in rings], np.int64).reshape(-1, 2)).T
         where = slots[:, None] * n + (heads[:, None] + np.arange(n)) % n
-        return self.store.view(-1, self.width)[torch.from_numpy(where).to(self.device)]
+        return self.store.view(-1, self.width)[to_device(where, self.device)]
 
 
 def zeros(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

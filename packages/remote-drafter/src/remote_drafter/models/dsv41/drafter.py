@@ -31,6 +31,7 @@ from remote_drafter.models import exl3, exl3_dense
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
 from remote_drafter.models.pick import Picker, chain_arrays, split
+from remote_drafter.models.staging import to_device
 from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
@@ -268,11 +269,11 @@ class Dsv41Drafter(Drafter):
         model, dev, c = self.model, self.device, self.config
         b, n = len(requests), self.window
         ctx, kept = self._windows.lay_out([r.history for r in requests], dev)  # one shape for the batch
-        valid = torch.from_numpy(np.arange(n) >= n - kept[:, None])
-        seed_p0 = torch.tensor([[int(r.history.tokens[-1]), r.history.length - 1] for r in requests]).to(dev)
+        valid = to_device(np.arange(n) >= n - kept[:, None], dev)
+        seed_p0 = to_device(np.array([[int(r.history.tokens[-1]), r.history.length - 1] for r in requests],
+                                     np.int64), dev)
         seed = seed_p0[:, 0]
-        h, z, chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim), valid.to(dev),
-                                    seed, seed_p0[:, 1])
+        h, z, chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim), valid, seed, seed_p0[:, 1])
         depth = max(r.depth for r in requests)
         if all(is_greedy(r.temperature) for r in requests):  # the device's chain: one copy back
             tokens, top_p, top_i, scores = unpack_chain(chain[:, :depth].cpu().numpy())
