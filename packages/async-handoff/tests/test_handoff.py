@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from async_handoff import Handoff, HandoffConfig
-from ofl import Server
-from ofl.testing import wait_until
+from ofl import Server, region
+from ofl.testing import mount_tmpfs, sh, wait_until
 
 HERE = str(Path(__file__).parent)
 ECHO = "async_handoff.adapters:OflMessageAdapter"
@@ -376,6 +376,28 @@ def test_a_start_removes_the_region_a_killed_engine_left():
         if h is not None:
             h.close()
         worker.stop()
+
+
+def test_no_room_for_the_region_leaves_the_handoff_disabled_saying_why(tmp_path, monkeypatch):
+    """A /dev/shm too small for the slots (a container's default): start() returns with the
+    handoff disabled and the reason, and rounds are refused, counted (target-only decoding)."""
+    folder = str(tmp_path / "shm")
+    os.mkdir(folder)
+    if why := mount_tmpfs(folder, "1m"):
+        pytest.skip(why)
+    monkeypatch.setattr(region, "SHM_DIR", folder)
+    worker = Worker()
+    try:
+        h = start(worker, slots=4, slot_bytes=1 << 20)
+        assert not h.enabled
+        assert h.reason.startswith("no host-flags region: ") and "No space left on device" in h.reason
+        assert "ASYNC_HANDOFF_SLOT_BYTES" in h.reason
+        assert h.submit(b"round") is None and h.counters()["disabled_skips"] == 1
+        h.close()
+        assert os.listdir(folder) == []
+    finally:
+        worker.stop()
+        sh("umount", folder)
 
 
 def test_soak_10000_rounds():

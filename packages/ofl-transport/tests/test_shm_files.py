@@ -1,14 +1,20 @@
-"""Shared-memory files of processes that died without closing them (kill -9, a crash) are
-removed by the next process that creates one; the files of live creators stay, whichever
-PID namespace they run in. Unit tier: real processes, SIGKILLed once their file exists."""
+"""Shared-memory files: those of processes that died without closing them (kill -9, a
+crash) are removed by the next process that creates one, while the files of live creators
+stay, whichever PID namespace they run in; a file the tmpfs has no room for is refused whole
+when it is made, not met as SIGBUS at a later touch. Unit tier: real processes, SIGKILLed
+once their file exists; a 1 MiB tmpfs for a container's small /dev/shm (root)."""
 
+import errno
 import fcntl
 import os
 import subprocess
 import sys
 
-from ofl import Region
+import pytest
+
+from ofl import Region, region
 from ofl.region import SHM_DIR, SHM_PREFIX, create_shm, remove_orphans
+from ofl.testing import mount_tmpfs, sh
 
 CREATE_AND_WAIT = """
 import os, sys
@@ -33,11 +39,9 @@ def killed_creator(prefix: str, tag: str) -> tuple[str, int]:
 def test_a_killed_creators_file_goes_and_live_creators_files_stay():
     prefix = f"ofl-orphan-test-{os.getpid()}-"
     orphan, dead_pid = killed_creator(prefix, "orphan")
-    live = os.path.join(SHM_DIR, f"{prefix}{os.getpid()}-live")
-    live_fd = create_shm(os.path.basename(live), 4096)
+    live_fd, live = create_shm(f"{prefix}{os.getpid()}-live", 4096)
     # a live creator in another PID namespace: its pid means nothing here, its lock holds
-    elsewhere = os.path.join(SHM_DIR, f"{prefix}{dead_pid}-elsewhere")
-    elsewhere_fd = create_shm(os.path.basename(elsewhere), 4096)
+    elsewhere_fd, elsewhere = create_shm(f"{prefix}{dead_pid}-elsewhere", 4096)
     starting = os.path.join(SHM_DIR, f"{prefix}{dead_pid}-starting")  # not yet locked and sized
     open(starting, "w").close()
     paths = (orphan, live, elsewhere, starting)
@@ -71,3 +75,34 @@ def test_an_allocated_region_holds_its_file_until_closed_and_removes_it():
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the close
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def small_shm(tmp_path, monkeypatch):
+    """SHM_DIR on a 1 MiB tmpfs, as a container's small /dev/shm."""
+    folder = str(tmp_path / "shm")
+    os.mkdir(folder)
+    if why := mount_tmpfs(folder, "1m"):
+        pytest.skip(why)
+    monkeypatch.setattr(region, "SHM_DIR", folder)
+    try:
+        yield folder
+    finally:
+        sh("umount", folder)
+
+
+def test_a_file_the_tmpfs_has_no_room_for_is_refused_when_made(small_shm):
+    with pytest.raises(OSError) as refused:
+        create_shm(f"{SHM_PREFIX}{os.getpid()}-big", 4 << 20)
+    assert refused.value.errno == errno.ENOSPC
+    assert f"{small_shm} cannot hold" in str(refused.value) and "4.0 MiB" in str(refused.value)
+    assert os.listdir(small_shm) == []  # nothing half made is left
+    fd, path = create_shm(f"{SHM_PREFIX}{os.getpid()}-fits", 768 << 10)  # allocated: the room is taken
+    try:
+        with pytest.raises(OSError) as refused:
+            Region.allocate("r", 512 << 10)
+        assert refused.value.errno == errno.ENOSPC
+        assert os.listdir(small_shm) == [os.path.basename(path)]
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -135,7 +135,11 @@ class Handoff:
             self.metrics.orphans_removed.inc(removed)
             log.warning("removed %d host-flags regions of engines that died without closing "
                         "them (%.1f MiB of %s)", removed, size / 2**20, SHM_DIR)
-        self.flags = self._new_flags()
+        try:
+            self.flags = self._new_flags()
+        except OSError as exc:  # the engine serves on without remote drafts, and says why
+            self._disable(self._no_region(exc))
+            return self
         mlock = self.flags.lock()
         self.metrics.mlocked.set(mlock == "ok")
         log.info("host flags %s: mlock %s", self.flags.path, mlock)
@@ -154,12 +158,21 @@ class Handoff:
         return HostFlags.create(f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
                                 self.config.slots, self.config.slot_bytes)
 
+    def _no_region(self, exc: OSError) -> str:
+        return (f"no host-flags region: {exc} (ASYNC_HANDOFF_SLOTS x ASYNC_HANDOFF_SLOT_BYTES = "
+                f"{self.config.slots} x {self.config.slot_bytes} bytes; a container's /dev/shm is "
+                "its --shm-size)")
+
     def _spawn(self) -> bool:
         """Start a proxy for a fresh generation; True once its self-test passed."""
         if not os.path.exists(self.flags.path):  # the region was removed underneath: renew it
             old = self.flags
             old.new_generation()
-            self.flags = self._new_flags()
+            try:
+                self.flags = self._new_flags()
+            except OSError as exc:
+                self._disable(self._no_region(exc))
+                return False
             self.metrics.mlocked.set(self.flags.lock() == "ok")
             self._retired.append(old)  # outstanding tickets still point into it: keep mapped
         self.generation, reclaimed = self.flags.new_generation()

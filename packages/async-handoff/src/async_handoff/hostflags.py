@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ofl import Region
-from ofl.region import SHM_DIR, create_shm
+from ofl.region import create_shm
 
 from ._hostflags import ffi, lib
 
@@ -50,9 +50,8 @@ class HostFlags:
 
     @classmethod
     def create(cls, name: str, nslots: int, slot_bytes: int) -> HostFlags:
-        path = os.path.join(SHM_DIR, name)
         size = lib.hf_region_size(nslots, slot_bytes)
-        fd = create_shm(name, size)  # held until close: ofl's remove_orphans leaves it
+        fd, path = create_shm(name, size)  # held until close: ofl's remove_orphans leaves it
         try:
             region = Region.from_file(name, path, writable=True)
             if lib.hf_format(ffi.cast("void *", region.address), size, nslots, slot_bytes):

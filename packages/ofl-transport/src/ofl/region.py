@@ -61,18 +61,30 @@ def _libc_call(name: str, address: int, length: int, *extra: int) -> str:
     return os.strerror(ctypes.get_errno())
 
 
-def create_shm(name: str, size: int) -> int:
-    """Create SHM_DIR/name of `size` bytes; returns its descriptor, which holds a shared lock
-    on the file until it is closed or this process ends, however it ends (the kernel drops
-    it then): remove_orphans leaves a file while its lock is held."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def create_shm(name: str, size: int) -> tuple[int, str]:
+    """Create SHM_DIR/name of `size` bytes; returns its descriptor and path. The descriptor
+    holds a shared lock on the file until it is closed or this process ends, however it ends
+    (the kernel drops it then): remove_orphans leaves a file while its lock is held. The
+    bytes are allocated now: a tmpfs without room for them (a container's small /dev/shm)
+    fails here with ENOSPC and a message, where a sparse file would kill the process with
+    SIGBUS at its first touch of a page past the room."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, size)  # after the lock: a file with bytes has been held
+        os.posix_fallocate(fd, 0, size)  # after the lock: a file with bytes has been held
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        free = os.statvfs(SHM_DIR)
+        raise OSError(exc.errno, f"{SHM_DIR} cannot hold {name} ({size / 2**20:.1f} MiB; "
+                      f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB free there): "
+                      f"{os.strerror(exc.errno)}") from None
     except BaseException:
         os.close(fd)
+        os.unlink(path)
         raise
-    return fd
+    return fd, path
 
 
 def remove_orphans(prefix: str) -> tuple[int, int]:
@@ -151,15 +163,14 @@ class Region:
     def allocate(cls, name: str, length: int) -> Region:
         """Page-aligned shared memory under /dev/shm, usable by every backend; unlinked on close."""
         remove_orphans(SHM_PREFIX)
-        file = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        fd = create_shm(file, max(length, 1))
+        fd, path = create_shm(f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", max(length, 1))
         try:
             mm = mmap.mmap(fd, max(length, 1))
         except BaseException:
             os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, file))
+            os.unlink(path)
             raise
-        region = cls(name, memoryview(mm)[:length], path=os.path.join(SHM_DIR, file), _owned=(mm,))
+        region = cls(name, memoryview(mm)[:length], path=path, _owned=(mm,))
         region._unlink, region._held = True, fd
         return region
 

@@ -1,6 +1,6 @@
-"""Test helpers other packages' suites share: a real `ofl serve` process, and two "hosts"
-in network namespaces joined by veth pairs, one pair per link (like the offload host and
-the Sparks; needs root)."""
+"""Test helpers other packages' suites share: a real `ofl serve` process, two "hosts" in
+network namespaces joined by veth pairs, one pair per link (like the offload host and the
+Sparks; needs root), and a small tmpfs (a container's /dev/shm; needs root)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def netns_unavailable() -> str | None:
         sh("ip", "netns", "del", probe)
     except (OSError, subprocess.CalledProcessError) as exc:
         return f"ip netns not permitted here ({exc}); the root CI machine runs it"
+    return None
+
+
+def mount_tmpfs(folder: str, size: str) -> str | None:
+    """A tmpfs of `size` (mount's spelling: "1m") at `folder`, to stand for a container's
+    small /dev/shm; None once mounted (umount it after), else why not (for a pytest skip)."""
+    try:
+        sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"mounting a tmpfs needs root ({exc}); tools/test runs as root on the CI machine"
     return None
 
 
