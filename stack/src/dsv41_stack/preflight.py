@@ -409,6 +409,26 @@ def check_hugepages() -> Check:
                  "madvise or always)")
 
 
+def check_shm_room(engines: list[Role]) -> Check | None:
+    """Room in /dev/shm for the async handoff's region of each engine rank here that drafts
+    through the proxy (a container's /dev/shm is its --shm-size: 64 MB by default in
+    Docker); None where none does."""
+    from async_handoff.hostflags import region_size
+    from ofl import region
+    slots, slot_bytes = handoff_env.ASYNC_HANDOFF_SLOTS, handoff_env.ASYNC_HANDOFF_SLOT_BYTES
+    need = sum(region_size(int(e.env.get(slots.name, slots.default)),
+                           int(e.env.get(slot_bytes.name, slot_bytes.default)))
+               for e in engines if handoff_env.async_enabled(e.env))
+    if not need:
+        return None
+    st = os.statvfs(region.SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    return Check("/dev/shm room", free >= need, f"{free / 2**20:.1f} MiB free in {region.SHM_DIR}, the "
+                 f"async handoff's region needs {need / 2**20:.1f} MiB ({slots.name} x {slot_bytes.name})"
+                 + ("" if free >= need else "; without it the engine decodes without remote drafts "
+                    "(a container: raise --shm-size)"))
+
+
 def check_gpu(device: str) -> Check:
     if not shutil.which("nvidia-smi"):
         return Check(f"gpu {device}", False, "no nvidia-smi: no NVIDIA driver on this machine")
@@ -459,6 +479,8 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
         checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
         if cfg["STACK_DRAFTER_WEIGHTS"] == "exl3":
             checks.append(check_exl3_gate(cfg["STACK_DRAFTER"]))
+    if shm := check_shm_room(engines):
+        checks.append(shm)
     for engine in engines:
         model = Path(cfg["STACK_MODEL"])
         checks.append(Check("target checkpoint", (model / "config.json").exists(), str(model)))

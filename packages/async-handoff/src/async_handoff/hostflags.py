@@ -34,6 +34,11 @@ class Ticket:
     flags: HostFlags
 
 
+def region_size(nslots: int, slot_bytes: int) -> int:
+    """Bytes of the region (header and slots) HostFlags.create makes in /dev/shm."""
+    return lib.hf_region_size(nslots, slot_bytes)
+
+
 class HostFlags:
     def __init__(self, region: Region, path: str, held: int | None = None):
         self.region, self.path = region, path
@@ -50,7 +55,7 @@ class HostFlags:
 
     @classmethod
     def create(cls, name: str, nslots: int, slot_bytes: int) -> HostFlags:
-        size = lib.hf_region_size(nslots, slot_bytes)
+        size = region_size(nslots, slot_bytes)
         fd, path = create_shm(name, size)  # held until close: ofl's remove_orphans leaves it
         try:
             region = Region.from_file(name, path, writable=True)
