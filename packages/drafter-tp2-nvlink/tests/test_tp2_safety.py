@@ -74,10 +74,11 @@ def test_a_held_device_refuses_a_second_worker_until_released(models, lock_dir):
         assert f"locked by pid {first.rank_pids[1]}" in text, text
     finally:
         first.stop()
-    assert first.proc.returncode == 0, first.proc.stderr.read()
+    said = first.proc.stderr.read()  # the launcher's and the ranks' log: why, if a rank was killed
+    assert first.proc.returncode == 0, said
     for dev in ("cpu:0", "cpu:1"):  # released at the end, with no record left behind
         lock = DeviceLock(device_key(dev), lock_dir).acquire()
-        assert lock.cleared is None
+        assert lock.cleared is None, (dev, lock.cleared, said)
         lock.release()
 
 
