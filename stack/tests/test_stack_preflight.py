@@ -15,8 +15,7 @@ from async_handoff.hostflags import region_size
 from dsv41_stack import preflight
 from dsv41_stack.cli import main
 from dsv41_stack.config import StackConfig
-from ofl import region
-from ofl.testing import mount_tmpfs, sh
+from ofl.testing import small_shm
 from remote_engram.geometry import EngramGeometry
 from remote_engram.server import EngramServer
 from remote_engram.synth import write_shards
@@ -80,26 +79,22 @@ def test_not_enough_memory_or_mlock(ready, monkeypatch):
     assert "LimitMEMLOCK=infinity" in failed(ready[0])["mlock limit"]
 
 
-def test_no_room_in_dev_shm_for_the_async_handoff(ready, tmp_path, monkeypatch):
+def test_no_room_in_dev_shm_for_the_async_handoff(ready, tmp_path):
     """Where the engine drafts through the proxy, /dev/shm must hold the handoff's region (a
     1 MiB tmpfs stands for a container's small /dev/shm)."""
     cfg = ready[0]
     assert "/dev/shm room" not in {c.name for c in preflight.run(cfg, "engine")}  # sync: no region
-    folder = str(tmp_path / "shm")
     (tmp_path / "shm").mkdir()
-    if why := mount_tmpfs(folder, "1m"):
-        pytest.skip(why)
-    monkeypatch.setattr(region, "SHM_DIR", folder)
-    try:
+    with small_shm(str(tmp_path / "shm")) as why:
+        if why:
+            pytest.skip(why)
         small = cfg.with_values(VLLM_DSPARK_REMOTE_ASYNC="1", ASYNC_HANDOFF_SLOTS="2",
                                 ASYNC_HANDOFF_SLOT_BYTES=str(128 << 10))
         room = {c.name: c for c in preflight.run(small, "engine")}["/dev/shm room"]
-        assert room.ok and f"free in {folder}" in room.detail, room
+        assert room.ok and f"free in {tmp_path / 'shm'}" in room.detail, room
         big = failed(small.with_values(ASYNC_HANDOFF_SLOTS="4", ASYNC_HANDOFF_SLOT_BYTES=str(1 << 20)), "engine")
         need = region_size(4, 1 << 20) / 2**20  # a request and a reply a slot
         assert f"needs {need:.1f} MiB" in big["/dev/shm room"] and "--shm-size" in big["/dev/shm room"], big
-    finally:
-        sh("umount", folder)
 
 
 def test_a_worker_gpu_without_a_driver(ready, monkeypatch):

@@ -10,18 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from test_handoff import ECHO, Worker, config, round_trip
+from test_handoff import ECHO, Worker, config, free_address, round_trip
 
 from async_handoff import Handoff, HandoffConfig
 from async_handoff.cli import main
 from async_handoff.exposition import parse, read, serve
 from ofl.testing import wait_until
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1:%d" % s.getsockname()[1]
 
 
 def test_parse_keeps_the_counters_and_gauges_only():

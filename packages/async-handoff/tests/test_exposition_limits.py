@@ -7,8 +7,7 @@ import socket
 import threading
 import time
 
-from test_exposition import free_address
-from test_handoff import ECHO, Worker, config, round_trip
+from test_handoff import ECHO, Worker, config, free_address, round_trip
 
 from async_handoff import Handoff
 from async_handoff.exposition import read

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -18,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_handoff import Handoff, HandoffConfig
-from ofl import Server, region
-from ofl.testing import mount_tmpfs, sh, wait_until
+from async_handoff import Handoff, HandoffConfig, handoff
+from async_handoff.exposition import read
+from ofl import Server
+from ofl.testing import small_shm, wait_until
 
 HERE = str(Path(__file__).parent)
 ECHO = "async_handoff.adapters:OflMessageAdapter"
@@ -47,6 +49,12 @@ class Worker:
 
     def stop(self):
         self.server.stop()
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1:%d" % s.getsockname()[1]
 
 
 def config(**kw) -> HandoffConfig:
@@ -341,22 +349,26 @@ def test_region_removed_underneath():
 
 ENGINE = """
 import json, sys
-from async_handoff import Handoff, HandoffConfig
+from async_handoff import Handoff, HandoffConfig, handoff
+handoff.REGION_PREFIX = sys.argv[4]
 h = Handoff(HandoffConfig(**json.loads(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3])).start()
 print(h.flags.path, h.proc.pid, flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_start_removes_the_region_a_killed_engine_left():
+def test_a_start_removes_the_region_a_killed_engine_left(monkeypatch):
     """An engine SIGKILLed while its handoff ran leaves its region in /dev/shm; the next
-    engine's start removes it and counts it, and serves."""
+    engine's start removes it and counts it, and serves. (Regions of a prefix of this test's
+    own: the tests running beside it start handoffs that remove dead engines' regions too.)"""
+    prefix = f"async-handoff-test{os.getpid()}-"
+    monkeypatch.setattr(handoff, "REGION_PREFIX", prefix)
     worker = Worker()
     c = config()
     settings = {f: getattr(c, f) for f in ("mode", "round_deadline_ms", "max_wait_ms",
                                            "heartbeat_timeout_ms", "startup_timeout_s", "proxy_env")}
     engine = subprocess.Popen([sys.executable, "-c", ENGINE, json.dumps(settings), ECHO,
-                               json.dumps({"address": worker.address, "backend": "tcp"})],
+                               json.dumps({"address": worker.address, "backend": "tcp"}), prefix],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     h = None
     try:
@@ -368,7 +380,7 @@ def test_a_start_removes_the_region_a_killed_engine_left():
         assert os.path.exists(path)  # left behind
         h = start(worker)
         assert not os.path.exists(path)
-        assert h.counters()["orphans_removed"] >= 1  # (another test process's may go too)
+        assert h.counters()["orphans_removed"] == 1
         assert round_trip(h, b"one") == b"eno"
     finally:
         if engine.poll() is None:
@@ -378,26 +390,54 @@ def test_a_start_removes_the_region_a_killed_engine_left():
         worker.stop()
 
 
-def test_no_room_for_the_region_leaves_the_handoff_disabled_saying_why(tmp_path, monkeypatch):
-    """A /dev/shm too small for the slots (a container's default): start() returns with the
-    handoff disabled and the reason, and rounds are refused, counted (target-only decoding)."""
-    folder = str(tmp_path / "shm")
-    os.mkdir(folder)
-    if why := mount_tmpfs(folder, "1m"):
-        pytest.skip(why)
-    monkeypatch.setattr(region, "SHM_DIR", folder)
+@pytest.fixture
+def shm_1m(tmp_path):
+    """ofl's SHM_DIR, where the regions go, on a 1 MiB tmpfs (a container's small /dev/shm)."""
+    (tmp_path / "shm").mkdir()
+    with small_shm(str(tmp_path / "shm")) as why:
+        if why:
+            pytest.skip(why)
+        yield str(tmp_path / "shm")
+
+
+def test_no_room_for_the_region_leaves_the_handoff_disabled_saying_why(shm_1m):
+    """A /dev/shm too small for the slots: start() returns with the handoff disabled and the
+    reason, served with the counters, and rounds are refused, counted (target-only decoding)."""
     worker = Worker()
+    listen = free_address()
     try:
-        h = start(worker, slots=4, slot_bytes=1 << 20)
+        h = start(worker, slots=4, slot_bytes=1 << 20, metrics_listen=listen)
         assert not h.enabled
         assert h.reason.startswith("no host-flags region: ") and "No space left on device" in h.reason
         assert "ASYNC_HANDOFF_SLOT_BYTES" in h.reason
         assert h.submit(b"round") is None and h.counters()["disabled_skips"] == 1
+        served = read(listen)  # the status the stack reads says so too
+        assert served["enabled"] == 0 and served["disabled_skips"] == 1, served
         h.close()
-        assert os.listdir(folder) == []
+        assert os.listdir(shm_1m) == []
     finally:
         worker.stop()
-        sh("umount", folder)
+
+
+def test_a_region_removed_underneath_with_no_room_for_another_disables_saying_why(shm_1m):
+    """The region unlinked while mapped keeps its room; the proxy killed, the watchdog's
+    respawn finds no room for a new region: the handoff stays disabled with that reason
+    (not a respawn bound's), after one respawn."""
+    worker = Worker()
+    h = start(worker, slots=2, slot_bytes=192 << 10)
+    try:
+        assert h.enabled, h.reason
+        assert round_trip(h, b"one") == b"eno"
+        os.unlink(h.flags.path)
+        os.kill(h.proc.pid, signal.SIGKILL)
+        wait_until(lambda: h.reason.startswith("no host-flags region: "), what="the renewal refused",
+                   timeout_s=15)
+        c = h.counters()
+        assert not h.enabled and c["watchdog_fires"] == 1 and c["respawns"] == 1, (c, h.reason)
+        assert h.submit(b"two") is None
+    finally:
+        h.close()
+        worker.stop()
 
 
 def test_soak_10000_rounds():

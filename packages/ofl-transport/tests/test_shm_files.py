@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from ofl import Region, region
+from ofl import Region
 from ofl.region import SHM_DIR, SHM_PREFIX, create_shm, remove_orphans
-from ofl.testing import mount_tmpfs, sh
+from ofl.testing import small_shm
 
 CREATE_AND_WAIT = """
 import os, sys
@@ -78,31 +78,27 @@ def test_an_allocated_region_holds_its_file_until_closed_and_removes_it():
 
 
 @pytest.fixture
-def small_shm(tmp_path, monkeypatch):
-    """SHM_DIR on a 1 MiB tmpfs, as a container's small /dev/shm."""
-    folder = str(tmp_path / "shm")
-    os.mkdir(folder)
-    if why := mount_tmpfs(folder, "1m"):
-        pytest.skip(why)
-    monkeypatch.setattr(region, "SHM_DIR", folder)
-    try:
-        yield folder
-    finally:
-        sh("umount", folder)
+def shm_1m(tmp_path):
+    """SHM_DIR on a 1 MiB tmpfs."""
+    (tmp_path / "shm").mkdir()
+    with small_shm(str(tmp_path / "shm")) as why:
+        if why:
+            pytest.skip(why)
+        yield str(tmp_path / "shm")
 
 
-def test_a_file_the_tmpfs_has_no_room_for_is_refused_when_made(small_shm):
+def test_a_file_the_tmpfs_has_no_room_for_is_refused_when_made(shm_1m):
     with pytest.raises(OSError) as refused:
         create_shm(f"{SHM_PREFIX}{os.getpid()}-big", 4 << 20)
     assert refused.value.errno == errno.ENOSPC
-    assert f"{small_shm} cannot hold" in str(refused.value) and "4.0 MiB" in str(refused.value)
-    assert os.listdir(small_shm) == []  # nothing half made is left
+    assert f"{shm_1m} cannot hold" in str(refused.value) and "4.0 MiB" in str(refused.value)
+    assert os.listdir(shm_1m) == []  # nothing half made is left
     fd, path = create_shm(f"{SHM_PREFIX}{os.getpid()}-fits", 768 << 10)  # allocated: the room is taken
     try:
         with pytest.raises(OSError) as refused:
             Region.allocate("r", 512 << 10)
         assert refused.value.errno == errno.ENOSPC
-        assert os.listdir(small_shm) == [os.path.basename(path)]
+        assert os.listdir(shm_1m) == [os.path.basename(path)]
     finally:
         os.close(fd)
         os.unlink(path)

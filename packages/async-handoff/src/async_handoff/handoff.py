@@ -34,11 +34,14 @@ from .hostflags import (
     PROXY_READY,
     WAIT_MODES,
     HostFlags,
+    HostFlagsError,
     Ticket,
 )
 
 log = logging.getLogger("async_handoff")
 REGION_PREFIX = "async-handoff-"  # the engine's host-flags regions in /dev/shm
+# reasons a disabled handoff gives that the watchdog leaves as they are (no respawns)
+RESPAWN_BOUND, NO_REGION = "respawn bound", "no host-flags region"
 
 
 def env_field(var: EnvVar, kind: type = str):
@@ -130,6 +133,12 @@ class Handoff:
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> Handoff:
         """Create the host flags, start the proxy, wait for its self-test (startup bound)."""
+        if self.config.metrics_listen:  # first: a handoff that cannot start says so there too
+            from .exposition import serve
+            try:
+                self._http = serve(self.prometheus, self.config.metrics_listen)
+            except OSError as exc:  # the counters stay unreadable; rounds are unaffected
+                log.error("async handoff counters not served on %s: %s", self.config.metrics_listen, exc)
         removed, size = remove_orphans(REGION_PREFIX)
         if removed:
             self.metrics.orphans_removed.inc(removed)
@@ -137,7 +146,7 @@ class Handoff:
                         "them (%.1f MiB of %s)", removed, size / 2**20, SHM_DIR)
         try:
             self.flags = self._new_flags()
-        except OSError as exc:  # the engine serves on without remote drafts, and says why
+        except (OSError, HostFlagsError) as exc:  # the engine serves on without remote drafts
             self._disable(self._no_region(exc))
             return self
         mlock = self.flags.lock()
@@ -146,20 +155,14 @@ class Handoff:
         self._spawn()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="handoff-watchdog")
         self._watchdog.start()
-        if self.config.metrics_listen:
-            from .exposition import serve
-            try:
-                self._http = serve(self.prometheus, self.config.metrics_listen)
-            except OSError as exc:  # the counters stay unreadable; rounds are unaffected
-                log.error("async handoff counters not served on %s: %s", self.config.metrics_listen, exc)
         return self
 
     def _new_flags(self) -> HostFlags:
         return HostFlags.create(f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
                                 self.config.slots, self.config.slot_bytes)
 
-    def _no_region(self, exc: OSError) -> str:
-        return (f"no host-flags region: {exc} (ASYNC_HANDOFF_SLOTS x ASYNC_HANDOFF_SLOT_BYTES = "
+    def _no_region(self, exc: Exception) -> str:
+        return (f"{NO_REGION}: {exc} (ASYNC_HANDOFF_SLOTS x ASYNC_HANDOFF_SLOT_BYTES = "
                 f"{self.config.slots} x {self.config.slot_bytes} bytes; a container's /dev/shm is "
                 "its --shm-size)")
 
@@ -170,7 +173,7 @@ class Handoff:
             old.new_generation()
             try:
                 self.flags = self._new_flags()
-            except OSError as exc:
+            except (OSError, HostFlagsError) as exc:  # stays disabled (the watchdog leaves it)
                 self._disable(self._no_region(exc))
                 return False
             self.metrics.mlocked.set(self.flags.lock() == "ok")
@@ -233,10 +236,10 @@ class Handoff:
                     self.enabled = False
                     self.metrics.enabled.set(0)
                     self._kill()
-                elif self.reason.startswith("respawn bound"):
-                    continue  # stays disabled: no flapping
+                elif self.reason.startswith((RESPAWN_BOUND, NO_REGION)):
+                    continue  # stays disabled, saying why: no flapping
                 if not self._respawn_allowed():
-                    self._disable(f"respawn bound reached ({self.config.respawn_max} in "
+                    self._disable(f"{RESPAWN_BOUND} reached ({self.config.respawn_max} in "
                                   f"{self.config.respawn_window_s:.0f} s)")
                     continue
                 self.metrics.respawns.inc()

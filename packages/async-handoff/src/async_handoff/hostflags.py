@@ -57,14 +57,18 @@ class HostFlags:
     def create(cls, name: str, nslots: int, slot_bytes: int) -> HostFlags:
         size = region_size(nslots, slot_bytes)
         fd, path = create_shm(name, size)  # held until close: ofl's remove_orphans leaves it
+        region = None
         try:
             region = Region.from_file(name, path, writable=True)
             if lib.hf_format(ffi.cast("void *", region.address), size, nslots, slot_bytes):
                 raise HostFlagsError("cannot format the region")
+            return cls(region, path, held=fd)
         except BaseException:
+            if region is not None:
+                region.close()
             os.close(fd)
+            os.unlink(path)
             raise
-        return cls(region, path, held=fd)
 
     @classmethod
     def open(cls, path: str) -> HostFlags:

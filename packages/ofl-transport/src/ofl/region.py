@@ -8,6 +8,7 @@ same-host peer, which is what the shm backend needs.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -76,6 +77,8 @@ def create_shm(name: str, size: int) -> tuple[int, str]:
     except OSError as exc:
         os.close(fd)
         os.unlink(path)
+        if exc.errno != errno.ENOSPC:
+            raise
         free = os.statvfs(SHM_DIR)
         raise OSError(exc.errno, f"{SHM_DIR} cannot hold {name} ({size / 2**20:.1f} MiB; "
                       f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB free there): "

@@ -4,6 +4,7 @@ Sparks; needs root), and a small tmpfs (a container's /dev/shm; needs root)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,14 +28,23 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def mount_tmpfs(folder: str, size: str) -> str | None:
-    """A tmpfs of `size` (mount's spelling: "1m") at `folder`, to stand for a container's
-    small /dev/shm; None once mounted (umount it after), else why not (for a pytest skip)."""
+@contextlib.contextmanager
+def small_shm(folder: str, size: str = "1m"):
+    """ofl.region.SHM_DIR on a fresh tmpfs of `size` (mount's spelling) at `folder` for the
+    block, as a container's small /dev/shm. Yields None, or why the tmpfs could not be
+    mounted (for a pytest skip; SHM_DIR is left as it was)."""
+    from . import region
     try:
         sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder)
     except (OSError, subprocess.CalledProcessError) as exc:
-        return f"mounting a tmpfs needs root ({exc}); tools/test runs as root on the CI machine"
-    return None
+        yield f"mounting a tmpfs needs root ({exc}); tools/test runs as root on the CI machine"
+        return
+    saved, region.SHM_DIR = region.SHM_DIR, folder
+    try:
+        yield None
+    finally:
+        region.SHM_DIR = saved
+        sh("umount", "-l", folder)  # lazily: a mapping a failed test left must not hide its failure
 
 
 class TwoHosts:
