@@ -392,12 +392,8 @@ def test_a_start_removes_the_region_a_killed_engine_left(monkeypatch):
 
 @pytest.fixture
 def shm_1m(tmp_path):
-    """ofl's SHM_DIR, where the regions go, on a 1 MiB tmpfs (a container's small /dev/shm)."""
-    (tmp_path / "shm").mkdir()
-    with small_shm(str(tmp_path / "shm")) as why:
-        if why:
-            pytest.skip(why)
-        yield str(tmp_path / "shm")
+    with small_shm(tmp_path) as folder:  # ofl's SHM_DIR, where the regions go, on a 1 MiB tmpfs
+        yield folder
 
 
 def test_no_room_for_the_region_leaves_the_handoff_disabled_saying_why(shm_1m):

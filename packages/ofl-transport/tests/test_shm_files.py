@@ -79,12 +79,8 @@ def test_an_allocated_region_holds_its_file_until_closed_and_removes_it():
 
 @pytest.fixture
 def shm_1m(tmp_path):
-    """SHM_DIR on a 1 MiB tmpfs."""
-    (tmp_path / "shm").mkdir()
-    with small_shm(str(tmp_path / "shm")) as why:
-        if why:
-            pytest.skip(why)
-        yield str(tmp_path / "shm")
+    with small_shm(tmp_path) as folder:  # SHM_DIR on a 1 MiB tmpfs
+        yield folder
 
 
 def test_a_file_the_tmpfs_has_no_room_for_is_refused_when_made(shm_1m):

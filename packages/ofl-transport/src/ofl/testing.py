@@ -29,19 +29,22 @@ def netns_unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def small_shm(folder: str, size: str = "1m"):
-    """ofl.region.SHM_DIR on a fresh tmpfs of `size` (mount's spelling) at `folder` for the
-    block, as a container's small /dev/shm. Yields None, or why the tmpfs could not be
-    mounted (for a pytest skip; SHM_DIR is left as it was)."""
+def small_shm(parent, size: str = "1m"):
+    """ofl.region.SHM_DIR on a fresh tmpfs of `size` (mount's spelling) at parent/shm for the
+    block, as a container's small /dev/shm; yields that folder. Mounting needs root: elsewhere
+    the test is skipped, saying so."""
+    import pytest  # a test's helper: pytest is there
+
     from . import region
+    folder = os.path.join(str(parent), "shm")
+    os.makedirs(folder, exist_ok=True)
     try:
         sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder)
     except (OSError, subprocess.CalledProcessError) as exc:
-        yield f"mounting a tmpfs needs root ({exc}); tools/test runs as root on the CI machine"
-        return
+        pytest.skip(f"mounting a tmpfs needs root ({exc}); tools/test runs as root on the CI machine")
     saved, region.SHM_DIR = region.SHM_DIR, folder
     try:
-        yield None
+        yield folder
     finally:
         region.SHM_DIR = saved
         sh("umount", "-l", folder)  # lazily: a mapping a failed test left must not hide its failure
