@@ -87,7 +87,7 @@ def copies_ab(d: Dsv41Drafter, requests, rounds: int, grow) -> dict:
         for i in range(2 * rounds):
             way = "queued" if i % 2 else "blocking"
             window.to_device = drafter_module.to_device = ways[way]
-            times[way] += [timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3]
+            times[way].append(timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3)
     finally:
         window.to_device = drafter_module.to_device = staging.to_device
     out = {way: percentiles(t) for way, t in times.items()}

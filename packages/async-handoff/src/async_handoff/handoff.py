@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ofl import region as shm_files
 from ofl.env import EnvVar
-from ofl.region import SHM_DIR, remove_orphans
 
 from . import env
 from ._hostflags import lib
@@ -139,11 +139,11 @@ class Handoff:
                 self._http = serve(self.prometheus, self.config.metrics_listen)
             except OSError as exc:  # the counters stay unreadable; rounds are unaffected
                 log.error("async handoff counters not served on %s: %s", self.config.metrics_listen, exc)
-        removed, size = remove_orphans(REGION_PREFIX)
+        removed, size = shm_files.remove_orphans(REGION_PREFIX)
         if removed:
             self.metrics.orphans_removed.inc(removed)
             log.warning("removed %d host-flags regions of engines that died without closing "
-                        "them (%.1f MiB of %s)", removed, size / 2**20, SHM_DIR)
+                        "them (%.1f MiB of %s)", removed, size / 2**20, shm_files.SHM_DIR)
         try:
             self.flags = self._new_flags()
         except (OSError, HostFlagsError) as exc:  # the engine serves on without remote drafts

@@ -150,4 +150,3 @@ class HostFlags:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-

@@ -52,7 +52,7 @@ static int run(int n, int wait_mode) {
             continue;
         }
         /* a reply ends the wait; the bound only catches a round really lost, so it is far
-         * beyond a loaded machine's delays (qemu-user on two busy cores took over 2 s) */
+         * beyond what a loaded machine under qemu-user may delay a reply */
         hf_wait_reply(r, slot, seq, mode, 20000, hf_now_ns() + 60000000000LL);
         int rc = hf_poll(r, slot, seq, out, sizeof out, &len, &status);
         if (rc == HF_OK) {

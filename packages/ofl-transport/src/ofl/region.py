@@ -74,19 +74,15 @@ def create_shm(name: str, size: int) -> tuple[int, str]:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.posix_fallocate(fd, 0, size)  # after the lock: a file with bytes has been held
-    except OSError as exc:
+    except BaseException as exc:
         os.close(fd)
         os.unlink(path)
-        if exc.errno != errno.ENOSPC:
+        if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
             raise
         free = os.statvfs(SHM_DIR)
         raise OSError(exc.errno, f"{SHM_DIR} cannot hold {name} ({size / 2**20:.1f} MiB; "
                       f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB free there): "
                       f"{os.strerror(exc.errno)}") from None
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
     return fd, path
 
 
