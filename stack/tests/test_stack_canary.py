@@ -9,7 +9,13 @@ import pytest
 from async_handoff.exposition import serve
 from dsv41_stack.cli import report_canary
 from dsv41_stack.config import StackConfig
-from dsv41_stack.deployment import Deployment, drafts_made, handoff_degraded, handoff_moved
+from dsv41_stack.deployment import (
+    Deployment,
+    drafts_made,
+    engram_degraded,
+    handoff_degraded,
+    handoff_moved,
+)
 
 LISTEN = "127.0.0.1:9496"
 CLEAN = {"rounds_ok": 10.0, "rounds_failed": 0.0, "rounds_bad": 0.0, "rounds_timed_out": 0.0,
@@ -86,6 +92,20 @@ def test_each_rank_is_read_where_it_serves():
             s.server_close()
     assert one.handoff_counters() is None  # nothing answers: None (the canary: unreadable)
     assert not Deployment(StackConfig({**base, "VLLM_DSPARK_REMOTE_ASYNC": "0"})).async_on()
+
+
+def test_engram_counters_unreadable_or_moved_are_degraded():
+    engram = "127.0.0.1:9490"
+    assert engram_degraded("", None, None) == []  # not served: not checked (and not claimed)
+    assert engram_degraded(engram, None, {}) == engram_degraded(engram, {}, None) == [
+        f"Engram counters unreadable at {engram}"]
+    assert engram_degraded(engram, {}, {"rows_remote": 900.0}) == []  # a counter appears when first counted
+    assert engram_degraded(engram, {"fallbacks": 2.0}, {"fallbacks": 5.0, "remote_failures": 1.0}) == [
+        "Engram fallbacks +3", "Engram remote_failures +1"]
+    with socket.socket() as s:  # a port nothing serves: unreadable, so the canary cannot say "no fallback"
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    assert Deployment(StackConfig({"ENGRAM_METRICS_LISTEN": nobody})).engram_counters() is None
 
 
 def test_the_canary_report_names_the_proxy(capsys):

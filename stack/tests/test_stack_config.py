@@ -22,10 +22,37 @@ def test_values_comments_quotes_and_export():
     ("OFL_AUTHKEY=x\n", "OFL_AUTHKEY is not a variable its component declares"),
     ("this is not an assignment\n", "not KEY=VALUE"),
     ("STACK_MODEL=/a b\n", "has spaces"),
+    ("STACK_MODEL='/a\n", "STACK_MODEL: No closing quotation"),
+    ("STACK_TP=two\n", "STACK_TP='two': expected a whole number >= 0"),
+    ("STACK_KV_BYTES=6GiB\n", "expected a whole number"),
+    ("STACK_ENGINE_LISTEN=localhost\n", "STACK_ENGINE_LISTEN='localhost': expected HOST:PORT"),
+    ("STACK_ENFORCE_EAGER=yes\n", "expected 0 or 1"),
+    ("VLLM_DSPARK_REMOTE_ASYNC=false\n", "VLLM_DSPARK_REMOTE_ASYNC='false': expected 0 or 1"),
+    ("ENGRAM_DEADLINE_MS=fast\n", "expected a number >= 0"),
+    ("REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT=many\n", "expected a whole number >= 0 or 'auto'"),
+    ("OFL_BACKEND=rdma\n", "expected 'verbs' or 'tcp' or 'shm'"),
+    ("OFL_INSECURE=1\n", "never run open to every peer"),
+    ("DRAFTER_TP2_TIMEOUTS=1\n", "DRAFTER_TP2_TIMEOUTS is not a variable its component declares"),
+    ("DRAFTER_TP2_TIMEOUT_S=soon\n", "expected a number"),
 ])
 def test_refused_lines_say_where_and_why(text, why):
     with pytest.raises(ConfigError, match=rf"f\.env:1: .*{why}"):
         parse(text, "f.env")
+
+
+def test_a_hash_inside_a_value_is_the_values_own():
+    """As a shell reads it: a comment starts at a `#` after whitespace, outside quotes."""
+    values = parse("OFL_AUTH_KEY=abc#def0123456789\nSTACK_MODEL=/data/run#2/model  # the second run\n"
+                   "STACK_DRAFTER='/a #b'\nSTACK_DRAFTER_TARGET= # nothing yet\n")
+    assert values == {"OFL_AUTH_KEY": "abc#def0123456789", "STACK_MODEL": "/data/run#2/model",
+                      "STACK_DRAFTER": "/a #b", "STACK_DRAFTER_TARGET": ""}
+
+
+def test_every_declared_default_is_a_value_of_its_own_kind():
+    from dsv41_stack.settings import declared
+    known = declared()
+    assert len(known) > 90 and "DRAFTER_TP2_TIMEOUT_S" in known  # drafter-tp2's, installed here
+    assert {n: v.problem(v.default) for n, v in known.items() if v.problem(v.default)} == {}
 
 
 def test_later_files_override_and_defaults_fill_in(tmp_path):

@@ -71,6 +71,9 @@ def test_a_port_in_use(ready):
         s.listen()
         address = "127.0.0.1:%d" % s.getsockname()[1]
         assert "in use" in failed(ready[0].with_values(STACK_ENGINE_LISTEN=address))["port engine"]
+    # TEST-NET-1: an address no host here has is not a port in use
+    elsewhere = failed(ready[0].with_values(STACK_ENGINE_LISTEN="192.0.2.1:8000"))["port engine"]
+    assert elsewhere == "192.0.2.1:8000 cannot be bound here: 192.0.2.1 is not an address of this host"
 
 
 def test_not_enough_memory_or_mlock(ready, monkeypatch):
@@ -320,6 +323,16 @@ def test_an_exl3_pack_without_a_passed_gate_fails(ready, tmp_path):
                             "passed": True}, "d" * 64, "r" * 64, str(rounds), None)
     assert "exl3 gate" not in failed(cfg, "offload-host")
     assert any(c.name == "exl3 gate" and c.ok for c in preflight.run(cfg, "offload-host"))
+
+
+def test_an_exl3_pack_needs_exllamav3_installed(ready, monkeypatch):
+    import importlib.util
+    cfg = ready[0].with_values(STACK_DRAFTER_WEIGHTS="exl3")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
+    assert "pip install 'dsv41-stack[offload-host,exl3]'" in failed(cfg, "offload-host")["exllamav3"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "exllamav3" else real(name, *a))
+    assert "exllamav3" not in failed(cfg, "offload-host")
 
 
 def test_the_wait_named_covers_the_slower_of_the_two_figures_with_headroom():

@@ -41,3 +41,17 @@ def test_a_role_that_ignores_sigterm_is_killed_with_its_children(tmp_path):
         while alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(child), "the role's child outlived it"
+
+
+def test_a_role_reads_component_variables_from_its_env_files_alone(monkeypatch):
+    """A variable exported in the launcher's shell (left from an earlier deployment) must not
+    reach a role behind the env files' back: `args` and the rollbacks show what runs."""
+    from dsv41_stack.processes import role_env
+    monkeypatch.setenv("ENGRAM_REMOTE", "10.0.0.9:7480")
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_ASYNC", "1")
+    monkeypatch.setenv("STACK_TP", "2")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "kept")
+    env = role_env(Role("engine", ["true"], {"OFL_BACKEND": "tcp"}))
+    assert env["OFL_BACKEND"] == "tcp" and env["HOME_OF_SOMETHING_ELSE"] == "kept"
+    assert not {"ENGRAM_REMOTE", "VLLM_DSPARK_REMOTE_ASYNC", "STACK_TP", "VLLM_CPU_KVCACHE_SPACE"} & set(env)

@@ -6,6 +6,7 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
 from test_stack_args import filled
 
 from dsv41_stack.cli import main, template_path
@@ -91,7 +92,23 @@ def test_the_key_file_reaches_every_unit_and_no_secret_is_written(tmp_path):
     services = {p.name: p.read_text() for p in out.glob("dsv41-*.service") if "watchdog" not in p.name}
     assert set(services) == {"dsv41-engram-server.service", "dsv41-drafter-worker.service",
                              "dsv41-engine.service", "dsv41-engine-rank1.service"}
-    path = "X-path-of-the-key-file-e-g-etc-dsv41-ofl-key"
+    path = "/X-path-of-the-key-file-e-g-etc-dsv41-ofl-key"
     for text in services.values():
         assert f'Environment="OFL_AUTH_KEY_FILE={path}"' in text and "EnvironmentFile=" not in text
     assert not (out / SECRETS_FILE).exists()
+
+
+def test_a_bare_interpreter_name_becomes_the_path_this_shell_finds(tmp_path, monkeypatch):
+    """systemd wants an absolute ExecStart: STACK_VLLM_PYTHON=python3 is resolved on PATH
+    (not joined to the working folder), and a name PATH lacks is refused."""
+    from dsv41_stack.systemd import absolute_executable
+    tool = tmp_path / "bin" / "py-for-units"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}:/usr/bin")
+    assert absolute_executable("py-for-units", "/srv/dsv41") == str(tool)
+    assert absolute_executable("venv/bin/python", "/srv/dsv41") == "/srv/dsv41/venv/bin/python"
+    assert absolute_executable("/opt/py/bin/python", "/srv/dsv41") == "/opt/py/bin/python"
+    with pytest.raises(ValueError, match="no-such-python is not on PATH"):
+        absolute_executable("no-such-python", "/srv/dsv41")

@@ -56,7 +56,7 @@ def test_auto_locks_gpus_only_and_bad_modes_are_refused(lock_dir, monkeypatch):
     monkeypatch.setenv("REMOTE_DRAFTER_DEVICE_LOCK", "0")
     assert worker_lock("cpu") is None
     monkeypatch.setenv("REMOTE_DRAFTER_DEVICE_LOCK", "yes")
-    with pytest.raises(ValueError, match="expected auto, 1 or 0"):
+    with pytest.raises(ValueError, match="expected 'auto' or '0' or '1'"):
         worker_lock("cpu")
     monkeypatch.setenv("REMOTE_DRAFTER_DEVICE_LOCK", "1")
     held = worker_lock("cpu:3")

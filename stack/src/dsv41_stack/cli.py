@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import ConfigError, StackConfig
 from .roles import roles
-from .settings import COMPONENT_ENVS, SETTINGS, shown
+from .settings import SETTINGS, component_envs, shown
 
 TEMPLATES = ("local", "production-D", "production-async", "production-fleet")
 ROLES = ["offload-host", "engine", "engram-server", "drafter-worker"]
@@ -52,12 +52,12 @@ def template_path(name: str) -> Path:
 
 def print_variables(variables) -> None:
     for v in variables:
-        print(f"{v.name}={v.default}\n    {v.doc}")
+        print(f"{v.name}={v.default}\n    {v.doc}" + (f"\n    Takes: {v.takes()}." if v.takes() else ""))
 
 
 def cmd_env(args) -> int:
     print_variables(SETTINGS)
-    for module in COMPONENT_ENVS:  # as each component declares them
+    for module in component_envs():  # as each component declares them
         print(f"\n# {module.__name__}")
         print_variables(module.ALL)
     return 0
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ConfigError, ValueError, OSError, RuntimeError) as exc:
         print(f"dsv41-stack: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,8 @@
 """An env file (or several: later ones override, e.g. production-D.env then the async
-delta) read into the launcher's configuration. Lines are KEY=VALUE, `#` comments, optional
-quotes; a value still holding a template placeholder `<...>` is an error that names the
-line, so nothing starts half-configured."""
+delta) read into the launcher's configuration. Lines are KEY=VALUE, `#` comments (a line's,
+or after whitespace), optional quotes. A value must be of the kind its variable declares (a
+number, 0 or 1, HOST:PORT, one of its words), and one still holding a template placeholder
+`<...>` is an error; each error names the file and line, so nothing starts half-configured."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ofl import env as ofl_env
 from ofl.env import EnvVar
 
 from .settings import BY_NAME, COMPONENT_PREFIXES, UNCHECKED_PREFIXES, declared
@@ -38,7 +40,10 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
             raise ConfigError(f"{where}:{number}: {key} still holds the placeholder "
                               f"{PLACEHOLDER.search(value).group()}: replace it with this "
                               "deployment's value")
-        words = shlex.split(value, comments=True)
+        try:
+            words = shlex.split(without_comment(value))
+        except ValueError as exc:  # an unclosed quote
+            raise ConfigError(f"{where}:{number}: {key}: {exc}") from None
         if len(words) > 1:
             raise ConfigError(f"{where}:{number}: {key} has spaces; quote the value")
         value = words[0] if words else ""
@@ -47,11 +52,36 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
                               f"component variable ({', '.join(COMPONENT_PREFIXES)}*)")
         if key.startswith("STACK_") and key not in BY_NAME:
             raise ConfigError(f"{where}:{number}: unknown setting {key} (dsv41-stack env lists them)")
-        if key not in declared() and not key.startswith(UNCHECKED_PREFIXES):
+        known = declared()
+        if key not in known and not key.startswith(unchecked(known)):
             raise ConfigError(f"{where}:{number}: {key} is not a variable its component declares "
                               "(misspelled? dsv41-stack env lists them)")
+        if key in known and (why := known[key].problem(value)):
+            raise ConfigError(f"{where}:{number}: {why}")
+        if key == ofl_env.OFL_INSECURE.name and value != "0":
+            raise ConfigError(f"{where}:{number}: {key}: the stack's servers never run open to "
+                              "every peer: set STACK_ENGINE_HOSTS and OFL_AUTH_KEY_FILE (preflight "
+                              "says what is missing), or listen on loopback")
         values[key] = value
     return values
+
+
+def unchecked(known: dict) -> tuple[str, ...]:
+    """UNCHECKED_PREFIXES whose component is not installed here (none of its names known)."""
+    return tuple(p for p in UNCHECKED_PREFIXES if not any(n.startswith(p) for n in known))
+
+
+def without_comment(value: str) -> str:
+    """The value before its comment: a `#` after whitespace and outside quotes, as a shell
+    reads it (`#` inside a word, as in a key or a path, is the value's own)."""
+    for match in re.finditer(r"\s#", value):
+        head = value[:match.start()]
+        try:
+            shlex.split(head)
+        except ValueError:  # the `#` is inside quotes
+            continue
+        return head
+    return value
 
 
 class StackConfig:

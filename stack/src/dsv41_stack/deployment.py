@@ -189,19 +189,19 @@ class Deployment:
             async with httpx.AsyncClient() as client:
                 return await fingerprint(client, RunConfig(self.engine_url(), SERVED_NAME, [], []))
 
-        before, handoff_before = self.counters(), self.handoff_counters()
+        before, engram_before, handoff_before = self.counters(), self.engram_counters(), self.handoff_counters()
         got = asyncio.run(measure())
-        after, handoff_after = self.counters(), self.handoff_counters()
+        after, engram_after, handoff_after = self.counters(), self.engram_counters(), self.handoff_counters()
         moved = {k: after[k] - before.get(k, 0.0) for k in after}
         handoff = handoff_moved(handoff_before, handoff_after) if self.async_on() else None
         degraded = ["no drafts made"] if speculative_config(self.cfg) and \
             not drafts_made(moved, handoff, self.async_on()) else []
-        degraded += [f"Engram {k} +{v:.0f}" for k, v in moved.items()
-                     if k in ("fallbacks", "remote_failures") and v]
+        engram_listen = self.cfg[engram_env.ENGRAM_METRICS_LISTEN]
+        degraded += engram_degraded(engram_listen, engram_before, engram_after)
         if self.async_on():
             degraded += handoff_degraded(handoff, handoff_after, self.handoff_listen())
         checked = (["drafts made"] if speculative_config(self.cfg) else []) + \
-            (["no Engram fallback"] if self.cfg[engram_env.ENGRAM_METRICS_LISTEN] else [])
+            (["no Engram fallback"] if engram_listen else [])
         common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff,
                   "checked": checked}
         if errors := answer_errors(got):  # never recorded, never equal to a reference
@@ -238,15 +238,19 @@ class Deployment:
 
     def counters(self) -> dict:
         """The engine's spec-decode counters and, where its overlay serves metrics
-        (ENGRAM_METRICS_LISTEN), rank 0's Engram client counters."""
-        out = engine_counters(self.engine_url())
-        if listen := self.cfg[engram_env.ENGRAM_METRICS_LISTEN]:
-            from remote_engram.client import served_counters
-            try:
-                out.update(served_counters(listen, timeout_s=5))
-            except OSError:
-                pass
-        return {k: v for k, v in out.items() if isinstance(v, float)}
+        (ENGRAM_METRICS_LISTEN) and they could be read, rank 0's Engram client counters."""
+        out = {k: v for k, v in engine_counters(self.engine_url()).items() if isinstance(v, float)}
+        return {**out, **(self.engram_counters() or {})}
+
+    def engram_counters(self) -> dict | None:
+        """Rank 0's Engram client counters, or None when they cannot be read (not served, or
+        nothing answers)."""
+        from remote_engram.client import served_counters
+        listen = self.cfg[engram_env.ENGRAM_METRICS_LISTEN]
+        try:
+            return served_counters(listen, timeout_s=5) if listen else None
+        except OSError:
+            return None
 
 
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
@@ -283,6 +287,17 @@ def drafts_made(moved: dict, handoff: dict | None, asynchronous: bool) -> bool:
     if asynchronous:
         return bool(handoff and handoff["rounds_ok"] > 0)
     return bool(moved.get("num_drafts"))
+
+
+def engram_degraded(listen: str, before: dict | None, after: dict | None) -> list[str]:
+    """What rank 0's Engram client counters over the canary say is wrong: unreadable where
+    they are served (`listen`), or any row that came from disk or remote read that failed."""
+    if not listen:
+        return []
+    if before is None or after is None:
+        return [f"Engram counters unreadable at {listen}"]
+    moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("fallbacks", "remote_failures")}
+    return [f"Engram {k} +{v:.0f}" for k, v in moved.items() if v]
 
 
 def handoff_degraded(moved: dict | None, after: dict | None, listen: str) -> list[str]:

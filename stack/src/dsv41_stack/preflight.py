@@ -6,7 +6,9 @@ rendezvous not answering yet is a WARN there), then rank 0's."""
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata as metadata
+import importlib.util
 import math
 import os
 import re
@@ -78,11 +80,14 @@ def check_port_free(address: str, role: str) -> Check:
     host, _, port = address.rpartition(":")
     if port == "0":
         return Check(f"port {role}", True, f"{address}: any free port")
-    with socket.socket() as s:
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.bind((host, int(port)))
         except OSError as exc:
-            return Check(f"port {role}", False, f"{address} is in use ({exc.strerror})")
+            why = {errno.EADDRINUSE: "is in use",
+                   errno.EADDRNOTAVAIL: f"cannot be bound here: {host} is not an address of this host"}
+            return Check(f"port {role}", False, f"{address} {why.get(exc.errno, f'cannot be bound ({exc})')}")
     return Check(f"port {role}", True, f"{address} free")
 
 
@@ -373,6 +378,14 @@ def wait_for_rounds(slowest_ms: float, p99_ms: float, rtt_ms: float) -> int:
     return math.ceil(WAIT_HEADROOM * max(slowest_ms, p99_ms + rtt_ms))
 
 
+def check_exl3_installed() -> Check:
+    """exllamav3 where the worker imports it (found, not imported: its first import builds
+    its CUDA extension)."""
+    found = importlib.util.find_spec("exllamav3") is not None
+    return Check("exllamav3", found, "installed" if found else "not installed, and the worker needs "
+                 "it for an EXL3 pack: pip install 'dsv41-stack[offload-host,exl3]'")
+
+
 def check_exl3_gate(spec: str) -> Check:
     """An EXL3 pack is served only once its fidelity gate passed (remote_drafter.worker.exl3_admission):
     the record alone here, the worker compares its weights' digest once it has loaded them."""
@@ -478,7 +491,7 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
                                              cfg["STACK_DRAFTER_DTYPE"], devices))
         checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
         if cfg["STACK_DRAFTER_WEIGHTS"] == "exl3":
-            checks.append(check_exl3_gate(cfg["STACK_DRAFTER"]))
+            checks += [check_exl3_installed(), check_exl3_gate(cfg["STACK_DRAFTER"])]
     if shm := check_shm_room(engines):
         checks.append(shm)
     for engine in engines:

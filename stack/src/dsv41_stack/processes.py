@@ -13,12 +13,16 @@ import urllib.request
 from pathlib import Path
 
 from .roles import Role
+from .settings import COMPONENT_PREFIXES
 
 
 def role_env(role: Role) -> dict[str, str]:
-    """This process's environment plus the role's; the legacy VLLM_CPU_KVCACHE_SPACE is
-    dropped (it would override the explicit KV budget)."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    """This process's environment without the stack's and the components' variables, plus
+    the role's: what a role reads of them comes from the env files alone, as `args` shows
+    (a variable exported in the launcher's shell would survive a rollback). The legacy
+    VLLM_CPU_KVCACHE_SPACE is dropped too (it would override the explicit KV budget)."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "VLLM_CPU_KVCACHE_SPACE" and not k.startswith(("STACK_", *COMPONENT_PREFIXES))}
     return {**env, **role.env}
 
 

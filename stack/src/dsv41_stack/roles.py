@@ -120,20 +120,12 @@ def tp2_devices(cfg: StackConfig) -> list[str]:
     return devices
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # what both workers' --dtype takes
-
-
 def drafter_worker(cfg: StackConfig) -> Role | None:
     """The one-card worker, or with STACK_DRAFTER_TP2=1 drafter-tp2's supervised pair: the
     same drafter, target, listener and backend, so engines see the same identities."""
     if not cfg["STACK_DRAFTER"]:
         return None
-    if cfg["STACK_DRAFTER_DTYPE"] not in DTYPES:
-        raise ConfigError(f"STACK_DRAFTER_DTYPE is one of {', '.join(DTYPES)}, not "
-                          f"{cfg['STACK_DRAFTER_DTYPE']!r}")
-    weights = cfg["STACK_DRAFTER_WEIGHTS"]
-    if weights not in ("dense", "exl3"):
-        raise ConfigError(f"STACK_DRAFTER_WEIGHTS is dense or exl3, not {weights!r}")
+    weights = cfg["STACK_DRAFTER_WEIGHTS"]  # values checked as the env files were read
     same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
             "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
     backend = ["--backend", cfg[drafter_env.REMOTE_DRAFTER_BACKEND]]
@@ -149,8 +141,6 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
                "--devices", ",".join(tp2_devices(cfg)), *backend]
         return Role("drafter-worker", cmd, offload_env(cfg, *WORKER_PREFIXES, "DRAFTER_TP2_"),
                     ready_line="drafter-tp2 worker:")
-    if cfg["STACK_DRAFTER_TP2"] != "0":
-        raise ConfigError(f"STACK_DRAFTER_TP2 is 0 or 1, not {cfg['STACK_DRAFTER_TP2']!r}")
     cmd = [sys.executable, "-m", "remote_drafter.cli", "worker", *same,
            "--device", cfg["STACK_DRAFTER_DEVICE"], *backend]
     if weights == "exl3":  # never --ungated: the worker refuses a pack not gated for its weights

@@ -5,6 +5,7 @@ offload host's drafter worker for tp2-worker."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from async_handoff import env as handoff_env
@@ -18,7 +19,8 @@ from .settings import is_secret
 LEVERS = {
     "async": "synchronous remote rounds (VLLM_DSPARK_REMOTE_ASYNC unset)",
     "remote-drafter": "the drafter inside the engine (REMOTE_DRAFTER_DRAFTER), the remote "
-                      "settings removed, the baseline KV budget restored",
+                      "settings removed, the baseline KV budget restored (STACK_KV_BYTES_BASELINE; "
+                      "unset: the budget kept)",
     "remote-engram": "the local shard reader (ENGRAM_REMOTE and ENGRAM_HOSTS unset, ENGRAM_SHARD_DIR kept)",
     "tp2-worker": "the known-good one-card worker (STACK_DRAFTER_TP2=0) on STACK_DRAFTER_DEVICE, "
                   "with the same drafter, target and listener, hence the same identities",
@@ -41,13 +43,19 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
         if not cfg["STACK_DRAFTER"]:
             raise ValueError("rollback remote-drafter needs STACK_DRAFTER: the drafter the "
                              "engine will run itself")
+        if cfg["STACK_DRAFTER_WEIGHTS"] != "dense":
+            raise ValueError(f"rollback remote-drafter: STACK_DRAFTER is an {cfg['STACK_DRAFTER_WEIGHTS']} "
+                             "pack, which only the worker serves (on its card, through exllamav3); the "
+                             "engine runs dense drafters: add an env file that sets STACK_DRAFTER to the "
+                             "dense drafter and STACK_DRAFTER_WEIGHTS=dense, after these")
+        # without a baseline the budget stays as it is (the miniature's: nothing to give back)
         return cfg.with_values(**{
             drafter_env.REMOTE_DRAFTER_ADDRESS.name: None,
             drafter_env.REMOTE_DRAFTER_STANDBYS.name: None,
             drafter_env.REMOTE_DRAFTER_CAPACITY_MODE.name: None,
             handoff_env.VLLM_DSPARK_REMOTE_ASYNC.name: None,
             drafter_env.REMOTE_DRAFTER_DRAFTER.name: cfg["STACK_DRAFTER"]},
-            STACK_KV_BYTES=cfg["STACK_KV_BYTES_BASELINE"] or None)
+            STACK_KV_BYTES=cfg["STACK_KV_BYTES_BASELINE"] or cfg.values.get("STACK_KV_BYTES"))
     if lever == "remote-engram":
         if not cfg[engram_env.ENGRAM_SHARD_DIR]:
             raise ValueError("rollback remote-engram needs ENGRAM_SHARD_DIR: the local shards "
@@ -66,7 +74,7 @@ def rollback(cfg: StackConfig, lever: str) -> StackConfig:
 def write_env(cfg: StackConfig, path: Path, header: str) -> None:
     """The env file; readable by its owner only when it holds a secret (the ofl key)."""
     lines = [f"# {line}" for line in header.splitlines()]
-    lines += [f"{k}={v}" for k, v in cfg.values.items()]
+    lines += [f"{k}={shlex.quote(v)}" for k, v in cfg.values.items()]  # as config.parse reads them
     if any(is_secret(k) and v for k, v in cfg.values.items()):
         path.touch(mode=0o600)
         path.chmod(0o600)  # before the key is in it

@@ -8,6 +8,8 @@ process gets what); their names, defaults and meanings are the components' own d
 
 from __future__ import annotations
 
+import contextlib
+
 from async_handoff import env as handoff_env
 from ofl import env as ofl_env
 from ofl.env import EnvVar
@@ -20,28 +22,39 @@ SETTINGS = [
     EnvVar("STACK_MODEL", "", "The target checkpoint folder (the engine serves it; the drafter's "
            "identity is checked against it)."),
     EnvVar("STACK_VLLM_PYTHON", "python3", "The interpreter that has vLLM and the overlays."),
-    EnvVar("STACK_ENGINE_LISTEN", "127.0.0.1:8000", "HOST:PORT of rank 0's OpenAI server."),
-    EnvVar("STACK_TP", "1", "Tensor-parallel size of the engine (2 on the Sparks)."),
+    EnvVar("STACK_ENGINE_LISTEN", "127.0.0.1:8000", "HOST:PORT of rank 0's OpenAI server.",
+    kind="address"),
+    EnvVar("STACK_TP", "1", "Tensor-parallel size of the engine (2 on the Sparks).",
+    kind="int"),
     EnvVar("STACK_ENGINE_NODES", "1", "Hosts the engine spans, one vLLM process each (vLLM "
            "--nnodes, no Ray): 1 = every rank on this host; 2 = TP2 across the two Sparks, "
            "each started with `--role engine --rank N`: rank 0 serves the OpenAI API, rank 1 "
-           "runs vLLM's headless worker. Must divide STACK_TP."),
+           "runs vLLM's headless worker. Must divide STACK_TP.",
+    kind="int"),
     EnvVar("STACK_ENGINE_MASTER", "", "STACK_ENGINE_NODES > 1: HOST:PORT on rank 0's host where "
            "the ranks meet (vLLM --master-addr/--master-port: torch.distributed's store, opened "
-           "by rank 0), reachable from every engine host; required then."),
-    EnvVar("STACK_KV_BYTES", "1073741824", "KV cache budget per rank, bytes (--kv-cache-memory-bytes)."),
+           "by rank 0), reachable from every engine host; required then.",
+    kind="address"),
+    EnvVar("STACK_KV_BYTES", "1073741824", "KV cache budget per rank, bytes (--kv-cache-memory-bytes).",
+    kind="int"),
     EnvVar("STACK_KV_BYTES_BASELINE", "", "The KV budget with the drafter inside the engine: what "
-           "`rollback remote-drafter` restores (3.75 GiB in the reference); empty = keep."),
-    EnvVar("STACK_MAX_MODEL_LEN", "2048", "Longest request, tokens (327,680 in the reference)."),
-    EnvVar("STACK_MAX_NUM_SEQS", "4", "Concurrent sequences (4 in the reference)."),
+           "`rollback remote-drafter` restores (3.75 GiB in the reference); empty = keep.",
+    kind="int"),
+    EnvVar("STACK_MAX_MODEL_LEN", "2048", "Longest request, tokens (327,680 in the reference).",
+    kind="int"),
+    EnvVar("STACK_MAX_NUM_SEQS", "4", "Concurrent sequences (4 in the reference).",
+    kind="int"),
     EnvVar("STACK_DTYPE", "float32", "Engine dtype (float32 on CPU; bfloat16 on the Sparks)."),
-    EnvVar("STACK_ENFORCE_EAGER", "0", "1 = no compilation or graphs (the CPU miniature)."),
+    EnvVar("STACK_ENFORCE_EAGER", "0", "1 = no compilation or graphs (the CPU miniature).",
+    kind="flag"),
     EnvVar("STACK_ENGINE_ONE_PROCESS", "0", "1 = the model runner inside vLLM's engine-core "
            "process (vLLM's own choice on one GPU; on CPU vLLM starts a worker process), one "
            "interpreter fewer to start, with one OpenMP and one numba thread (the CPU miniature). Only with "
-           "one rank (STACK_TP=1)."),
+           "one rank (STACK_TP=1).",
+    kind="flag"),
     EnvVar("STACK_NUM_SPEC_TOKENS", "5", "Draft tokens per step (batch-aware depth lowers it: "
-           "REMOTE_DRAFTER_DEPTH); 0 = no speculation."),
+           "REMOTE_DRAFTER_DEPTH); 0 = no speculation.",
+    kind="int"),
     EnvVar("STACK_ENGRAM_SHARDS", "", "Offload host: folder of the Engram shards it serves."),
     EnvVar("STACK_ENGRAM_LISTEN", "", "Offload host: Engram server links, HOST:PORT per rank, "
            "comma-separated; empty = no Engram server."),
@@ -49,24 +62,28 @@ SETTINGS = [
            "'ngram', 'module:Class'); empty = no worker."),
     EnvVar("STACK_DRAFTER_TARGET", "", "Offload host: the target folder the drafter was built "
            "for (its embedding, head and identity); empty = STACK_MODEL."),
-    EnvVar("STACK_DRAFTER_LISTEN", "", "Offload host: HOST:PORT of the drafter worker."),
+    EnvVar("STACK_DRAFTER_LISTEN", "", "Offload host: HOST:PORT of the drafter worker.",
+    kind="address"),
     EnvVar("STACK_DRAFTER_DEVICE", "cpu", "Offload host: the worker's device (cuda:0 on the 3090)."),
     EnvVar("STACK_DRAFTER_DTYPE", "float32", "Offload host: the weights' type on the worker's "
            "card(s): float32, bfloat16 or float16 (both kinds of worker; the identities do not "
-           "change, `remote-drafter shadow` notes the difference)."),
+           "change, `remote-drafter shadow` notes the difference).",
+    choices=("float32", "bfloat16", "float16")),
     EnvVar("STACK_DRAFTER_WEIGHTS", "dense", "Offload host: dense = the drafter folder's own "
            "weights in STACK_DRAFTER_DTYPE; exl3 = STACK_DRAFTER is an EXL3 pack (`remote-drafter "
            "exl3 convert`) whose linears run through exllamav3's kernels (the one-card worker on "
-           "CUDA, the dsv41 extra [exl3]). DeepSeek-V4.1-Flash's drafter needs ~30 GiB in bf16 and "
+           "CUDA; install `dsv41-stack[offload-host,exl3]`). DeepSeek-V4.1-Flash's drafter needs ~30 GiB in bf16 and "
            "~12 GiB at 4 bits (findings/dsv41-drafter.md, exl3-drafter.md): exl3 is what fits a "
            "24 GB card. The worker serves a pack only once `remote-drafter exl3 gate` recorded a "
-           "pass for its weights (<pack>/exl3-gate.json); the stack never passes --ungated."),
+           "pass for its weights (<pack>/exl3-gate.json); the stack never passes --ungated.",
+    choices=("dense", "exl3")),
     EnvVar("STACK_DRAFTER_TP2", "0", "Offload host: 1 = the worker is drafter-tp2's two-card "
            "worker on STACK_DRAFTER_DEVICES, supervised (`drafter-tp2 supervise -- worker ...`; "
            "DeepSeek's drafter split by experts, dense or an EXL3 pack; a DSpark drafter "
            "tensor-parallel, dense), same listener, drafter and target as the one-card worker; "
            "0 = the one-card worker on STACK_DRAFTER_DEVICE. Rollback: "
-           "`dsv41-stack rollback tp2-worker`, at the worker's restart."),
+           "`dsv41-stack rollback tp2-worker`, at the worker's restart.",
+    kind="flag"),
     EnvVar("STACK_DRAFTER_DEVICES", "cuda:0,cuda:1", "Offload host, STACK_DRAFTER_TP2=1: the "
            "pair's two distinct devices, rank 0's first (cpu:0,cpu:1 runs it on CPU, gloo)."),
     EnvVar("STACK_ENGINE_HOSTS", "", "Offload host: every address the engine hosts connect from "
@@ -77,7 +94,8 @@ SETTINGS = [
            "(default: any peer; preflight FAILs an empty allow-list when the servers listen "
            "where other hosts reach them)."),
     EnvVar("STACK_INJECT_DELAY_MS", "0", "Miniature only: delay added to every Engram read and "
-           "drafter round, a slow link on one machine."),
+           "drafter round, a slow link on one machine.",
+    kind="int"),
 ]
 BY_NAME = {s.name: s for s in SETTINGS}
 # The components whose variables the engines read (the overlays, the drafter's client, the
@@ -95,10 +113,19 @@ UNCHECKED_PREFIXES = ("DRAFTER_TP2_",)
 REDACTED = "REDACTED"  # what `args` shows for a secret's value (too short to pass as a key)
 
 
+def component_envs() -> list:
+    """COMPONENT_ENVS, and drafter-tp2's env module where it is installed (the offload host)."""
+    modules = list(COMPONENT_ENVS)
+    with contextlib.suppress(ImportError):
+        from drafter_tp2 import env as tp2_env
+        modules.append(tp2_env)
+    return modules
+
+
 def declared() -> dict[str, EnvVar]:
-    """The STACK_ settings and every variable COMPONENT_ENVS declare, by name; read from the
-    modules at each call, so a variable a component adds is known here as declared there."""
-    return {**{v.name: v for module in COMPONENT_ENVS for v in module.ALL}, **BY_NAME}
+    """The STACK_ settings and every variable component_envs() declare, by name; read from
+    the modules at each call, so a variable a component adds is known here as declared there."""
+    return {**{v.name: v for module in component_envs() for v in module.ALL}, **BY_NAME}
 
 
 def is_secret(name: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,14 +34,24 @@ def systemd_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def absolute_executable(program: str, workdir: str) -> str:
+    """systemd wants an absolute executable: a bare name as this shell's PATH finds it now
+    (the unit's PATH is systemd's own), a relative path from the unit's working folder."""
+    if "/" not in program:
+        found = shutil.which(program)
+        if found is None:
+            raise ValueError(f"{program} is not on PATH: give its absolute path (STACK_VLLM_PYTHON "
+                             "or the drafter's interpreter) for the units")
+        return os.path.abspath(found)
+    return str(Path(workdir, program))
+
+
 def service_unit(role: Role, workdir: str, secrets: Path) -> str:
     env = "\n".join(f"Environment={systemd_quote(f'{k}={v}')}" for k, v in sorted(role.env.items())
                     if not is_secret(k))
     if any(is_secret(k) for k in role.env):
         env += f"\nEnvironmentFile={secrets}"
-    # systemd wants an absolute executable
-    command = [str(Path(workdir, role.command[0])) if not Path(role.command[0]).is_absolute()
-               else role.command[0], *role.command[1:]]
+    command = [absolute_executable(role.command[0], workdir), *role.command[1:]]
     extra = "LimitMEMLOCK=infinity\n" if role.name == "engram-server" else ""
     return f"""[Unit]
 Description=DSV41 offload stack: {role.name}

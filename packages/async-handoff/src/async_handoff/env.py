@@ -13,33 +13,44 @@ from ofl.env import EnvVar
 VLLM_DSPARK_REMOTE_ASYNC = EnvVar(
     "VLLM_DSPARK_REMOTE_ASYNC", "",
     "Set (to anything but 0/empty) to run remote draft rounds through the proxy process; "
-    "unset = synchronous rounds in the engine (the reference deployment's switch).")
+    "unset = synchronous rounds in the engine (the reference deployment's switch).",
+    kind="flag")
 ASYNC_HANDOFF_WAIT_MODE = EnvVar(
     "ASYNC_HANDOFF_WAIT_MODE", "nap",
     "How the proxy and a waiting engine wait for a flag: spin (busy-poll with pause/yield; "
-    "lowest latency, burns a core) or nap (spin briefly, then futex sleep).")
+    "lowest latency, burns a core) or nap (spin briefly, then futex sleep).",
+    choices=("spin", "nap"))
 ASYNC_HANDOFF_SPIN_US = EnvVar(
-    "ASYNC_HANDOFF_SPIN_US", "50", "nap mode: microseconds to spin before sleeping.")
-ASYNC_HANDOFF_SLOTS = EnvVar("ASYNC_HANDOFF_SLOTS", "4", "Rounds in flight at most.")
+    "ASYNC_HANDOFF_SPIN_US", "50", "nap mode: microseconds to spin before sleeping.",
+    kind="number")
+ASYNC_HANDOFF_SLOTS = EnvVar("ASYNC_HANDOFF_SLOTS", "4", "Rounds in flight at most.",
+    kind="int")
 ASYNC_HANDOFF_SLOT_BYTES = EnvVar(
-    "ASYNC_HANDOFF_SLOT_BYTES", str(1 << 20), "Largest request and largest reply (bytes).")
+    "ASYNC_HANDOFF_SLOT_BYTES", str(1 << 20), "Largest request and largest reply (bytes).",
+    kind="int")
 ASYNC_HANDOFF_ROUND_DEADLINE_MS = EnvVar(
     "ASYNC_HANDOFF_ROUND_DEADLINE_MS", "100",
     "A round older than this is abandoned (reclaimed, counted timed out); the proxy also "
-    "gives the adapter this deadline.")
+    "gives the adapter this deadline.",
+    kind="number")
 ASYNC_HANDOFF_MAX_WAIT_MS = EnvVar(
-    "ASYNC_HANDOFF_MAX_WAIT_MS", "20", "The longest any engine-side call may block.")
+    "ASYNC_HANDOFF_MAX_WAIT_MS", "20", "The longest any engine-side call may block.",
+    kind="number")
 ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS = EnvVar(
     "ASYNC_HANDOFF_HEARTBEAT_TIMEOUT_MS", "1000",
     "A proxy silent for longer than this plus ASYNC_HANDOFF_ROUND_DEADLINE_MS (it beats "
-    "between rounds) is stuck: the watchdog kills and respawns it.")
+    "between rounds) is stuck: the watchdog kills and respawns it.",
+    kind="number")
 ASYNC_HANDOFF_RESPAWN_MAX = EnvVar(
     "ASYNC_HANDOFF_RESPAWN_MAX", "3", "Respawns allowed per window; past it the handoff "
-    "stays disabled (target-only decoding) instead of flapping.")
+    "stays disabled (target-only decoding) instead of flapping.",
+    kind="int")
 ASYNC_HANDOFF_RESPAWN_WINDOW_S = EnvVar(
-    "ASYNC_HANDOFF_RESPAWN_WINDOW_S", "300", "The respawn window (seconds).")
+    "ASYNC_HANDOFF_RESPAWN_WINDOW_S", "300", "The respawn window (seconds).",
+    kind="number")
 ASYNC_HANDOFF_STARTUP_TIMEOUT_S = EnvVar(
-    "ASYNC_HANDOFF_STARTUP_TIMEOUT_S", "30", "How long a new proxy may take to pass its self-test.")
+    "ASYNC_HANDOFF_STARTUP_TIMEOUT_S", "30", "How long a new proxy may take to pass its self-test.",
+    kind="number")
 ASYNC_HANDOFF_PROXY_CPUS = EnvVar(
     "ASYNC_HANDOFF_PROXY_CPUS", "",
     "CPUs the proxy runs on, as a list like 3 or 2,5-6 (it pins itself at start); keep it off "
@@ -49,7 +60,8 @@ ASYNC_HANDOFF_METRICS_LISTEN = EnvVar(
     "ASYNC_HANDOFF_METRICS_LISTEN", "",
     "HOST:PORT where the engine process serves its Handoff's counters (GET /metrics: rounds "
     "ok/failed/timed out, watchdog fires, respawns, enabled) for status checks "
-    "(async-handoff counters); one Handoff per address; empty = not served.")
+    "(async-handoff counters); one Handoff per address; empty = not served.",
+    kind="address")
 
 ALL = [VLLM_DSPARK_REMOTE_ASYNC, ASYNC_HANDOFF_WAIT_MODE, ASYNC_HANDOFF_SPIN_US,
        ASYNC_HANDOFF_SLOTS, ASYNC_HANDOFF_SLOT_BYTES, ASYNC_HANDOFF_ROUND_DEADLINE_MS,

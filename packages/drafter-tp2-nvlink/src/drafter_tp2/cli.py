@@ -45,8 +45,8 @@ def checked(args) -> tuple[list[str], str]:
     if len(devices) != 2:
         raise ValueError(f"--devices names two devices, got {args.devices!r}")
     mode = env.DRAFTER_TP2_CUDA_GRAPHS.get()
-    if mode not in ("auto", "0"):
-        raise ValueError(f"DRAFTER_TP2_CUDA_GRAPHS is 'auto' or '0', not {mode!r}")
+    if why := env.DRAFTER_TP2_CUDA_GRAPHS.problem(mode):
+        raise ValueError(why)
     return devices, mode
 
 

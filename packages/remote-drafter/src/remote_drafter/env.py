@@ -11,7 +11,8 @@ from ofl.env import EnvVar
 
 REMOTE_DRAFTER_ADDRESS = EnvVar(
     "REMOTE_DRAFTER_ADDRESS", "",
-    "Drafter worker HOST:PORT; empty = the drafter runs locally in the engine's process.")
+    "Drafter worker HOST:PORT; empty = the drafter runs locally in the engine's process.",
+    kind="address")
 REMOTE_DRAFTER_STANDBYS = EnvVar(
     "REMOTE_DRAFTER_STANDBYS", "",
     "Standby drafter workers, HOST:PORT comma-separated: when the worker rounds go to stops "
@@ -19,10 +20,12 @@ REMOTE_DRAFTER_STANDBYS = EnvVar(
     "checked like the primary (target, tokenizer, drafter); requests re-open there with "
     "their windows. Empty = the primary alone.")
 REMOTE_DRAFTER_BACKEND = EnvVar(
-    "REMOTE_DRAFTER_BACKEND", "tcp", "ofl backend of the drafter link: tcp, shm or verbs.")
+    "REMOTE_DRAFTER_BACKEND", "tcp", "ofl backend of the drafter link: tcp, shm or verbs.",
+    choices=("tcp", "shm", "verbs"))
 REMOTE_DRAFTER_DEADLINE_MS = EnvVar(
     "REMOTE_DRAFTER_DEADLINE_MS", "50",
-    "Deadline of one synchronous draft round; past it this step has no drafts (counted).")
+    "Deadline of one synchronous draft round; past it this step has no drafts (counted).",
+    kind="number")
 REMOTE_DRAFTER_DEPTH = EnvVar(
     "REMOTE_DRAFTER_DEPTH", "1:5,8:4,16:3,32:2,64:0",
     "Batch-aware depth: 'running:k' pairs; a step with R running requests drafts k tokens "
@@ -30,7 +33,8 @@ REMOTE_DRAFTER_DEPTH = EnvVar(
 REMOTE_DRAFTER_CAPACITY_MODE = EnvVar(
     "REMOTE_DRAFTER_CAPACITY_MODE", "0",
     "1 = the drafter's memory went to KV cache: the engine never creates a local drafter; "
-    "with the worker gone it decodes target-only until the worker is back.")
+    "with the worker gone it decodes target-only until the worker is back.",
+    kind="flag")
 REMOTE_DRAFTER_MANIFEST = EnvVar(
     "REMOTE_DRAFTER_MANIFEST", "",
     "Path of the identity manifest (JSON from `remote-drafter identity`) the worker must "
@@ -54,28 +58,33 @@ REMOTE_DRAFTER_VLLM_COLLECT = EnvVar(
     "vLLM, asynchronous rounds: input = vLLM takes placeholder drafts and the round's real "
     "drafts are written into the next step's inputs (the round overlaps the host work in "
     "between; a round late or failed leaves the placeholders, which verification rejects); "
-    "take = collect when vLLM takes the drafts (the rollback).")
+    "take = collect when vLLM takes the drafts (the rollback).",
+    choices=("input", "take"))
 REMOTE_DRAFTER_METRICS_LISTEN = EnvVar(
     "REMOTE_DRAFTER_METRICS_LISTEN", "",
     "vLLM: HOST:PORT of each engine rank's proposer /metrics and /health (rank r on PORT + r): "
-    "the client's and the proposer's counters; empty = not served.")
+    "the client's and the proposer's counters; empty = not served.",
+    kind="address")
 
 REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT = EnvVar(
     "REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT", "auto",
     "Worker: requests one client may hold at once, a client being one peer address (all its "
     "connections and client ids: every engine rank on that host); auto = half of "
     "--max-requests, so no one host takes every slot. Opens past it get status 'quota'. The "
-    "worker's --max-requests-per-client overrides it.")
+    "worker's --max-requests-per-client overrides it.",
+    kind="int", choices=("auto",))
 REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT = EnvVar(
     "REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT", "auto",
     "Worker: bytes of history one client (one peer address) may hold, each request charged "
     "what its history can grow to (bytes_per_request) when it opens, so no continue is ever "
     "refused; auto = no bound beyond the request quota. The worker's "
-    "--max-history-bytes-per-client overrides it.")
+    "--max-history-bytes-per-client overrides it.",
+    kind="int", choices=("auto",))
 REMOTE_DRAFTER_CONFIDENCE_CUTOFF = EnvVar(
     "REMOTE_DRAFTER_CONFIDENCE_CUTOFF", "0",
     "Worker, dsv41 drafter: cut each draft before its first token the checkpoint's confidence "
-    "head scores below this (0..1); 0 = off, the whole draft is sent.")
+    "head scores below this (0..1); 0 = off, the whole draft is sent.",
+    kind="number")
 REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "REMOTE_DRAFTER_CUDA_GRAPHS", "auto",
     "Worker, dsv41 drafter on CUDA with dense weights: auto = run each row's chosen experts "
@@ -86,7 +95,8 @@ REMOTE_DRAFTER_CUDA_GRAPHS = EnvVar(
     "eager, the chosen experts one by one. EXL3 weights: auto = captured the same way when the experts run "
     "through exllamav3's fused kernels (the chosen experts only, no host read of the routing), "
     "eager when they run per matrix (status says which: `experts`); 1 = captured either way "
-    "(per matrix: each served expert on every row).")
+    "(per matrix: each served expert on every row).",
+    choices=("auto", "0", "1"))
 REMOTE_DRAFTER_EXL3_EXPERTS = EnvVar(
     "REMOTE_DRAFTER_EXL3_EXPERTS", "auto",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: what runs each MoE layer's experts. "
@@ -95,7 +105,8 @@ REMOTE_DRAFTER_EXL3_EXPERTS = EnvVar(
     "tuned at start-up per row count the rounds run) at every row count; auto = ours tuned, "
     "then both timed at those row counts, the faster serving each (status `experts`). Ours "
     "serves 4-bit mul1 packs with unpadded dimensions; otherwise exllamav3's kernels do, with a "
-    "warning.")
+    "warning.",
+    choices=("auto", "ours", "exllamav3"))
 REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "REMOTE_DRAFTER_EXL3_DENSE_MIB", "1024",
     "Worker, dsv41 drafter with EXL3 weights on CUDA: GPU memory (MiB) for dense fp16 copies of "
@@ -104,12 +115,14 @@ REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "At start-up each is timed against exllamav3's kernel at the row counts the rounds run; a "
     "copy serves from the row count where it is faster, those saving the most time per byte "
     "first, within this budget (status `exl3_dense`). Same weights, more bytes read: it pays "
-    "where the GPU's arithmetic, not its memory, bounds the kernel. 0 = the kernels only.")
+    "where the GPU's arithmetic, not its memory, bounds the kernel. 0 = the kernels only.",
+    kind="int")
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
     "before loading anything onto it, so no second drafter worker of any kind (one-card or "
-    "drafter-tp2) can take the card; 1 = lock CPU 'devices' too (tests); 0 = no lock.")
+    "drafter-tp2) can take the card; 1 = lock CPU 'devices' too (tests); 0 = no lock.",
+    choices=("auto", "0", "1"))
 REMOTE_DRAFTER_LOCK_DIR = EnvVar(
     "REMOTE_DRAFTER_LOCK_DIR", "",
     "Folder of the device locks (one file per GPU UUID), shared by the one-card worker and "

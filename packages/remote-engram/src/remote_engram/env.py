@@ -20,29 +20,35 @@ ENGRAM_HOSTS = EnvVar(
     "by commas): reads spread over the healthy ones and fail over between them; the local "
     "shards serve only when none answers. Set this or ENGRAM_REMOTE, not both.")
 ENGRAM_BACKEND = EnvVar(
-    "ENGRAM_BACKEND", "verbs", "ofl backend of the remote link: verbs, tcp or shm.")
+    "ENGRAM_BACKEND", "verbs", "ofl backend of the remote link: verbs, tcp or shm.",
+    choices=("verbs", "tcp", "shm"))
 ENGRAM_SHARD_DIR = EnvVar(
     "ENGRAM_SHARD_DIR", "",
     "Folder with this rank's local shards (engram-l{L}-r{rank}of{N}.bin): the exact fallback "
     "and the digests the server must match.")
 ENGRAM_DEADLINE_MS = EnvVar(
-    "ENGRAM_DEADLINE_MS", "50", "Deadline of one remote gather; past it the rows come from disk.")
+    "ENGRAM_DEADLINE_MS", "50", "Deadline of one remote gather; past it the rows come from disk.",
+    kind="number")
 ENGRAM_BACKOFF_S = EnvVar(
     "ENGRAM_BACKOFF_S", "5",
     "How often a host whose read failed is checked again (reconnect, a sample of its rows "
-    "against the local shards); it serves again only once they are equal.")
+    "against the local shards); it serves again only once they are equal.",
+    kind="number")
 ENGRAM_PREFETCH_DEPTH = EnvVar(
-    "ENGRAM_PREFETCH_DEPTH", "4", "Prefetches in flight at most; more wait for a slot.")
+    "ENGRAM_PREFETCH_DEPTH", "4", "Prefetches in flight at most; more wait for a slot.",
+    kind="int")
 
 ENGRAM_METRICS_LISTEN = EnvVar(
     "ENGRAM_METRICS_LISTEN", "",
     "vLLM overlay: HOST:PORT where each engine rank serves GET /metrics and /health of its "
-    "Engram client (rank r on PORT + r); empty = none.")
+    "Engram client (rank r on PORT + r); empty = none.",
+    kind="address")
 
 ENGRAM_PREFETCH = EnvVar(
     "ENGRAM_PREFETCH", "1",
     "vLLM overlay: 1 = start each layer's fetch at forward entry (where the row ids are "
-    "computed); 0 = fetch when the layer needs its rows (to measure what prefetch buys).")
+    "computed); 0 = fetch when the layer needs its rows (to measure what prefetch buys).",
+    kind="flag")
 
 ALL = [ENGRAM_REMOTE, ENGRAM_HOSTS, ENGRAM_BACKEND, ENGRAM_SHARD_DIR, ENGRAM_DEADLINE_MS, ENGRAM_BACKOFF_S,
        ENGRAM_PREFETCH_DEPTH, ENGRAM_METRICS_LISTEN, ENGRAM_PREFETCH]

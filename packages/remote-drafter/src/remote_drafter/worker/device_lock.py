@@ -116,8 +116,8 @@ def worker_lock(device: str) -> DeviceLock | None:
     GPUs only), or None; raises DeviceBusy while another worker holds it."""
     import torch
     mode = env.REMOTE_DRAFTER_DEVICE_LOCK.get()
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"REMOTE_DRAFTER_DEVICE_LOCK={mode!r}: expected auto, 1 or 0")
+    if why := env.REMOTE_DRAFTER_DEVICE_LOCK.problem(mode):
+        raise ValueError(why)
     if mode == "0" or (mode == "auto" and torch.device(device).type != "cuda"):
         return None
     return DeviceLock(device_key(device), lock_dir()).acquire()

@@ -159,6 +159,8 @@ class Dsv41Drafter(Drafter):
             log.warning("%s: %d stored drafter tensors that no weight of %s uses: %s", folder,
                         len(loaded.not_read), loaded.config.name, ", ".join(loaded.not_read[:8]))
         setting = env.REMOTE_DRAFTER_CUDA_GRAPHS.get()
+        if why := env.REMOTE_DRAFTER_CUDA_GRAPHS.problem(setting):
+            raise ValueError(why)
         graphs = {"1": True, "0": False}.get(setting)  # auto: see __init__
         return cls(Dsv41Model(loaded.config, loaded.weights, device, linears=linears),
                    manifest, device, confidence_cutoff, graphs)
