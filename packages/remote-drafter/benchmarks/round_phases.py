@@ -4,9 +4,10 @@ new rows (as a worker in service drafts), against the same requests with none; p
 round's p50, the layout of its windows (new rows encoded and written, the context gathered),
 the forward graph's replay alone and the encoding graph's replay alone. What a round spends
 outside those replays is the host's share. With `--copies-ab`, the round with new rows
-twice more, alternating round by round: the small host arrays (indices, positions, masks)
-copied queued as served (staging.to_device) and with torch's blocking copy, which waits for
-the device's queued work (the form before). Then (`--grouped-mm`) torch's grouped GEMM at the
+three times more, in turn round by round: the small host arrays (indices, positions, rows
+kept, seeds) joined in one queued copy as served (staging.to_device_all), one queued copy per
+array, and one copy per array with torch's blocking copy, which waits for the device's
+queued work (the form two sessions before). Then (`--grouped-mm`) torch's grouped GEMM at the
 experts' shapes (bf16, the routed experts a round chose): gate and up as two GEMMs or one over
 their joined weights, and down, against their bytes over the H200's bandwidth; and
 (`--host-profile`) the rounds' host time by function.
@@ -31,7 +32,6 @@ from dsv41_gpu import random_drafter, random_rounds, round_options, timed  # noq
 
 from remote_drafter.bench import percentiles  # noqa: E402
 from remote_drafter.models import staging, window  # noqa: E402
-from remote_drafter.models.dsv41 import drafter as drafter_module  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 
 H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on these machines
@@ -78,20 +78,30 @@ def blocking_copy(a: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)
 
 
+def per_array(copy):
+    """to_device_all's signature, one `copy` per array (the round's copies before they were joined)."""
+    return lambda arrays, device: [copy(np.ascontiguousarray(np.asarray(a).astype(np.int64)), device)
+                                   for a in arrays]
+
+
 def copies_ab(d: Dsv41Drafter, requests, rounds: int, grow) -> dict:
-    """The round with new rows, its small host arrays copied queued (as served) and blocking,
-    alternating round by round; p50 / p99 of each and blocking / queued."""
-    ways = {"queued": staging.to_device, "blocking": blocking_copy}
+    """The round with new rows, its small host arrays copied three ways, in turn round by
+    round: joined in one queued copy (as served), one queued copy per array, one blocking
+    copy per array (torch's default, which waits for the device's queued work); p50 / p99
+    of each and each over the joined."""
+    ways = {"joined": staging.to_device_all, "per_array": per_array(staging.to_device),
+            "per_array_blocking": per_array(blocking_copy)}
     times: dict[str, list[float]] = {way: [] for way in ways}
     try:
-        for i in range(2 * rounds):
-            way = "queued" if i % 2 else "blocking"
-            window.to_device = drafter_module.to_device = ways[way]
+        for i in range(len(ways) * rounds):
+            way = list(ways)[i % len(ways)]
+            window.to_device_all = ways[way]
             times[way].append(timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3)
     finally:
-        window.to_device = drafter_module.to_device = staging.to_device
+        window.to_device_all = staging.to_device_all
     out = {way: percentiles(t) for way, t in times.items()}
-    out["blocking_over_queued_p50"] = round(out["blocking"]["p50_ms"] / out["queued"]["p50_ms"], 3)
+    for way in ("per_array", "per_array_blocking"):
+        out[f"{way}_over_joined_p50"] = round(out[way]["p50_ms"] / out["joined"]["p50_ms"], 3)
     return out
 
 
@@ -187,7 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-rows", type=int, default=3, help="rows each request brings a round "
                     "(default: %(default)s)")
     ap.add_argument("--copies-ab", action="store_true", help="also the round with its small host "
-                    "arrays copied queued (as served) against torch's blocking copy, alternating")
+                    "arrays joined in one queued copy (as served), one queued copy each and one "
+                    "blocking copy each, in turn")
     ap.add_argument("--grouped-mm", action="store_true", help="also torch's grouped GEMM at the "
                     "experts' shapes")
     ap.add_argument("--host-profile", metavar="TXT", help="also the rounds' host time by function "
@@ -210,8 +221,9 @@ def main(argv=None) -> int:
     for r in res["rounds"]:
         if "copies_ab" in r:
             ab = r["copies_ab"]
-            print(f"batch {r['batch']}: small copies queued {ab['queued']['p50_ms']:.3f} ms, blocking "
-                  f"{ab['blocking']['p50_ms']:.3f} ms (p50; blocking / queued {ab['blocking_over_queued_p50']})")
+            print(f"batch {r['batch']}: small arrays in one copy {ab['joined']['p50_ms']:.3f} ms, a copy each "
+                  f"{ab['per_array']['p50_ms']:.3f} ms ({ab['per_array_over_joined_p50']}x), a blocking copy "
+                  f"each {ab['per_array_blocking']['p50_ms']:.3f} ms ({ab['per_array_blocking_over_joined_p50']}x; p50)")
     return 0
 
 

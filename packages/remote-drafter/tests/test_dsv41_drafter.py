@@ -5,6 +5,8 @@ at T = 0 for a tiny Llama target as wide as the drafter (its hidden rows are the
 DeepSeek-V4's (variant v4, the same code) where the variants differ: loading, the greedy
 chain, the worker."""
 
+import copy
+
 import benchmark_scripts
 import numpy as np
 import pytest
@@ -169,15 +171,48 @@ def test_stacked_experts_draft_as_the_chosen_experts_do(folders, path):
         requests = [DraftRequest(history(chosen, 20 + 7 * i, 10 * seed + i), chosen.max_depth) for i in range(3)]
         inputs = chosen._blank(3)
         inputs[0].normal_(generator=torch.Generator().manual_seed(seed))
-        inputs[1][:, -10 * (seed + 1):] = True
-        inputs[2][:] = torch.tensor([5, 9, 17])
-        inputs[3][:] = torch.tensor([40, 60, 80])
+        inputs[1][:] = torch.tensor([[10 * (seed + 1), 5, 40], [10 * (seed + 1), 9, 60], [10 * (seed + 1), 17, 80]])
         (h1, z1, *_), (h2, z2, *_) = chosen._block(*inputs), every._block(*inputs)
         assert float((h1 - h2).norm() / h1.norm()) < 1e-5 and float((z1 - z2).norm() / z1.norm()) < 1e-5
         assert torch.equal(z1.argmax(-1), z2.argmax(-1))
         a, b = chosen.draft(requests, want_probs=False), every.draft(requests, want_probs=False)
         assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     assert fresh(every).describe()["cuda_graphs"] == "off (eager rounds)"
+
+
+def test_a_round_sends_its_small_arrays_in_one_copy(drafter, monkeypatch):
+    """Every small array a round needs on the device (the new rows' positions and ring rows,
+    the context's ring rows, rows kept, seeds, positions) goes in one copy, whatever the
+    batch, also when one lineage's two snapshots split the batch in two parts (on a GPU each
+    copy costs the host a fixed price; the new rows go through the pinned stage)."""
+    from remote_drafter.models import staging
+    copies = []
+    real = staging.to_device
+    monkeypatch.setattr(staging, "to_device", lambda a, device: copies.append(a.shape) or real(a, device))
+    d = fresh(drafter)
+    for batch in (1, 3):
+        requests = [DraftRequest(history(d, 30 + 5 * i, i), d.max_depth) for i in range(batch)]
+        for r in requests:
+            copies.clear()
+            d.draft(requests, False)
+            assert len(copies) == 1, copies
+            r.history.extend(np.array([7], np.int32), np.ones((1, d.feature), np.float32))
+    ahead = copy.copy(requests[0].history)
+    ahead.extend(np.array([8], np.int32), np.ones((1, d.feature), np.float32))
+    copies.clear()
+    two = d.draft([requests[0], DraftRequest(ahead, d.max_depth)], False)
+    assert len(copies) == 1 and len(two) == 2
+
+
+def test_small_arrays_arrive_whole_as_views_of_one_copy():
+    from remote_drafter.models.staging import to_device_all
+    arrays = [np.arange(6).reshape(2, 3), np.array([True, False]), np.zeros((0,), np.int64),
+              np.array([[2**40]], np.int64)]
+    got = to_device_all(arrays, "cpu")
+    assert [tuple(t.shape) for t in got] == [(2, 3), (2,), (0,), (1, 1)]
+    assert all(t.dtype == torch.int64 for t in got)
+    assert [t.tolist() for t in got] == [[[0, 1, 2], [3, 4, 5]], [1, 0], [], [[2**40]]]
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # one tensor: one copy
 
 
 def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
@@ -188,12 +223,10 @@ def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
     requests = [DraftRequest(history(d, 20 + 9 * i, i), d.max_depth) for i in range(3)]
     inputs = d._blank(3)
     inputs[0].normal_(generator=torch.Generator().manual_seed(1))
-    inputs[1][:, -30:] = True
-    inputs[2][:] = torch.tensor([5, 9, 17])
-    inputs[3][:] = torch.tensor([40, 60, 80])
+    inputs[1][:] = torch.tensor([[30, 5, 40], [30, 9, 60], [30, 17, 80]])  # rows kept, seed, its position
     h, z, chain = d._block(*inputs)
     tokens, top_p, top_i, scores = unpack_chain(chain.numpy())
-    pick, previous = Picker(requests, want_probs=False), inputs[2]
+    pick, previous = Picker(requests, want_probs=False), inputs[1][:, 1]
     for i in range(d.max_depth):
         m = d.model.markov.embed(previous)
         assert np.array_equal(d.model.confidence(h[:, i], m).float().numpy(), scores[:, i])

@@ -54,7 +54,8 @@ class Channel:
 
     # -- rank 0 -------------------------------------------------------------------------------
     def send_round(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Broadcast the round's inputs (their second, the context's validity, is [b, c]);
+        """Broadcast the round's inputs (their second is [b, c]: the context's validity, or
+        DeepSeek's [b, 3] of rows kept, seed and position, whose kind ignores c);
         the caller then runs the round's collectives (the model's) under `self.round()`."""
         b, c = inputs[1].shape
         self._header([ROUND, b, c, 0, 0])

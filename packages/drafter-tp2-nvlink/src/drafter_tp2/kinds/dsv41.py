@@ -166,7 +166,7 @@ class Dsv41Kind:
         self.drafter.tally = self.tally
 
     def blank(self, b: int, c: int) -> tuple[torch.Tensor, ...]:
-        """(context rows [b, window, layers, head_dim], validity, seed, its position)."""
+        """(context rows [b, window, layers, head_dim], [b, 3]: rows kept, seed, its position)."""
         return self.drafter._blank(b)
 
     def rounds(self, graphs: bool, buckets: list[int]) -> Rounds:

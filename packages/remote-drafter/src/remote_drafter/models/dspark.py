@@ -33,7 +33,7 @@ from . import exl3
 from .base import Draft, Drafter, DraftRequest
 from .llama_layers import Block, RMSNorm
 from .pick import Picker, split
-from .staging import to_device
+from .staging import to_device_all
 from .tensors import tensor_bytes
 from .window import DeviceWindows
 
@@ -244,7 +244,8 @@ class DSparkDrafter(Drafter):
         (window.py), so only rows committed since its last round cross to it."""
         b, n = len(requests), self.window
         if self.feature:
-            ctx, m = self._windows.lay_out([r.history for r in requests], device)
+            plan = self._windows.plan([r.history for r in requests], device)
+            m = plan.kept
         else:
             known = [r.history.tokens[:-1][-n:] for r in requests]
             m = np.array([len(k) for k in known], np.int64)
@@ -254,16 +255,18 @@ class DSparkDrafter(Drafter):
         valid = np.arange(n) >= n - m[:, None]
         lengths = np.array([r.history.length for r in requests], np.int64)
         pos = np.where(valid, lengths[:, None] - 1 - n + np.arange(n), 0)
-        if not self.feature:
-            ctx = to_device(ctx, device)
-        return ctx, to_device(valid, device), to_device(pos, device)
+        if self.feature:  # the small arrays in the windows' one copy
+            valid, pos = plan.send(valid, pos)
+            return plan.context(), valid.bool(), pos
+        ctx, valid, pos = to_device_all([ctx, valid, pos], device)
+        return ctx, valid.bool(), pos
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
         dev = self.device
         ctx, valid, pos = self._inputs(requests, dev)
-        anchor = to_device(np.array([int(r.history.tokens[-1]) for r in requests], np.int64), dev)
-        anchor_pos = to_device(np.array([r.history.length - 1 for r in requests], np.int64), dev)
+        anchor, anchor_pos = to_device_all([np.array([int(r.history.tokens[-1]) for r in requests]),
+                                            np.array([r.history.length - 1 for r in requests])], dev)
         z = self.model.block_logits(ctx, valid, pos, anchor, anchor_pos)
         pick, previous = Picker(requests, want_probs), anchor
         for i in range(max(r.depth for r in requests)):

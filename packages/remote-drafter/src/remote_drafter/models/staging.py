@@ -2,8 +2,9 @@
 pinned host buffer kept for the next round (the join is the one host copy) and copied to the
 device without blocking the host; from pageable memory the driver would first stage them and
 the host would wait. Small arrays (indices, masks, positions) go from pageable memory, which
-costs less than the pinned path's own Python, but queued (`to_device`), never as torch's
-default blocking copy. Elsewhere (a CPU device) the rows are joined and used as they are."""
+costs less than the pinned path's own Python, queued (`to_device`), never as torch's
+default blocking copy, and a round's together (`to_device_all`). Elsewhere (a CPU device)
+the rows are joined and used as they are."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ def to_device(a: np.ndarray, device) -> torch.Tensor:
     overlapping its kernels. CUDA copies pageable memory into its own staging buffer before
     the call returns, so `a` may change or go at once."""
     return torch.from_numpy(a).to(device, non_blocking=True)
+
+
+def to_device_all(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """Small int64 host arrays (other integer and bool types are widened) as one queued copy
+    (`to_device`): views of one device tensor, shaped as given. A small copy's cost is the
+    host's fixed cost of making one, not its bytes, so a round's arrays go together."""
+    flat = [np.asarray(a).astype(np.int64, copy=False).reshape(-1) for a in arrays]
+    joined = to_device(np.concatenate(flat) if flat else np.zeros(0, np.int64), device)
+    out, at = [], 0
+    for a, f in zip(arrays, flat):
+        out.append(joined[at:at + len(f)].view(np.shape(a)))
+        at += len(f)
+    return out
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:

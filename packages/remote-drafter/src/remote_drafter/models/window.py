@@ -18,7 +18,7 @@ import torch
 
 from remote_drafter.engine.history import History
 
-from .staging import RowStage, to_device
+from .staging import RowStage, to_device_all
 
 # (the round's new rows [k, feature] on the device, as the histories keep them; their
 # positions [k] on the device) -> rows [k, width]
@@ -44,30 +44,86 @@ class DeviceWindows(dict):
         """Every history's last rows, brought up to date: (ctx [B, window, width] on `device`,
         each request's rows oldest first and right-aligned; m [B], how many are valid). The
         rows before a request's last m are finite (zeros, or older rows of its own) and
-        mean nothing: a caller masks them."""
+        mean nothing: a caller masks them. A drafter that has small arrays of its own to
+        send plans the round instead (`plan`), so they travel in the same copy."""
+        plan = self.plan(histories, device)
+        plan.send()
+        return plan.context(), plan.kept
+
+    def plan(self, histories: list[History], device) -> WindowPlan:
+        """The round's layout worked out on the host, the rings advanced: what its `send`
+        copies to the device and its `context` then builds there."""
         pool = self.get(str(device))
         if pool is None:
             pool = self[str(device)] = RingPool(self.window, self.width, device, self.dtype)
+        return WindowPlan(self, pool, self._parts(pool, histories))
+
+    def _parts(self, pool: RingPool, histories: list[History]) -> list[Part]:
         at: dict[int, int] = {}  # lineage -> rows_added of its history in this batch
         for i, h in enumerate(histories):
             if at.setdefault(id(h.lineage), h.rows_added) != h.rows_added:
                 # two snapshots of one sequence at different points: each needs the ring as
                 # it was for it, so the batch goes in two parts, the first laid out first
-                (a, m), (b, n) = self.lay_out(histories[:i], device), self.lay_out(histories[i:], device)
-                return torch.cat([a, b]), np.concatenate([m, n])
-        rings, rows, positions, writes = [], [], [], []
+                return self._parts(pool, histories[:i]) + self._parts(pool, histories[i:])
+        part, rings = Part(), []
         for h in histories:
             ring, where = pool.ring(h)
             if len(where):  # the newest row is of position length - 2 (its token's row comes later)
                 k = len(where)
-                rows.append(h.newest_rows(k))
-                positions.append(np.arange(h.length - 1 - k, h.length - 1))
-                writes.append(where)
+                part.rows.append(h.newest_rows(k))
+                part.positions.append(np.arange(h.length - 1 - k, h.length - 1))
+                part.writes.append(where)
             rings.append(ring)
-        if rows:
-            new = self.encode(pool.rows.to_device(rows), to_device(np.concatenate(positions), pool.device))
-            pool.write(np.concatenate(writes), new.to(self.dtype))
-        return pool.gather(rings), np.array([r.m for r in rings], np.int64)
+        part.kept = np.array([r.m for r in rings], np.int64)
+        part.read = pool.read_rows(rings)
+        return [part]
+
+
+class Part:
+    """A run of a round's requests with no lineage twice at different points: its new rows
+    (host), their positions and store rows, the store rows its context is read from."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.positions: list[np.ndarray] = []
+        self.writes: list[np.ndarray] = []
+        self.kept = self.read = np.zeros(0, np.int64)
+
+    def indices(self) -> list[np.ndarray]:
+        """[positions, writes, read]: what `WindowPlan.send` copies for this part."""
+        if not self.rows:
+            return [np.zeros(0, np.int64), np.zeros(0, np.int64), self.read]
+        return [np.concatenate(self.positions), np.concatenate(self.writes), self.read]
+
+
+class WindowPlan:
+    """One round's windows: `send` copies the round's small arrays (the parts' indices and
+    the caller's own, int64) to the device in one queued copy, then `context` encodes the new
+    rows, writes them into the rings and reads the batch's context, in launches that do not
+    grow with the request count."""
+
+    def __init__(self, windows: DeviceWindows, pool: RingPool, parts: list[Part]):
+        self.windows, self.pool, self.parts = windows, pool, parts
+        self.kept = np.concatenate([p.kept for p in parts])
+        self._indices: list[torch.Tensor] | None = None
+
+    def send(self, *own: np.ndarray) -> list[torch.Tensor]:
+        """Copies the plan's indices and `own` arrays; returns `own` on the device."""
+        indices = [a for p in self.parts for a in p.indices()]
+        sent = to_device_all([*indices, *own], self.pool.device)
+        self._indices = sent[:len(indices)]
+        return sent[len(indices):]
+
+    def context(self) -> torch.Tensor:
+        """[B, window, width] on the device (after `send`)."""
+        out = []
+        for i, part in enumerate(self.parts):
+            positions, writes, read = self._indices[3 * i:3 * i + 3]
+            if part.rows:
+                new = self.windows.encode(self.pool.rows.to_device(part.rows), positions)
+                self.pool.write(writes, new.to(self.windows.dtype))
+            out.append(self.pool.gather(read))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
 
 class RowRing:
@@ -124,16 +180,20 @@ class RingPool:
         """Rings held: one per request drafted and not yet released."""
         return len(self.rings)
 
-    def write(self, where: np.ndarray, rows: torch.Tensor) -> None:
-        flat = self.store.view(-1, self.width)
-        flat.index_copy_(0, to_device(where, self.device), rows)
+    def write(self, where: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [k, width] into the flat store rows `where` [k] (on the device)."""
+        self.store.view(-1, self.width).index_copy_(0, where, rows)
 
-    def gather(self, rings: list[RowRing]) -> torch.Tensor:
-        """[B, window, width]: each ring's rows oldest first (its valid ones at the end)."""
+    def read_rows(self, rings: list[RowRing]) -> np.ndarray:
+        """[B, window]: the flat store rows of each ring's rows, oldest first (its valid ones
+        at the end)."""
         n = self.window
         slots, heads = (np.array([(r.slot, r.head) for r in rings], np.int64).reshape(-1, 2)).T
-        where = slots[:, None] * n + (heads[:, None] + np.arange(n)) % n
-        return self.store.view(-1, self.width)[to_device(where, self.device)]
+        return slots[:, None] * n + (heads[:, None] + np.arange(n)) % n
+
+    def gather(self, where: torch.Tensor) -> torch.Tensor:
+        """[B, window, width]: the store rows `where` [B, window] (on the device)."""
+        return self.store.view(-1, self.width)[where]
 
 
 def zeros(shape: tuple, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -31,7 +31,6 @@ from remote_drafter.models import exl3, exl3_dense
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
 from remote_drafter.models.cuda_graphs import BucketGraphs
 from remote_drafter.models.pick import Picker, chain_arrays, split
-from remote_drafter.models.staging import to_device
 from remote_drafter.models.window import DeviceWindows
 
 from . import checkpoint, exl3_pack
@@ -231,14 +230,19 @@ class Dsv41Drafter(Drafter):
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)",
                 "encode_graphs": sorted(self._encode_rows.graphs) or "off (eager)"}
 
-    def _block(self, ctx, valid, seed, p0) -> tuple[torch.Tensor, ...]:
-        """One parallel pass: (pre-norm hidden, base logits) of each request's block, and the
+    def _block(self, ctx, meta) -> tuple[torch.Tensor, ...]:
+        """ctx [B, window, layers, head_dim], each request's context rows right-aligned; meta
+        [B, 3] int64: how many of them are valid, the seed token, its position. One parallel
+        pass: (pre-norm hidden, base logits) of each request's block, and the
         greedy chain over the whole block on the device, packed in one float64 tensor
         [B, W, 4 (+1 with a confidence head)]: the token's probability and the runner-up's,
         both tokens (the drafted one first), confidence. A greedy round reads this alone, so its Markov head runs
         inside the captured graph and one copy brings the round back."""
         model = self.model
         markov, confidence = model.markov, model.confidence
+        kept, seed, p0 = meta.unbind(1)
+        n = ctx.shape[1]
+        valid = torch.arange(n, device=ctx.device) >= n - kept[:, None]  # padding rows: kept 0, none
         h = model.block_hidden(ctx, valid, seed, p0)
         z = model.head(h)
         previous, chain = seed, []
@@ -255,8 +259,7 @@ class Dsv41Drafter(Drafter):
     def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
         c, dev = self.config, self.device
         return (torch.zeros(b, self.window, c.n_mtp_layers, c.head_dim, dtype=self.model.dtype, device=dev),
-                torch.zeros(b, self.window, dtype=torch.bool, device=dev),
-                torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev))
+                torch.zeros(b, 3, dtype=torch.int64, device=dev))
 
     def _blank_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.zeros(n, self.feature, dtype=self.model.dtype, device=self.device),
@@ -270,12 +273,11 @@ class Dsv41Drafter(Drafter):
     def draft(self, requests: list[DraftRequest], want_probs: bool) -> list[Draft]:
         model, dev, c = self.model, self.device, self.config
         b, n = len(requests), self.window
-        ctx, kept = self._windows.lay_out([r.history for r in requests], dev)  # one shape for the batch
-        valid = to_device(np.arange(n) >= n - kept[:, None], dev)
-        seed_p0 = to_device(np.array([[int(r.history.tokens[-1]), r.history.length - 1] for r in requests],
-                                     np.int64), dev)
-        seed = seed_p0[:, 0]
-        h, z, chain = self._forward(ctx.view(b, n, c.n_mtp_layers, c.head_dim), valid, seed, seed_p0[:, 1])
+        plan = self._windows.plan([r.history for r in requests], dev)  # one shape for the batch
+        meta, = plan.send(np.array([[k, int(r.history.tokens[-1]), r.history.length - 1]
+                                    for k, r in zip(plan.kept.tolist(), requests)], np.int64))
+        seed = meta[:, 1]
+        h, z, chain = self._forward(plan.context().view(b, n, c.n_mtp_layers, c.head_dim), meta)
         depth = max(r.depth for r in requests)
         if all(is_greedy(r.temperature) for r in requests):  # the device's chain: one copy back
             tokens, top_p, top_i, scores = unpack_chain(chain[:, :depth].cpu().numpy())
