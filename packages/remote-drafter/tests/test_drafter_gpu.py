@@ -75,10 +75,11 @@ def test_the_pinned_row_stage_delivers_each_round_whole():
 
 def test_a_graphed_dsv41_drafter_with_new_rows_each_round_drafts_as_the_cpu_one(tmp_path):
     """Rounds as the worker runs them, in CUDA graphs: histories that grow between rounds (new
-    rows through the pinned buffer and encoded, no host synchronisation inside the round), 3
-    and 4 requests (a padded and an exact bucket), and a round holding two snapshots of one
-    request (laid out in two parts, the buffer reused within the round): greedy drafts as
-    the float32 CPU drafter's, parting only at near-ties."""
+    rows through the pinned buffer and encoded, no host synchronisation inside the round), 1
+    to 4 requests in turn (buckets 1, 2 and 4, padded and exact, each replayed after another:
+    the buckets share one memory pool), and a round holding two snapshots of one request
+    (laid out in two parts, the buffer reused within the round): greedy drafts as the
+    float32 CPU drafter's, parting only at near-ties."""
     tiny.write_tiny(str(tmp_path))
     loaded = checkpoint.load(str(tmp_path), torch.float32, "cpu")
     manifest = Manifest("tiny", "tiny", "tiny", "tiny", Dsv41Drafter.kind)
@@ -96,7 +97,7 @@ def test_a_graphed_dsv41_drafter_with_new_rows_each_round_drafts_as_the_cpu_one(
         grow(h, 20 + 5 * i)
     on_cpu, on_gpu = [], []
     for r in range(8):
-        batch = histories[:3 + r % 2]
+        batch = histories[:1 + r % 4]
         if r == 5:  # an older snapshot of the first request beside it
             older = copy.copy(histories[0])
             grow(histories[0], 2)

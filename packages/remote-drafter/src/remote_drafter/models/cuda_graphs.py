@@ -76,10 +76,14 @@ class BucketGraphs:
 
     @torch.inference_mode()
     def capture(self, buckets: list[int], blank: Callable[[int], tuple]) -> None:
-        """Capture `fn` on `blank(b)` (zero inputs of batch b) for every bucket b."""
+        """Capture `fn` on `blank(b)` (zero inputs of batch b) for every bucket b, largest
+        first, all in one memory pool: a replay's intermediates lie where any other bucket's
+        do, so the buckets together hold about the largest one's (outputs stay apart: each
+        graph holds its own, which callers read before the next call)."""
         if not self.cuda:
             return
-        for b in sorted(buckets):
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets, reverse=True):
             static = blank(b)  # made on the current stream: the owned one waits for it
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -87,7 +91,7 @@ class BucketGraphs:
                     self.fn(*static)
             self.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with no_collection(), torch.cuda.graph(graph, stream=self.stream):
+            with no_collection(), torch.cuda.graph(graph, pool=pool, stream=self.stream):
                 out = self.fn(*static)
             self.graphs[b] = (graph, static, out)
 
