@@ -26,13 +26,14 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # both =moe and =ab in one call
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
-    # arrays in one copy against one each and one blocking each (after the GPU tests of the
+    # arrays in one copy against one each and one blocking each, replays on the caller's stream
+    # against the owned one (after the GPU tests of the
     # round's inputs: drafts as the CPU's, graphed, one card and the pair), and torch's grouped
     # GEMM at the experts' shapes (round_phases.py; no exllamav3)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_drafter_gpu.py \
       packages/remote-drafter/tests/test_dsv41_drafter.py packages/drafter-tp2-nvlink/tests/test_tp2_gpu.py \
       2>&1 | tail -3 | tee "$OUT/drafter-gpu-pytest.txt" || echo "== tests failed (above); the timing goes on"
-    python3 packages/remote-drafter/benchmarks/round_phases.py --copies-ab --grouped-mm \
+    python3 packages/remote-drafter/benchmarks/round_phases.py --host-ab --grouped-mm \
       --host-profile "$OUT/round-host-profile.txt" --out "$OUT/round-phases.json" 2>&1 | tail -12
     exit
   fi

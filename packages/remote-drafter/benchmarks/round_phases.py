@@ -3,11 +3,12 @@ estimated V4.1-Flash width in bf16, CUDA graphs, rounds whose every request brin
 new rows (as a worker in service drafts), against the same requests with none; per batch the
 round's p50, the layout of its windows (new rows encoded and written, the context gathered),
 the forward graph's replay alone and the encoding graph's replay alone. What a round spends
-outside those replays is the host's share. With `--copies-ab`, the round with new rows
-three times more, in turn round by round: the small host arrays (indices, positions, rows
-kept, seeds) joined in one queued copy as served (staging.to_device_all), one queued copy per
-array, and one copy per array with torch's blocking copy, which waits for the device's
-queued work (the form two sessions before). Then (`--grouped-mm`) torch's grouped GEMM at the
+outside those replays is the host's share. With `--host-ab`, the round with new rows in four
+forms, in turn round by round: its host work as served (the small host arrays - indices,
+positions, rows kept, seeds - joined in one queued copy, staging.to_device_all; the graphs
+replayed on the caller's stream), one queued copy per array, one copy per array with torch's
+blocking copy (which waits for the device's queued work), and the replays on the owned
+stream with an event each way (the forms before). Then (`--grouped-mm`) torch's grouped GEMM at the
 experts' shapes (bf16, the routed experts a round chose): gate and up as two GEMMs or one over
 their joined weights, and down, against their bytes over the H200's bandwidth; and
 (`--host-profile`) the rounds' host time by function.
@@ -17,6 +18,7 @@ their joined weights, and down, against their bytes over the H200's bandwidth; a
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import json
@@ -32,6 +34,7 @@ from dsv41_gpu import random_drafter, random_rounds, round_options, timed  # noq
 
 from remote_drafter.bench import percentiles  # noqa: E402
 from remote_drafter.models import staging, window  # noqa: E402
+from remote_drafter.models.cuda_graphs import BucketGraphs, bucket_for  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 
 H200_BANDWIDTH = 4.2e12  # bytes/s read, as drafter_round.py measures it on these machines
@@ -41,14 +44,14 @@ CHOSEN_SLOTS = {1: (16, 40), 4: (40, 160), 16: (92, 640)}
 
 
 def phases(batches: list[int], rounds: int, new_rows: int, host_profile: str | None,
-           copies: bool = False) -> list[dict]:
+           ab: bool = False) -> list[dict]:
     drafter, _ = random_drafter("flash", "cuda", torch.bfloat16)
     d = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
     rng = np.random.default_rng(0)
     out, profiles = [], []
     for batch in batches:
         requests = random_rounds(d, batch, 160, batch)
-        out.append(phase_row(d, requests, rounds, new_rows, rng, copies))
+        out.append(phase_row(d, requests, rounds, new_rows, rng, ab))
         print(f"  batch {batch}: {out[-1]}", file=sys.stderr, flush=True)
         if host_profile:
             profiles.append(f"== batch {batch}, {rounds} rounds with new rows\n"
@@ -84,28 +87,66 @@ def per_array(copy):
                                    for a in arrays]
 
 
-def copies_ab(d: Dsv41Drafter, requests, rounds: int, grow) -> dict:
-    """The round with new rows, its small host arrays copied three ways, in turn round by
-    round: joined in one queued copy (as served), one queued copy per array, one blocking
-    copy per array (torch's default, which waits for the device's queued work); p50 / p99
-    of each and each over the joined."""
-    ways = {"joined": staging.to_device_all, "per_array": per_array(staging.to_device),
-            "per_array_blocking": per_array(blocking_copy)}
-    times: dict[str, list[float]] = {way: [] for way in ways}
+def replay_on_owned_stream(self: BucketGraphs, *inputs: torch.Tensor):
+    """BucketGraphs.__call__ as it was: the inputs' copies and the replay on the owned stream,
+    ordered against the caller's stream with an event each way."""
+    b = inputs[0].shape[0]
+    graph, static, captured = self.graphs[bucket_for(self.graphs, b)]
+    caller = torch.cuda.current_stream(self.device)
+    self.stream.wait_stream(caller)
+    with torch.cuda.stream(self.stream):
+        for dst, src in zip(static, inputs):
+            dst[:b].copy_(src)
+            if b < len(dst):
+                dst[b:].zero_()
+        graph.replay()
+    caller.wait_stream(self.stream)
+    return tuple(t[:b] for t in captured) if isinstance(captured, tuple) else captured[:b]
+
+
+@contextlib.contextmanager
+def served():
+    yield
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
     try:
-        for i in range(len(ways) * rounds):
-            way = list(ways)[i % len(ways)]
-            window.to_device_all = ways[way]
-            times[way].append(timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3)
+        yield
     finally:
-        window.to_device_all = staging.to_device_all
+        setattr(owner, name, saved)
+
+
+# the round's host work as served, and each change to it undone (the forms before)
+HOST_WAYS = {
+    "served": served,
+    "per_array": lambda: patched(window, "to_device_all", per_array(staging.to_device)),
+    "per_array_blocking": lambda: patched(window, "to_device_all", per_array(blocking_copy)),
+    "owned_stream_replays": lambda: patched(BucketGraphs, "__call__", torch.inference_mode()(replay_on_owned_stream)),
+}
+
+
+def host_ab(d: Dsv41Drafter, requests, rounds: int, grow) -> dict:
+    """The round with new rows, its host work as served and in the forms before, in turn
+    round by round: the small host arrays in one queued copy (served), one queued copy per
+    array, one blocking copy per array (torch's default, which waits for the device's queued
+    work); the graphs replayed on the caller's stream (served) or on the owned one, with an
+    event each way. p50 / p99 of each and each over the served."""
+    times: dict[str, list[float]] = {way: [] for way in HOST_WAYS}
+    for i in range(len(HOST_WAYS) * rounds):
+        way = list(HOST_WAYS)[i % len(HOST_WAYS)]
+        with HOST_WAYS[way]():
+            times[way].append(timed(lambda: d.draft(requests, False), 1, before=grow)["p50_ms"] / 1e3)
     out = {way: percentiles(t) for way, t in times.items()}
-    for way in ("per_array", "per_array_blocking"):
-        out[f"{way}_over_joined_p50"] = round(out[way]["p50_ms"] / out["joined"]["p50_ms"], 3)
+    for way in HOST_WAYS:
+        if way != "served":
+            out[f"{way}_over_served_p50"] = round(out[way]["p50_ms"] / out["served"]["p50_ms"], 3)
     return out
 
 
-def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng, copies: bool = False) -> dict:
+def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng, ab: bool = False) -> dict:
     batch = len(requests)
 
     def grow():
@@ -130,8 +171,8 @@ def phase_row(d: Dsv41Drafter, requests, rounds: int, new_rows: int, rng, copies
            "encode_replay": timed(encode.replay, rounds)}
     row["host_share_p50_ms"] = round(row["round_new_rows"]["p50_ms"] - row["forward_replay"]["p50_ms"]
                                      - row["encode_replay"]["p50_ms"], 3)
-    if copies:
-        row["copies_ab"] = copies_ab(d, requests, rounds, grow)
+    if ab:
+        row["host_ab"] = host_ab(d, requests, rounds, grow)
     return row
 
 
@@ -196,9 +237,10 @@ def main(argv=None) -> int:
     ap = round_options(__doc__, "round-phases.json", rounds=40)
     ap.add_argument("--new-rows", type=int, default=3, help="rows each request brings a round "
                     "(default: %(default)s)")
-    ap.add_argument("--copies-ab", action="store_true", help="also the round with its small host "
-                    "arrays joined in one queued copy (as served), one queued copy each and one "
-                    "blocking copy each, in turn")
+    ap.add_argument("--host-ab", action="store_true", help="also the round with its host work as "
+                    "served and in the forms before, in turn: small arrays in one queued copy, one "
+                    "queued copy each, one blocking copy each; replays on the caller's stream or "
+                    "on the owned one")
     ap.add_argument("--grouped-mm", action="store_true", help="also torch's grouped GEMM at the "
                     "experts' shapes")
     ap.add_argument("--host-profile", metavar="TXT", help="also the rounds' host time by function "
@@ -208,7 +250,7 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "rounds": phases([int(b) for b in args.batches.split(",")], args.rounds, args.new_rows,
-                             args.host_profile, args.copies_ab)}
+                             args.host_profile, args.host_ab)}
     if args.grouped_mm:
         res["grouped_mm"] = grouped_mm(args.rounds)
     with open(args.out, "w") as f:
@@ -219,11 +261,10 @@ def main(argv=None) -> int:
               f"{r['lay_out_new_rows']['p50_ms']:>7.2f} | {r['forward_replay']['p50_ms']:>14.2f} | "
               f"{r['encode_replay']['p50_ms']:>13.2f} | {r['host_share_p50_ms']:.2f}")
     for r in res["rounds"]:
-        if "copies_ab" in r:
-            ab = r["copies_ab"]
-            print(f"batch {r['batch']}: small arrays in one copy {ab['joined']['p50_ms']:.3f} ms, a copy each "
-                  f"{ab['per_array']['p50_ms']:.3f} ms ({ab['per_array_over_joined_p50']}x), a blocking copy "
-                  f"each {ab['per_array_blocking']['p50_ms']:.3f} ms ({ab['per_array_blocking_over_joined_p50']}x; p50)")
+        if "host_ab" in r:
+            ab = r["host_ab"]
+            print(f"batch {r['batch']}: as served {ab['served']['p50_ms']:.3f} ms p50; " + ", ".join(
+                f"{way} {ab[way]['p50_ms']:.3f} ({ab[f'{way}_over_served_p50']}x)" for way in HOST_WAYS if way != "served"))
     return 0
 
 

@@ -1,15 +1,15 @@
-"""A round's forward on a stream the worker owns, captured as one CUDA graph per batch
-bucket and replayed (the one-card dsv41 drafter and drafter-tp2's ranks use it).
+"""A round's forward captured as one CUDA graph per batch bucket, on a stream the worker
+owns, and replayed (the one-card dsv41 drafter and drafter-tp2's ranks use it).
 
 `fn(*inputs)` takes batch-first tensors and returns a tensor or a tuple of them, batch
 first, with no host synchronisation inside (a graph replays device work only). A call is
 padded up to the smallest captured bucket that holds it (padding rows are zeros, which the
-caller's fn must tolerate, and are dropped) and replayed; a batch above every bucket runs
-eagerly on the owned stream. The caller's stream then waits for the owned one (no host
-synchronisation: work queued after the call, on the caller's stream, sees the outputs). A
-replay's outputs are views of the graph's own buffers: read them before the next call (the
-worker's device lock runs one round at a time; the next call's copy-in waits for what the
-caller's stream queued before it). On CPU: no streams, no graphs, fn runs as called."""
+caller's fn must tolerate, and are dropped) and replayed on the caller's stream; a batch
+above every bucket runs eagerly on the owned stream, which the caller's stream then waits
+for (no host synchronisation: work queued after the call, on the caller's stream, sees the
+outputs). A replay's outputs are views of the graph's own buffers: read them before the
+next call (the worker's device lock runs one round at a time). On CPU: no streams, no
+graphs, fn runs as called."""
 
 from __future__ import annotations
 
@@ -101,18 +101,19 @@ class BucketGraphs:
             return self.fn(*inputs)
         b = inputs[0].shape[0]
         bucket = bucket_for(self.graphs, b)
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)  # inputs were made there
-        with torch.cuda.stream(self.stream):
-            if bucket is None:
+        if bucket is None:  # eagerly on the owned stream, between the caller's work before and after
+            caller = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(caller)
+            with torch.cuda.stream(self.stream):
                 out = self.fn(*inputs)
-            else:
-                graph, static, captured = self.graphs[bucket]
-                for dst, src in zip(static, inputs):
-                    dst[:b].copy_(src)
-                    if b < bucket:
-                        dst[b:].zero_()  # padding rows: zeros, not the last round's
-                graph.replay()
-                out = tuple(t[:b] for t in captured) if isinstance(captured, tuple) else captured[:b]
-        caller.wait_stream(self.stream)
-        return out
+            caller.wait_stream(self.stream)
+            return out
+        # A replay needs no stream of its own: on the caller's, in order with what it queued
+        # before (the inputs) and after (reading the outputs), with no cross-stream events.
+        graph, static, captured = self.graphs[bucket]
+        for dst, src in zip(static, inputs):
+            dst[:b].copy_(src)
+            if b < bucket:
+                dst[b:].zero_()  # padding rows: zeros, not the last round's
+        graph.replay()
+        return tuple(t[:b] for t in captured) if isinstance(captured, tuple) else captured[:b]
