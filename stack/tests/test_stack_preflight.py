@@ -260,7 +260,7 @@ def test_deepseeks_pair_is_held_against_each_cards_memory(ready, tmp_path, monke
     ranks = card_bytes(folder, 2)
     assert len(ranks) == 2 and all(b > 0 for b in ranks)
     check = {c.name: c for c in preflight.run(cfg, "offload-host")}["drafter tp2 memory per card"]
-    assert check.ok and "a CPU pair" in check.detail and f"rank 0 {ranks[0] / 2**30:.1f} GiB" in check.detail
+    assert check.ok and "on the CPU" in check.detail and f"rank 0 {ranks[0] / 2**30:.1f} GiB" in check.detail
     for mib, ok in ((24576, True), (1, False)):
         def nvidia_smi(cmd, mib=mib, **kw):
             if "--query-gpu=index,memory.total" in cmd:
@@ -273,6 +273,12 @@ def test_deepseeks_pair_is_held_against_each_cards_memory(ready, tmp_path, monke
         check = {c.name: c for c in preflight.run(on_cards, "offload-host")}["drafter tp2 memory per card"]
         assert check.ok is ok, check.detail
         assert ok or "cuda:1 holds 0.0 GiB, rank 1 needs" in check.detail
+        # the one-card worker (also what `rollback tp2-worker` leaves): the whole drafter on one card
+        one = cfg.with_values(STACK_DRAFTER_TP2="0", STACK_DRAFTER_DEVICE="cuda:0")
+        check = {c.name: c for c in preflight.run(one, "offload-host")}["drafter memory on its card"]
+        whole, = card_bytes(folder, 2, 1)
+        assert whole > max(ranks) and f"rank 0 {whole / 2**30:.1f} GiB" in check.detail
+        assert check.ok is ok, check.detail
 
 
 def test_an_engine_across_two_hosts(ready, tmp_path, capsys):

@@ -268,18 +268,23 @@ def check_tp2_pair(devices: list[str]) -> Check:
                  + ("" if ok else " (the pair needs two distinct cards)"))
 
 
-def check_tp2_fits(folder: str, dtype: str, devices: list[str]) -> Check:
-    """DeepSeek's drafter split by experts: each rank's weights (from the checkpoint's
-    headers) plus drafter-tp2's working allowance against its card's memory."""
-    name = "drafter tp2 memory per card"
+def check_drafter_fits(folder: str, dtype: str, devices: list[str]) -> Check:
+    """DeepSeek's drafter on the worker's cards: split by experts over a pair, or whole on
+    one card (the one-card worker, also after `rollback tp2-worker`): each card's weights
+    (from the checkpoint's headers) plus the working allowance against its memory."""
+    name = "drafter tp2 memory per card" if len(devices) == 2 else "drafter memory on its card"
     try:
         from drafter_tp2.kinds.dsv41 import WORKING_BYTES, card_bytes
-        need = card_bytes(folder, 4 if dtype == "float32" else 2)
-    except (ImportError, OSError, ValueError, KeyError) as exc:
+    except ImportError:  # the pair's package holds the estimate; one card does not need it installed
+        return Check(name, len(devices) == 1, "drafter-tp2 is not installed here: the card's memory "
+                     "is not checked", warn=True)
+    try:
+        need = card_bytes(folder, 4 if dtype == "float32" else 2, len(devices))
+    except (OSError, ValueError, KeyError) as exc:
         return Check(name, False, f"{folder}: {type(exc).__name__}: {exc}")
     said = ", ".join(f"rank {r} {b / GIB:.1f} GiB" for r, b in enumerate(need))
     if not all(d.startswith("cuda") for d in devices):
-        return Check(name, True, f"{said} of weights (a CPU pair: no card to hold them against)")
+        return Check(name, True, f"{said} of weights (on the CPU: no card to hold them against)")
     if not shutil.which("nvidia-smi"):
         return Check(name, True, f"{said} of weights; no nvidia-smi to read the cards' memory", warn=True)
     indices = [d.partition(":")[2] or "0" for d in devices]
@@ -486,8 +491,8 @@ def run(cfg: StackConfig, role: str | None, rank: int | None = None) -> list[Che
         devices = tp2_devices(cfg) if tp2 else [cfg["STACK_DRAFTER_DEVICE"]]
         if tp2:
             checks.append(check_tp2_pair(devices))
-            if cfg["STACK_DRAFTER"].startswith("dsv41:"):
-                checks.append(check_tp2_fits(cfg["STACK_DRAFTER"].removeprefix("dsv41:"),
+        if cfg["STACK_DRAFTER"].startswith("dsv41:") and (tp2 or devices[0].startswith("cuda")):
+            checks.append(check_drafter_fits(cfg["STACK_DRAFTER"].removeprefix("dsv41:"),
                                              cfg["STACK_DRAFTER_DTYPE"], devices))
         checks += [check_gpu(d) for d in devices if d.startswith("cuda")]
         if cfg["STACK_DRAFTER_WEIGHTS"] == "exl3":

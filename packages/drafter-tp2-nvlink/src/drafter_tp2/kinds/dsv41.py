@@ -68,22 +68,23 @@ class LeaderRounds:
 WORKING_BYTES = 2 << 30  # beside the weights: the CUDA context, windows, graphs' pools, activations
 
 
-def card_bytes(folder: str, dtype_bytes: int) -> list[int]:
+def card_bytes(folder: str, dtype_bytes: int, cards: int = 2) -> list[int]:
     """Each rank's weight bytes on its card, from the checkpoint's headers alone (nothing
     read): its slice at `dtype_bytes` a value (float32 tensors at 4; an EXL3 pack's tensors
-    as stored), the embedding and a dense head halved. What the stack's preflight holds
-    against each card, with WORKING_BYTES beside."""
+    as stored), the embedding and a dense head halved; with `cards` 1, the one-card worker's
+    (every expert, nothing halved: what `rollback tp2-worker` puts on one card). What the
+    stack's preflight holds against each card, with WORKING_BYTES beside."""
     config = Dsv41DrafterConfig.from_json(checkpoint.read_config(folder))
     pack = exl3.is_pack(folder)
     out = []
-    for rank in (0, 1):
-        held = range(*bounds(config.n_routed_experts, rank))
+    for rank in range(cards):
+        held = range(*bounds(config.n_routed_experts, rank)) if cards == 2 else range(config.n_routed_experts)
         if pack:
             sizes = {n: s.nbytes for n, s in checkpoint.stored_drafter_tensors(folder, held).items()}
         else:
             sizes = {n: _numel(shape) * (4 if storage == "f32" else dtype_bytes)
                      for n, (shape, storage) in weight_table(config, held).items()}
-        halved = sum(sizes.get(n, 0) for n in ("embed.weight", "head.weight")) // 2
+        halved = sum(sizes.get(n, 0) for n in ("embed.weight", "head.weight")) // 2 if cards == 2 else 0
         out.append(sum(sizes.values()) - halved)
     return out
 
