@@ -43,7 +43,7 @@ def test_refused_lines_say_where_and_why(text, why):
 def test_a_hash_inside_a_value_is_the_values_own():
     """As a shell reads it: a comment starts at a `#` after whitespace, outside quotes."""
     values = parse("OFL_AUTH_KEY=abc#def0123456789\nSTACK_MODEL=/data/run#2/model  # the second run\n"
-                   "STACK_DRAFTER='/a #b'\nSTACK_DRAFTER_TARGET= # nothing yet\n")
+                   "STACK_DRAFTER='/a #b'\nSTACK_DRAFTER_TARGET= # nothing yet, was <the old one>\n")
     assert values == {"OFL_AUTH_KEY": "abc#def0123456789", "STACK_MODEL": "/data/run#2/model",
                       "STACK_DRAFTER": "/a #b", "STACK_DRAFTER_TARGET": ""}
 

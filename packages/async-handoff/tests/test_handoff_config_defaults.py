@@ -35,11 +35,17 @@ def test_each_declared_variable_sets_a_field_of_its_own(unset):
 
 
 @pytest.mark.parametrize("value, enabled", [(None, False), ("", False), ("0", False),
-                                            ("1", True), ("yes", True)])
+                                            ("1", True), ("yes", None), ("false", None)])
 def test_async_enabled_reads_the_environment_or_given_values_alike(unset, value, enabled):
+    """1 turns it on, empty or 0 leaves it off; any other word is refused (was "false" off?)."""
     name = env.VLLM_DSPARK_REMOTE_ASYNC.name
     values = {} if value is None else {name: value}
     if value is not None:
         unset.setenv(name, value)
+    if enabled is None:
+        for read in (lambda: async_enabled(), lambda: async_enabled(values)):
+            with pytest.raises(ValueError, match=f"{name}={value!r}: expected 0 or 1"):
+                read()
+        return
     assert async_enabled() is enabled
     assert async_enabled(values) is enabled

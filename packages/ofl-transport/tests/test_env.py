@@ -7,11 +7,11 @@ from ofl.env import EnvVar
 
 
 @pytest.mark.parametrize("var, good, bad", [
-    (EnvVar("X_MS", "50", "", kind="number"), ["0", "2.5", ".5", "50"], ["-1", "fast", "", "1e3", "nan"]),
-    (EnvVar("X_N", "8", "", kind="int"), ["0", "64"], ["8.0", "-2", "eight", ""]),
+    (EnvVar("X_MS", "50", "", kind="number"), ["0", "2.5", ".5", "50"], ["-1", "fast", "", "1e3", "nan", "\u00b2"]),
+    (EnvVar("X_N", "8", "", kind="int"), ["0", "64"], ["8.0", "-2", "eight", "", "\u00b2", "\u0663"]),
     (EnvVar("X_ON", "0", "", kind="flag"), ["0", "1"], ["true", "yes", "2", ""]),
     (EnvVar("X_AT", "", "", kind="address"), ["10.0.0.1:7480", "[::1]:80", "h:0", ""],
-     ["localhost", ":80", "h:", "h:65536", "h:x"]),
+     ["localhost", ":80", "h:", "h:65536", "h:x", "h:\u00b9"]),
     (EnvVar("X_MODE", "auto", "", choices=("auto", "0", "1")), ["auto", "0", "1"], ["on", ""]),
     (EnvVar("X_CAP", "auto", "", kind="int", choices=("auto",)), ["auto", "12"], ["many"]),
     (EnvVar("X_TEXT", "", ""), ["anything at all", ""], []),

@@ -296,3 +296,15 @@ def test_ring_pool_grows_keeps_rows_and_reuses_zeroed_slots():
     later.extend(np.array([7], np.int32), np.ones((1, 3), np.float32))
     ctx, m = windows.lay_out([short, later], "cpu")
     assert m.tolist() == [1, 2] and torch.equal(ctx[0, 3], ctx[1, 2]) and ctx[1, 3].eq(1).all()
+    # the newer snapshot first, then the older one (a fresh ring replaces the newer's), then a
+    # new request (which takes a free slot): every context as its history holds it, the
+    # whole round worked out on the host before any part's rows are read
+    older = history(2)
+    windows.lay_out([older], "cpu")
+    newer = copy.copy(older)
+    newer.extend(np.array([7], np.int32), np.ones((1, 3), np.float32))
+    fresh = history(3)
+    ctx, m = windows.lay_out([newer, older, fresh], "cpu")
+    assert m.tolist() == [3, 2, 3]
+    for i, h in enumerate([newer, older, fresh]):
+        assert torch.equal(ctx[i, 4 - m[i]:], torch.tensor(h.rows[-m[i]:])), i

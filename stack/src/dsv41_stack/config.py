@@ -36,12 +36,13 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
         if not match:
             raise ConfigError(f"{where}:{number}: not KEY=VALUE: {raw!r}")
         key, value = match.groups()
+        value = without_comment(value)
         if PLACEHOLDER.search(value):
             raise ConfigError(f"{where}:{number}: {key} still holds the placeholder "
                               f"{PLACEHOLDER.search(value).group()}: replace it with this "
                               "deployment's value")
         try:
-            words = shlex.split(without_comment(value))
+            words = shlex.split(value)
         except ValueError as exc:  # an unclosed quote
             raise ConfigError(f"{where}:{number}: {key}: {exc}") from None
         if len(words) > 1:

@@ -189,9 +189,9 @@ class Deployment:
             async with httpx.AsyncClient() as client:
                 return await fingerprint(client, RunConfig(self.engine_url(), SERVED_NAME, [], []))
 
-        before, engram_before, handoff_before = self.counters(), self.engram_counters(), self.handoff_counters()
+        before, engram_before, handoff_before = self.spec_counters(), self.engram_counters(), self.handoff_counters()
         got = asyncio.run(measure())
-        after, engram_after, handoff_after = self.counters(), self.engram_counters(), self.handoff_counters()
+        after, engram_after, handoff_after = self.spec_counters(), self.engram_counters(), self.handoff_counters()
         moved = {k: after[k] - before.get(k, 0.0) for k in after}
         handoff = handoff_moved(handoff_before, handoff_after) if self.async_on() else None
         degraded = ["no drafts made"] if speculative_config(self.cfg) and \
@@ -239,8 +239,11 @@ class Deployment:
     def counters(self) -> dict:
         """The engine's spec-decode counters and, where its overlay serves metrics
         (ENGRAM_METRICS_LISTEN) and they could be read, rank 0's Engram client counters."""
-        out = {k: v for k, v in engine_counters(self.engine_url()).items() if isinstance(v, float)}
-        return {**out, **(self.engram_counters() or {})}
+        return {**self.spec_counters(), **(self.engram_counters() or {})}
+
+    def spec_counters(self) -> dict:
+        """The engine's spec-decode counters (those that read as numbers)."""
+        return {k: v for k, v in engine_counters(self.engine_url()).items() if isinstance(v, float)}
 
     def engram_counters(self) -> dict | None:
         """Rank 0's Engram client counters, or None when they cannot be read (not served, or

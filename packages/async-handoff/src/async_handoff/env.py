@@ -12,8 +12,8 @@ from ofl.env import EnvVar
 
 VLLM_DSPARK_REMOTE_ASYNC = EnvVar(
     "VLLM_DSPARK_REMOTE_ASYNC", "",
-    "Set (to anything but 0/empty) to run remote draft rounds through the proxy process; "
-    "unset = synchronous rounds in the engine (the reference deployment's switch).",
+    "1 = remote draft rounds go through the proxy process; empty or 0 = synchronous rounds "
+    "in the engine (the reference deployment's switch; another value is refused).",
     kind="flag")
 ASYNC_HANDOFF_WAIT_MODE = EnvVar(
     "ASYNC_HANDOFF_WAIT_MODE", "nap",
@@ -75,4 +75,6 @@ def async_enabled(values: Mapping[str, str] | None = None) -> bool:
     environment, or in `values` (e.g. a launcher's env file, read before the engine starts)."""
     value = VLLM_DSPARK_REMOTE_ASYNC.get() if values is None else \
         values.get(VLLM_DSPARK_REMOTE_ASYNC.name, VLLM_DSPARK_REMOTE_ASYNC.default)
-    return value not in ("", "0")
+    if why := VLLM_DSPARK_REMOTE_ASYNC.problem(value):  # "true" or "no": which was meant is unclear
+        raise ValueError(why)
+    return value == "1"

@@ -53,14 +53,14 @@ class EnvVar:
         if self.kind == "text":
             ok = not self.choices
         elif self.kind == "int":
-            ok = value.isdigit()
+            ok = re.fullmatch(r"[0-9]+", value) is not None
         elif self.kind == "number":
-            ok = re.fullmatch(r"\d+(\.\d*)?|\.\d+", value) is not None
+            ok = re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", value) is not None
         elif self.kind == "flag":
             ok = value in ("0", "1")
         else:  # address
             host, _, port = value.rpartition(":")
-            ok = bool(host) and port.isdigit() and int(port) < 65536
+            ok = bool(host) and re.fullmatch(r"[0-9]+", port) is not None and int(port) < 65536
         return None if ok else f"{self.name}={value!r}: expected {self.takes()}"
 
     def takes(self) -> str:

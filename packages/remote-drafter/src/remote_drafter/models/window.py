@@ -75,18 +75,23 @@ class DeviceWindows(dict):
                 part.writes.append(where)
             rings.append(ring)
         part.kept = np.array([r.m for r in rings], np.int64)
-        part.read = pool.read_rows(rings)
+        # the plan holds its rings until its context is read: a ring dropped sooner (a later
+        # part's fresh ring replacing it) would give its slot to another request, zeroed
+        # before this part's rows were read
+        part.rings, part.read = rings, pool.read_rows(rings)
         return [part]
 
 
 class Part:
     """A run of a round's requests with no lineage twice at different points: its new rows
-    (host), their positions and store rows, the store rows its context is read from."""
+    (host), their positions and store rows, its rings and the store rows its context is read
+    from."""
 
     def __init__(self) -> None:
         self.rows: list[np.ndarray] = []
         self.positions: list[np.ndarray] = []
         self.writes: list[np.ndarray] = []
+        self.rings: list[RowRing] = []
         self.kept = self.read = np.zeros(0, np.int64)
 
     def indices(self) -> list[np.ndarray]:
