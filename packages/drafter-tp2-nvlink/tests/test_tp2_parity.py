@@ -174,7 +174,7 @@ def test_the_pair_holds_the_one_card_workers_quotas_and_listener():
     assert rank_config(given).service.max_requests_per_client == 8
     assert rank_config(p.parse_args(worker_argv(given))).service.max_requests_per_client == 8
     default = rank_config(p.parse_args(base))
-    assert (default.listen, default.insecure) == ("127.0.0.1:7480", None)  # None: OFL_INSECURE
-    insecure = p.parse_args([*base, "--listen", "0.0.0.0:7480", "--insecure"])
+    assert (default.listen, default.insecure) == ("127.0.0.1:7490", None)  # None: OFL_INSECURE
+    insecure = p.parse_args([*base, "--listen", "0.0.0.0:7490", "--insecure"])
     passed_on = rank_config(p.parse_args(worker_argv(insecure)))
-    assert (passed_on.listen, passed_on.insecure) == ("0.0.0.0:7480", True)
+    assert (passed_on.listen, passed_on.insecure) == ("0.0.0.0:7490", True)

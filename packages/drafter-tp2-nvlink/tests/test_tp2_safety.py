@@ -26,6 +26,21 @@ def test_the_same_device_twice_is_refused(models, lock_dir):
     assert "refusing to serve: the same device twice: ['cpu:0', 'cpu:0']" in text, text
 
 
+def test_a_port_already_taken_is_a_refusal_not_a_crash(models, lock_dir):
+    """Exit 2 (the supervisor does not restart it: a restart would find the port taken again),
+    with the address and the cause."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        args = worker_args(models)
+        args[args.index("--listen") + 1] = address
+        code, text = run_worker(args, tp2_env())
+    assert code == 2, text
+    assert f"refusing to serve on {address}: [Errno 98] Address already in use" in text, text
+
+
 def test_the_pair_check_names_the_same_device_twice():
     info = {"key": "GPU-abc", "device": "cuda:0", "fingerprint": "f" * 32, "source": "d",
             "config": {"dtype": "float32"}, "torch": "2.11", "peer": {"p2p": True, "text": ""}}

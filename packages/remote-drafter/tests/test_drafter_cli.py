@@ -103,3 +103,24 @@ def test_kernels_not_installed_are_refused_naming_the_package_that_brings_them(m
     err = capsys.readouterr().err
     assert "--kernels nope is not installed: it comes with a package registering it under " \
            "remote_drafter.kernels (installed: torch" in err
+
+
+def test_ordinary_mistakes_are_one_line_and_exit_2(capsys):
+    """An unreachable worker, a server that is not a drafter worker, a port already taken:
+    one line naming the cause, exit 2 (1 is a check that failed), no traceback."""
+    import socket
+
+    from ofl.server import Server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    assert remote_drafter.cli.main(["status", "--worker", nobody]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remote-drafter status: ") and err.count("\n") == 1 and "Traceback" not in err
+    with Server("tcp", "127.0.0.1", 0) as other:  # an ofl server of another kind (an Engram server's)
+        host, port = other.address
+        assert remote_drafter.cli.main(["status", "--worker", f"{host}:{port}"]) == 2
+        assert "is an ofl server but not a drafter worker" in capsys.readouterr().err
+        assert remote_drafter.cli.main(["worker", "--drafter", "ngram", "--listen", f"{host}:{port}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("remote-drafter worker: ") and "Address already in use" in err

@@ -195,6 +195,12 @@ def test_qualify_passes_on_the_same_tables_and_fails_on_others(shard_dirs, capsy
                     "--backend", "tcp", "--rank", "0", "--sample", "500"]) == 1
         out = capsys.readouterr().out
         assert "MISMATCH" in out and "NOT qualified" in out
+        # a rank whose shards the folder lacks (a Spark that forgot --rank): nothing compared, not qualified
+        assert cli(["qualify", "--connect", good.address, "--shards", shard_dirs[0],
+                    "--backend", "tcp", "--rank", "5"]) == 1
+        out = capsys.readouterr().out
+        assert "no local shard for this link: nothing was compared" in out and "holds no shard of rank 5" in out
+        assert "NOT qualified" in out
     finally:
         good.stop()
         bad.stop()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from remote_drafter.models.base import Drafter
 from remote_drafter.worker.device_lock import DeviceBusy, DeviceLock, device_key, lock_dir
+from remote_drafter.worker.exposure import DEFAULT_PORT
 from remote_drafter.worker.server import Worker
 from remote_drafter.worker.service import ServiceConfig
 
@@ -134,19 +135,20 @@ def _visible(device: str) -> bool:
 
 def serve(cfg: RankConfig, drafter: Drafter, channel: Channel, broken: threading.Event) -> int:
     """Rank 0: serve until SIGTERM (0) or until the pair breaks (BROKEN); REFUSED, with
-    both ranks stopped, when --listen is exposed without admission."""
-    from ofl.errors import ConfigurationError
+    both ranks stopped, when it cannot listen: --listen exposed without admission, its port
+    taken or its address not this host's, the backend missing (a restart would not help)."""
+    from ofl.errors import BackendUnavailable, ConfigurationError
     from ofl.server import parse_address
-    host, port = parse_address(cfg.listen, 7480)
+    host, port = parse_address(cfg.listen, DEFAULT_PORT)
     term = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: term.set())
     signal.signal(signal.SIGINT, lambda *a: term.set())
     try:
         worker = Worker(drafter, cfg.backend, host, port, cfg.service,
                         identity="drafter-tp2-worker", insecure=cfg.insecure).start()
-    except ConfigurationError as exc:
+    except (ConfigurationError, BackendUnavailable, OSError) as exc:
         channel.stop()
-        _say(0, f"refusing to serve: {exc}")
+        _say(0, f"refusing to serve on {cfg.listen}: {exc}")
         return REFUSED
     heart = threading.Thread(target=_heartbeat, args=(channel, cfg.heartbeat_s, term, broken),
                              name="tp2-heartbeat", daemon=True)

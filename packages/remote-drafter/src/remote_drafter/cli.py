@@ -26,15 +26,17 @@ from importlib.metadata import entry_points
 
 from ofl.cli import emit_result, shutdown_event, wait_for_shutdown
 from ofl.env import describe
+from ofl.errors import OflError
 from remote_drafter import env
 from remote_drafter.models import fidelity_gate
 from remote_drafter.models.registry import WorkerExtraMissing, spec_folder, worker_side
 from remote_drafter.worker import exl3_admission
 from remote_drafter.worker.capacity import add_capacity_args, capacity_config
-from remote_drafter.worker.exposure import add_exposure_args, listen_refusal
+from remote_drafter.worker.exposure import DEFAULT_PORT, add_exposure_args, listen_refusal
 
-DRAFTER_HELP = ("a DSpark checkpoint folder (from `init`), 'lm' (the target itself drafts: "
-                "its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
+DRAFTER_HELP = ("'dsv41:DIR' (DeepSeek-V4.1's or V4's own drafter, from its checkpoint or an "
+                "EXL3 pack: production), a DSpark checkpoint folder (from `init`), 'lm' (the target "
+                "itself drafts: its own copy), 'ngram' (prompt lookup, no weights) or 'module:Class'")
 # Kernel back ends other packages register (name = "module:loader", called as
 # loader(drafter, device) -> the drafter to serve); this package imports none of them.
 KERNELS_GROUP = "remote_drafter.kernels"
@@ -208,7 +210,7 @@ def serve(args, drafter, stop, locked: bool, ungated: str | None) -> None:
     """Serve `drafter` until `stop` (SIGTERM or Ctrl-C), after one ready line on stdout."""
     from ofl.server import parse_address
     from remote_drafter.worker.server import Worker
-    host, port = parse_address(args.listen, 7480)
+    host, port = parse_address(args.listen, DEFAULT_PORT)
     worker = Worker(drafter, args.backend, host, port, _service_config(args),
                     insecure=args.insecure).start()
     d = worker.service.describe()
@@ -572,8 +574,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, WorkerExtraMissing) as exc:  # one clear line, no traceback
-        print(f"remote-drafter {args.cmd}: {exc}", file=sys.stderr)
+    # an ordinary mistake or an unreachable peer: one clear line, no traceback, exit 2 (never
+    # 1, which says a check such as `shadow` or `exl3 gate` failed)
+    except (ValueError, OSError, OflError, WorkerExtraMissing) as exc:
+        print(f"remote-drafter {args.cmd}: {type(exc).__name__ + ': ' if isinstance(exc, OflError) else ''}{exc}",
+              file=sys.stderr)
         return 2
 
 

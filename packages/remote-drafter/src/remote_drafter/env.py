@@ -45,7 +45,8 @@ REMOTE_DRAFTER_TARGET = EnvVar(
     "worker must have been built for; the local drafter takes embedding and head from it).")
 REMOTE_DRAFTER_DRAFTER = EnvVar(
     "REMOTE_DRAFTER_DRAFTER", "",
-    "Local mode: the drafter (a checkpoint folder, 'ngram', or 'module:Class').")
+    "Local mode: the drafter ('dsv41:DIR', a DSpark checkpoint folder, 'ngram', or "
+    "'module:Class').")
 
 REMOTE_DRAFTER_HIDDEN_LAYERS = EnvVar(
     "REMOTE_DRAFTER_HIDDEN_LAYERS", "auto",

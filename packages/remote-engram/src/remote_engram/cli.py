@@ -152,17 +152,23 @@ def cmd_serve(args) -> int:
 def cmd_qualify(args) -> int:
     from .qualify import qualify_link
 
-    reports = []
+    reports, bars = [], Bars("row")
     for i, address in enumerate(args.connect):
         rank = args.rank if args.rank is not None else i
         paths = [p for p in shard_paths(args.shards) if f"-r{rank}of" in os.path.basename(p)]
         reports.append(qualify_link(address, args.backend, paths, sample=args.sample,
-                                    all_rows=args.all, link=f"rank{rank}"))
+                                    all_rows=args.all, link=f"rank{rank}", progress=bars))
+        if not paths:
+            reports[-1]["error"] += (f" ({args.shards} holds no shard of rank {rank}, *-r{rank}of*: "
+                                     "--rank names this host's rank)")
+    bars.close()
     ok = all(r["ok"] for r in reports)
     if args.json:
         print(json.dumps({"ok": ok, "links": reports}, indent=2))
     else:
         for r in reports:
+            if "error" in r:
+                print(f"{r['link']} {r['address']}: {r['error']}")
             for s in r["shards"]:
                 verdict = "OK" if not s["mismatched_rows"] and s["digest_equal"] and \
                     "error" not in s else "MISMATCH"
@@ -241,7 +247,8 @@ def main(argv=None) -> int:
     q.add_argument("--shards", required=True, help="folder with the local shards")
     q.add_argument("--backend", default=env.ENGRAM_BACKEND.get(),
                    choices=["verbs", "tcp", "shm"])
-    q.add_argument("--rank", type=int)
+    q.add_argument("--rank", type=int, help="the rank whose shards (*-r{rank}of*) every link is "
+                   "checked against (default: link i, rank i): on a Spark, its own rank")
     q.add_argument("--sample", type=int, default=100_000, help="random rows per shard (100,000)")
     q.add_argument("--all", action="store_true", help="compare every row")
     q.add_argument("--json", action="store_true")

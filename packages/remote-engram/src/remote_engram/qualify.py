@@ -4,6 +4,7 @@ must equal the local shards byte for byte (a sample, or every row)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -16,9 +17,11 @@ CHUNK = 1 << 14  # rows per gather when comparing everything
 
 
 def mismatched_rows(conn: Connection, region: str, local: ShardReader, ids: np.ndarray,
-                    dest: Region, deadline_s: float | None = None) -> np.ndarray:
+                    dest: Region, deadline_s: float | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """The ids among `ids` (global, of `local`'s range) whose rows on the server's `region`
-    differ from the local shard's; `dest` holds a chunk of rows."""
+    differ from the local shard's; `dest` holds a chunk of rows. progress(done, total) after
+    each chunk."""
     bad = []
     chunk = dest.length // ROW_BYTES
     for start in range(0, len(ids), chunk):
@@ -27,14 +30,21 @@ def mismatched_rows(conn: Connection, region: str, local: ShardReader, ids: np.n
                     deadline_s=deadline_s)
         got = dest.array[:len(part) * ROW_BYTES].reshape(len(part), ROW_BYTES)
         bad.append(part[(got != local.rows(part)).any(axis=1)])
+        if progress is not None:
+            progress(start + len(part), len(ids))
     return np.concatenate(bad) if bad else np.empty(0, np.int64)
 
 
 def qualify_link(address: str, backend: str, shard_paths: list[str], *, sample: int = 100_000,
-                 all_rows: bool = False, seed: int = 0, link: str = "") -> dict:
-    """Compare rows of each local shard with the server's copy over one link."""
-    conn = Connection(address, backend=backend, link=link or None, identity="engram-qualify")
+                 all_rows: bool = False, seed: int = 0, link: str = "",
+                 progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Compare rows of each local shard with the server's copy over one link; with no local
+    shard there is nothing to compare, and the link is not qualified. progress(shard, rows
+    compared, rows to compare) as it goes."""
     report = {"link": link, "address": address, "backend": backend, "shards": [], "ok": True}
+    if not shard_paths:
+        return {**report, "ok": False, "error": "no local shard for this link: nothing was compared"}
+    conn = Connection(address, backend=backend, link=link or None, identity="engram-qualify")
     rng = np.random.default_rng(seed)
     dest = Region.allocate("qualify", CHUNK * ROW_BYTES)
     try:
@@ -57,7 +67,9 @@ def qualify_link(address: str, backend: str, shard_paths: list[str], *, sample: 
                 else:
                     ids = np.unique(np.concatenate([
                         [h.lo, h.hi - 1], rng.integers(h.lo, h.hi, min(sample, h.rows))]))
-                bad = mismatched_rows(conn, entry["region"], local, ids, dest)
+                name = f"{link + ' ' if link else ''}{os.path.basename(path)}"
+                bad = mismatched_rows(conn, entry["region"], local, ids, dest, progress=progress and (
+                    lambda done, total, name=name: progress(name, done, total)))
                 res["rows_compared"] = len(ids)
                 res["mismatched_rows"] = int(bad.size)
                 res["first_mismatch"] = int(bad[0]) if bad.size else None

@@ -1,6 +1,6 @@
 """The engine side: track requests, build one round per step, fail closed.
 
-    client = DrafterClient(RemoteTransport("10.0.0.2:7480", expect=expectation(target, None)))
+    client = DrafterClient(RemoteTransport("10.0.0.2:7490", expect=expectation(target, None)))
     client.add_request(7, prompt_and_first_token, hidden_rows)   # after prefill
     drafts = client.propose()          # {7: Drafts(tokens=[...])}; {} when the worker is gone
     client.commit(7, accepted_plus_next, their_hidden_rows)      # after verification

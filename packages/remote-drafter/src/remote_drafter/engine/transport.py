@@ -28,7 +28,10 @@ def worker_stats(address: str, backend: str = "tcp", pings: int = 0) -> dict:
     PINGs on that link (what the link adds to a round besides its payload)."""
     from . import protocol as P
     with Connection(address, backend=backend, identity="remote-drafter-status") as conn:
-        described = conn.peer_metadata.get("remote_drafter", {})
+        described = conn.peer_metadata.get("remote_drafter")
+        if not isinstance(described, dict) or "manifest" not in described:
+            raise P.ProtocolError(f"{address} is an ofl server but not a drafter worker "
+                                  f"(it describes itself as {sorted(conn.peer_metadata)})")
         fingerprint = Manifest.from_json(described["manifest"]).fingerprint
         trips = []
         for _ in range(pings):

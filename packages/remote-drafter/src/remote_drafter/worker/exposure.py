@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_LISTEN = "127.0.0.1:7480"
+DEFAULT_PORT = 7490  # the Engram server has 7480 on the same host
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 
 def add_exposure_args(p: argparse.ArgumentParser, listener: str = "HOST:PORT") -> None:
@@ -29,7 +30,7 @@ def listen_refusal(args) -> str | None:
     from ofl.errors import ConfigurationError
     from ofl.server import parse_address
     try:
-        check_listen(parse_address(args.listen, 7480)[0], args.insecure)
+        check_listen(parse_address(args.listen, DEFAULT_PORT)[0], args.insecure)
     except ConfigurationError as exc:
         return str(exc)
     return None
