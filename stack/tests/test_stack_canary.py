@@ -122,14 +122,14 @@ def test_the_canary_report_names_the_proxy(capsys):
 
 
 def test_prompts_answered_with_errors_or_nothing_are_not_a_fingerprint(capsys):
-    from dsv41_stack.deployment import EMPTY_DIGEST, answer_errors
+    from longctx_bench.runner import EMPTY_DIGEST, fingerprint_errors
     good = "ab" * 32
     got = {"p1": good, "p2": 'HTTP 500: {"error": "EngineCore encountered an issue"}',
            "p3": EMPTY_DIGEST, "all": "cd" * 32}
-    assert answer_errors(got) == {"p2": got["p2"], "p3": "no output"}
-    assert answer_errors({"p1": good, "all": good}) == {}
+    assert fingerprint_errors(got) == {"p2": got["p2"], "p3": "no output"}
+    assert fingerprint_errors({"p1": good, "all": good}) == {}
     result = {"ok": False, "recorded": False, "fingerprint": "cd" * 32, "degraded": [],
-              "handoff": None, "errors": answer_errors(got)}
+              "handoff": None, "errors": fingerprint_errors(got)}
     assert report_canary(result) == 1
     out = capsys.readouterr().out
     assert "canary: FAILED, 2 prompts not answered (nothing recorded); 'p2': HTTP 500" in out

@@ -68,7 +68,7 @@ def test_failures_are_recorded_per_request(fake, tmp_path):
     # order of completions: fingerprint (3), then per cell a warm-up and the groups
     fake.behaviors.extend(["ok"] * 3 + ["ok", "malformed", "drop"] + ["ok", "http500"])
     code, res = run_cli(fake, tmp_path)
-    assert code == 0
+    assert code == 1  # the first cell had no request answered: the run says so, and goes on
     first = res["cells"][0]["errors"] + res["cells"][1]["errors"]
     assert any("malformed SSE" in e for e in first)
     assert any("HTTP 500" in e for e in first)
@@ -116,3 +116,40 @@ def test_tables_keep_every_digit_in_a_log(fake, tmp_path, capsys):
     assert "…" not in out, out
     cell = res["cells"][-1]
     assert f"{cell['ttft_s']['mean'] * 1e3:.2f}±{cell['ttft_s']['sd'] * 1e3:.2f}" in out
+
+
+def test_a_run_in_which_nothing_was_answered_is_a_failure_not_a_result(fake, tmp_path, capsys):
+    """Every completion failing: the fingerprint is of errors, not of outputs, and a cell with
+    no answered request measures nothing; the run exits 1 saying so, compare does not call
+    such fingerprints identical, and the gate counts the unmeasured cells as regressions."""
+    code, base = run_cli(fake, tmp_path, "--label", "base", name="base.json")
+    assert code == 0
+    fake.behaviors.extend(["http500"] * 200)
+    code, dead = run_cli(fake, tmp_path, "--label", "dead", name="dead.json")
+    err = capsys.readouterr().err
+    assert code == 1 and "FAILED cell 64 x 1: no request answered" in err
+    assert "FAILED greedy fingerprint: 3 prompts not answered (HTTP 500" in err
+    assert main(["compare", str(tmp_path / "dead.json"), str(tmp_path / "dead.json")]) == 0
+    assert "greedy outputs: UNKNOWN: prompts not answered" in capsys.readouterr().out
+    fake.behaviors.clear()
+    fake.behaviors.extend(["http500"] * 200)
+    code, _ = run_cli(fake, tmp_path, "--baseline", str(tmp_path / "base.json"), name="dead2.json")
+    assert code == 3 and "not measured (2 errors) vs baseline" in capsys.readouterr().err
+
+
+def test_mistakes_are_one_line_and_checked_before_measuring(fake, tmp_path, capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = "http://127.0.0.1:%d" % s.getsockname()[1]
+    assert main(["run", "--base-url", nobody, "--model", "m", "--contexts", "64"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"longctx-bench run: {nobody}/v1/models: ") and "is the server up" in err
+    before = len(fake.requests)
+    for bad in (["--tolerance", "abc"], ["--baseline", str(tmp_path / "missing.json")], ["--contexts", "abc"]):
+        assert main(["run", "--base-url", fake.url, "--model", "fake-model", *bad]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("longctx-bench run: ") and "\n" not in err, err
+    assert len(fake.requests) == before  # nothing was measured
+    assert main(["compare", str(tmp_path / "missing.json")]) == 1
+    assert "No such file or directory" in capsys.readouterr().err

@@ -8,10 +8,8 @@ and canary are answered by rank 0 (its API, its Engram and async handoff counter
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -183,7 +181,7 @@ class Deployment:
         answered, none failed or bad, no watchdog fire or respawn, still enabled."""
         import httpx
 
-        from longctx_bench.runner import RunConfig, fingerprint
+        from longctx_bench.runner import RunConfig, fingerprint, fingerprint_errors
 
         async def measure():
             async with httpx.AsyncClient() as client:
@@ -204,7 +202,7 @@ class Deployment:
             (["no Engram fallback"] if engram_listen else [])
         common = {"fingerprint": got["all"], "degraded": degraded, "handoff": handoff,
                   "checked": checked}
-        if errors := answer_errors(got):  # never recorded, never equal to a reference
+        if errors := fingerprint_errors(got):  # never recorded, never equal to a reference
             return {"ok": False, "recorded": False, "errors": errors, **common}
         path = self.run / "canary-reference.json"
         if record or not path.exists():
@@ -254,16 +252,6 @@ class Deployment:
             return served_counters(listen, timeout_s=5) if listen else None
         except OSError:
             return None
-
-
-EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
-
-
-def answer_errors(got: dict) -> dict:
-    """The canary prompts the engine did not answer: an error (longctx-bench's fingerprint
-    keeps it in place of the digest) or no output at all."""
-    return {prompt: "no output" if value == EMPTY_DIGEST else value for prompt, value in got.items()
-            if prompt != "all" and (value == EMPTY_DIGEST or not re.fullmatch(r"[0-9a-f]{64}", value))}
 
 
 def group_alive(pgid: int) -> bool:

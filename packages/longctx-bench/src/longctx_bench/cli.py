@@ -6,7 +6,8 @@
   longctx-bench run ... --baseline best_known.json --tolerance 5%    # exit 3 on regression
   longctx-bench plot A.json B.json --out ttft.png
 
-Exit codes: 0 ok, 1 error, 3 regression against the baseline.
+Exit codes: 0 ok, 1 error (also: a cell with no request answered, or fingerprint prompts
+not answered), 3 regression against the baseline (also: a cell it measured, unmeasured now).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rich.progress import Progress
 
 from .compare import GateRefused, gate, paired_table
 from .report import plot, print_table, receipt, save, wide_console
-from .runner import RunConfig, run
+from .runner import RunConfig, failed_cells, fingerprint_errors, run
 
 PERCENTILE_METRICS = {"ttft": "ttft_s", "step": "step_p50_s", "stream": "stream_tok_s",
                       "task": "task_s", "tpe": "tokens_per_event"}
@@ -45,6 +46,9 @@ def parse_tolerance(text: str) -> float:
 
 def cmd_run(args) -> int:
     console = wide_console(stderr=True)
+    # what the end of the run needs, checked before anything is measured
+    baseline = load(args.baseline) if args.baseline else None
+    tolerance = parse_tolerance(args.tolerance)
     cfg = RunConfig(
         base_url=args.base_url.rstrip("/"), model=args.model,
         contexts=parse_list(args.contexts, parse_tokens),
@@ -86,11 +90,16 @@ def cmd_run(args) -> int:
             console.print(f"wrote {plot([result], path.removesuffix('.json') + '.png')}")
     if result.get("partial"):
         console.print("[yellow]interrupted: the result holds the cells measured so far[/]")
-    if args.baseline:
-        with open(args.baseline) as f:
-            baseline = json.load(f)
+    failed = failed_cells(result)
+    unanswered = fingerprint_errors(result.get("fingerprint") or {})
+    for cell in failed:
+        console.print(f"[red]FAILED cell {cell}[/]")
+    if unanswered:
+        console.print(f"[red]FAILED greedy fingerprint: {len(unanswered)} prompts not answered "
+                      f"({next(iter(unanswered.values()))})[/]")
+    if baseline is not None:
         try:
-            problems = gate(result, baseline, parse_tolerance(args.tolerance))
+            problems = gate(result, baseline, tolerance)
         except GateRefused as exc:
             console.print(f"[red]gate refused: {exc}[/]")
             return 1
@@ -99,6 +108,8 @@ def cmd_run(args) -> int:
         if problems:
             return 3
         console.print(f"gate: within {args.tolerance} of {args.baseline}")
+    if failed or unanswered:
+        return 1
     return 1 if not result["cells"] and not result.get("capacity_drill") else 0
 
 
@@ -175,7 +186,11 @@ def main(argv=None) -> int:
     pl.add_argument("--out", default="longctx.png")
     pl.set_defaults(func=cmd_plot)
     args = p.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError, RuntimeError) as exc:  # a wrong path or value, no server: one line
+        print(f"longctx-bench {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

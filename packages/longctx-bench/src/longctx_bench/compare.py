@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .report import METRICS, fmt, wide_console
+from .runner import fingerprint_errors
 
 GATED = ("ttft_s", "step_p50_s", "task_s", "stream_tok_s", "aggregate_tok_s")
 
@@ -41,11 +42,14 @@ def paired_table(results: list[dict], names: list[str], console: Console | None 
                 extra = [f"{b['mean'] / a['mean']:.3f}" if a.get("mean") and b.get("mean") else "-"]
             t.add_row(f"{k[0]:,}", str(k[1]), k[2], *vals, *extra)
         console.print(t)
-    for res, n in zip(results, names):
+    unanswered = [fingerprint_errors(r.get("fingerprint") or {}) for r in results]
+    for res, n, missing in zip(results, names, unanswered):
         fp = (res.get("fingerprint") or {}).get("all", "")
-        console.print(f"{n}: greedy fingerprint {fp[:16]}")
+        console.print(f"{n}: greedy fingerprint {fp[:16]}"
+                      + (f" (NOT of outputs: {len(missing)} prompts not answered)" if missing else ""))
     fps = {(r.get("fingerprint") or {}).get("all") for r in results}
-    console.print("greedy outputs: " + ("identical" if len(fps) == 1 else "DIFFERENT"))
+    console.print("greedy outputs: " + ("UNKNOWN: prompts not answered" if any(unanswered) or None in fps
+                                         else "identical" if len(fps) == 1 else "DIFFERENT"))
 
 
 class GateRefused(ValueError):
@@ -70,6 +74,10 @@ def gate(result: dict, baseline: dict, tolerance: float) -> list[str]:
             continue
         for metric in GATED:
             now, then = (c.get(metric) or {}).get("mean"), (b.get(metric) or {}).get("mean")
+            if now is None and then is not None:  # measured before, not now: every request failed
+                problems.append(f"{key(c)} {metric}: not measured ({len(c.get('errors') or [])} "
+                                f"errors) vs baseline {then:.4g}")
+                continue
             if now is None or then is None:
                 continue
             lower_better = METRICS[metric][3]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,23 @@ async def run_cell(client, cfg: RunConfig, source: PromptSource, context: int, c
     return cell
 
 
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()  # a prompt answered with no output at all
+
+
+def fingerprint_errors(fp: dict) -> dict:
+    """The fingerprint's prompts that got no greedy output: an error (kept in place of its
+    digest) or nothing at all. A fingerprint with any is no fingerprint of outputs."""
+    return {prompt: "no output" if value == EMPTY_DIGEST else value for prompt, value in fp.items()
+            if prompt != "all" and (value == EMPTY_DIGEST or not re.fullmatch(r"[0-9a-f]{64}", str(value)))}
+
+
+def failed_cells(result: dict) -> list[str]:
+    """The cells in which no request was answered (context x concurrency, and why)."""
+    return [f"{c['context']} x {c['concurrency']}: no request answered"
+            + (f" (first error: {c['errors'][0]})" if c["errors"] else "")
+            for c in result["cells"] if not c["ttft_s"]["n"]]
+
+
 async def fingerprint(client, cfg: RunConfig) -> dict:
     """SHA-256 over the greedy tokens of fixed prompts: equal across configurations that
     produce identical outputs."""
@@ -148,6 +166,9 @@ async def run(cfg: RunConfig, progress=None) -> dict:
     result = {"cells": [], "partial": False}
     async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout_s) as client:
         result["server_models"] = await server.models(client, cfg.base_url)
+        if "error" in result["server_models"]:  # not an OpenAI-compatible server there, or none
+            raise RuntimeError(f"{cfg.base_url}/v1/models: {result['server_models']['error']} "
+                               "(is the server up, and --base-url its address?)")
         _, info = await server.scrape(client, cfg.base_url)
         result["kv_capacity_tokens"] = server.kv_capacity_tokens(info)
         result["cache_config_info"] = info
