@@ -32,6 +32,17 @@ def test_report_measure_validate(tmp_path, capsys):
                                                          "num_accepted_tokens": 0}}]}))
     assert main(["validate", str(rep), str(lc), "--k", "2"]) == 1
     assert "OUTSIDE" in capsys.readouterr().out
+    assert main(["validate", str(rep), str(meas), "--k", "2"]) in (0, 1)  # a measure: its own check said too
+    assert "measure's exact prediction on its own round starts" in capsys.readouterr().out
+    # usage errors: one line, exit 2 (1 means outside)
+    for args, why in ((["validate", str(rep), str(meas), "--k", "3"], "was measured at k=2, not --k 3"),
+                      (["validate", str(rep), str(lc), "--k", "9"], "predicts k = 1, 2, 3, not 9"),
+                      (["validate", str(rep), str(lc), "--k", "2", "--cls", "code"], "no class 'code'"),
+                      (["validate", str(tmp_path / "none.json"), str(lc), "--k", "2"], "No such file"),
+                      (["report", "--demo", "--k-max", "1", "--prompts", "2", "--cost", "1,2,3"], "five numbers")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err
 
 
 def test_logprob_file_report(tmp_path):

@@ -2,11 +2,15 @@
 
   acceptance-ceiling report --demo --temperature 1 --k-max 5 --out report.json --plot report.png
   acceptance-ceiling report --logprobs logprobs.json --k-max 5 --out report.json
-  acceptance-ceiling measure --demo --temperature 1 --k 3 --out measured.json
-  acceptance-ceiling validate report.json measured.json --k 3        # exit 1 when outside
+  acceptance-ceiling measure --demo --temperature 1 --k 3 --out measured.json  # exit 1: disagrees
+  acceptance-ceiling validate report.json longctx-result.json --k 3  # exit 1 when outside
   acceptance-ceiling report ... --cost 5,0.2,1,0.3,0.5 --batches 1,4,16   # best k per batch
 
 --cost is verify_base_ms,verify_per_row_ms,draft_base_ms,draft_per_token_ms,overhead_ms.
+`measure` checks itself against the exact expectation at the round starts it visited (the
+sharp check); `validate` holds a measurement against the report's interval, which is over
+the prompts' own positions: a run visits other contexts, so it is the coarse check.
+Exit codes: 0 ok or inside, 1 disagrees or outside, 2 a usage error (a file, a value).
 """
 
 from __future__ import annotations
@@ -155,12 +159,24 @@ def cmd_validate(args) -> int:
     with open(args.predicted) as f:
         predicted = json.load(f)
     with open(args.measured) as f:
-        measured = measured_value(json.load(f))
-    cls = predicted["classes"][args.cls] if args.cls else next(iter(predicted["classes"].values()))
+        obj = json.load(f)
+    if obj.get("k") is not None and int(obj["k"]) != args.k:
+        raise ValueError(f"{args.measured} was measured at k={obj['k']}, not --k {args.k}")
+    measured = measured_value(obj)
+    classes = predicted["classes"]
+    if args.cls and args.cls not in classes:
+        raise ValueError(f"no class {args.cls!r} in {args.predicted} (it has {', '.join(classes)})")
+    cls = classes[args.cls] if args.cls else next(iter(classes.values()))
+    if str(args.k) not in cls["k"]:
+        raise ValueError(f"{args.predicted} predicts k = {', '.join(cls['k'])}, not {args.k}")
     band = cls["k"][str(args.k)]["accepted_length"]
     inside = band["low"] <= measured <= band["high"]
     print(f"k={args.k}: measured {measured:.3f}, predicted {band['mean']:.3f} "
           f"[{band['low']:.3f}, {band['high']:.3f}] -> {'inside' if inside else 'OUTSIDE'}")
+    if "prediction_agrees" in obj:  # a `measure`: its own check on the round starts it visited
+        print(f"  (measure's exact prediction on its own round starts, {obj['predicted_accepted_length']:.3f}: "
+              f"{'agrees' if obj['prediction_agrees'] else 'DISAGREES'}; the report's interval is over "
+              "the prompts' own positions, other contexts than a run visits)")
     return 0 if inside else 1
 
 
@@ -206,7 +222,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd in ("report", "measure") and not (args.demo or getattr(args, "logprobs", None)):
         p.error("give --demo (or --logprobs FILE for report); torch pairs: the Python API")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError) as exc:  # a missing file, a bad value: one line, exit 2 (1 is "outside")
+        print(f"acceptance-ceiling {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,7 +21,16 @@ class RoundCost:
 
     @classmethod
     def parse(cls, text: str) -> RoundCost:
-        return cls(*[float(x) for x in text.split(",")])
+        """'v0,v1,d0,d1,overhead' in ms; ValueError naming what is wrong."""
+        parts = text.split(",")
+        try:
+            values = [float(x) for x in parts]
+        except ValueError:
+            values = []
+        if len(values) != 5 or any(v < 0 for v in values):
+            raise ValueError(f"--cost {text!r}: five numbers >= 0 in ms, verify_base,verify_per_row,"
+                             "draft_base,draft_per_token,overhead (e.g. 5,0.2,1,0.3,0.5)")
+        return cls(*values)
 
     def round_ms(self, batch: int, k: int) -> float:
         verify = self.verify_base_ms + self.verify_per_row_ms * batch * (k + 1)
