@@ -24,6 +24,23 @@ class SlowEchoAdapter:
         pass
 
 
+class ConstantAdapter:
+    """Answers every round with the same bytes: a peer that is not an echo server (a drafter
+    worker answering garbage requests, say)."""
+
+    def __init__(self, config):
+        pass
+
+    def connect(self):
+        return "constant"
+
+    def round(self, request, deadline_s):
+        return b"not an echo"
+
+    def close(self):
+        pass
+
+
 class CrashAdapter:
     """Kills its own process on the first round (a proxy that keeps dying)."""
 

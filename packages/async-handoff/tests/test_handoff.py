@@ -453,7 +453,8 @@ def test_selftest_cli(capsys, monkeypatch):
 
     rc = main(["selftest", "--rounds", "300"])
     out = capsys.readouterr().out
-    report = re.search(r"300 rounds: (\d+) ok, (\d+) without a reply; watchdog fires (\d+)", out)
+    report = re.search(r"300 rounds: (\d+) ok, (\d+) without a reply, 0 with a reply other than the "
+                       r"payload \(the peer must echo\); watchdog fires (\d+)", out)
     assert report, out
     ok, missed, fires = map(int, report.groups())
     # a loaded machine may miss a few deadlines: the report adds up, its verdict follows it
@@ -463,7 +464,15 @@ def test_selftest_cli(capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     assert main(["selftest", "--rounds", "3", "--adapter", "handoff_test_adapters:SlowEchoAdapter",
                  "--adapter-config", '{"delay_s": 1}']) == 1
-    assert "3 rounds: 0 ok, 3 without a reply" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 rounds: 0 ok, 3 without a reply" in out and "is the peer up and an echo server?" in out
+    # a peer that answers, but not with the payload: not a passed self-test
+    assert main(["selftest", "--rounds", "3", "--adapter", "handoff_test_adapters:ConstantAdapter"]) == 1
+    assert "3 rounds: 3 ok, 0 without a reply, 3 with a reply other than the payload" in capsys.readouterr().out
+    for bad in (["--adapter-config", "{nope"], ["--adapter-config", "[1]"], ["--rounds", "-5"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["selftest", *bad])
+        assert exit_.value.code == 2
     assert main(["env"]) == 0 and "VLLM_DSPARK_REMOTE_ASYNC" in capsys.readouterr().out
     print(f"selftest: 300 rounds under its 100 ms deadline, {missed} without a reply, "
           f"watchdog fires {fires}")  # after the last read: it stays in the test's output
