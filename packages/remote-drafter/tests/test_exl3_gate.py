@@ -82,7 +82,9 @@ def rounds_for(drafter, seed: int = 0) -> list[fidelity_gate.Round]:
 
 def test_a_drafter_against_itself_passes_with_everything_equal(tinies, rounds_a):
     _, a, _ = tinies
-    result = fidelity_gate.measure(a, a, list(rounds_a))
+    done = []
+    result = fidelity_gate.measure(a, a, list(rounds_a), progress=lambda: done.append(1))
+    assert len(done) == len(rounds_a)  # progress after every round (the CLI's bar)
     assert result["reference_accepted"] == result["candidate_accepted"] == a.max_depth
     assert result["acceptance_ratio"] == 1.0 and result["passed"]
     assert result["agreement"] == [1.0] * a.max_depth

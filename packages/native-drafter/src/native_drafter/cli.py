@@ -37,7 +37,10 @@ def cmd_corpus(args) -> int:
 
 def cmd_tokens(args) -> int:
     from .corpus import tokenize
-    info = tokenize(args.corpus, os.path.join(args.target, "tokenizer.json"), args.out)
+    tokenizer = os.path.join(args.target, "tokenizer.json")
+    if not os.path.isfile(tokenizer):  # the tokenizers library would say only "os error 2"
+        raise FileNotFoundError(f"no tokenizer.json in --target {args.target}")
+    info = tokenize(args.corpus, tokenizer, args.out)
     print(json.dumps(info, indent=1))
     return 0
 
@@ -213,6 +216,8 @@ def cmd_gate(args) -> int:
     from .native import with_width
     from .states import requests_from
     torch.backends.cuda.matmul.allow_tf32 = False
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA GPU here (the gate checks the kernels on the GPU they serve)")
     drafter = DSparkDrafter.load(args.checkpoint, args.target, device=args.device)
     c = drafter.config
     reports, seed = [], args.seed
@@ -342,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (OSError, ValueError) as exc:  # a missing file, a bad value: one line, exit 2 (1 is a failed gate)
+        print(f"native-drafter {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -524,7 +524,10 @@ def cmd_exl3_gate(args) -> int:
         loaded[name] = load_drafter(spec, args.target, device, dtype=dtype, **options)
     if why := fidelity_gate.taps_refusal(meta, loaded["candidate"]):
         raise ValueError(f"{args.rounds}: {why}")
-    result = fidelity_gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth, args.goal)
+    from tqdm import tqdm
+    with tqdm(total=len(rounds), desc="gate", unit="round", file=sys.stderr) as bar:
+        result = fidelity_gate.measure(loaded["reference"], loaded["candidate"], rounds, args.depth,
+                                       args.goal, progress=bar.update)
     path = fidelity_gate.record(pack, result, fidelity_gate.weights_of(loaded["candidate"].manifest()),
                        fidelity_gate.weights_of(loaded["reference"].manifest()), args.rounds, measured_on)
     print_gate_result(result, args.goal, path)

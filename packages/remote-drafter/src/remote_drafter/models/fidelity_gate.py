@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,10 +125,10 @@ def accepted(drafts: np.ndarray, continuation: np.ndarray) -> int:
 
 
 def measure(reference, candidate, rounds: list[Round], depth: int | None = None,
-            goal: float = GOAL) -> dict:
+            goal: float = GOAL, progress: Callable[[], None] | None = None) -> dict:
     """Both drafters on every round: greedy drafts (T = 0) of `depth` tokens (default: the
     shortest continuation, capped by both drafters' max_depth), and the first draft's
-    distribution at T = 1. acceptance_ratio = the candidate's mean accepted length over the
+    distribution at T = 1; progress() after each round. acceptance_ratio = the candidate's mean accepted length over the
     reference's; where the reference accepts nothing the rounds measure nothing, so the ratio
     is None and the gate does not pass (0/0 is no evidence of fidelity)."""
     if reference.feature != candidate.feature or reference.vocab_size != candidate.vocab_size:
@@ -154,6 +155,8 @@ def measure(reference, candidate, rounds: list[Round], depth: int | None = None,
         same[:accepted(a, b)] += 1  # a chain cut short (a confidence cut-off) agrees no further
         if first["reference"] is not None and first["candidate"] is not None:
             tv.append(0.5 * float(np.abs(first["reference"] - first["candidate"]).sum()))
+        if progress is not None:
+            progress()
     ref, cand = float(np.mean(lengths["reference"])), float(np.mean(lengths["candidate"]))
     ratio = cand / ref if ref > 0 else None
     return {"rounds": len(rounds), "depth": depth, "reference_accepted": ref,
