@@ -103,7 +103,8 @@ OFL_ALLOW = EnvVar(
     "OFL_ALLOW", "",
     "Servers: the peers admitted, comma-separated addresses or networks (10.0.0.2, "
     "10.0.1.0/24, fd00::/64); any other peer is closed at accept, before it takes a "
-    "connection slot. Empty = any peer that reaches the listener.")
+    "connection slot. Empty = any peer that reaches the listener (a server on an address "
+    "other hosts reach then needs a shared key or OFL_INSECURE=1, else it refuses to start).")
 OFL_AUTH_KEY = EnvVar(
     "OFL_AUTH_KEY", "",
     "Shared key, at least 32 characters (generate: openssl rand -hex 32). A server with a key "

@@ -35,13 +35,19 @@ def geometry_from(args) -> EngramGeometry:
                           prime_start=args.prime_start)
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}")
+    return int(text)
+
+
 def add_geometry(p: argparse.ArgumentParser, prime_start: int = 16_000_000) -> None:
     g = p.add_argument_group("geometry (defaults: DeepSeek-V4.1-Flash)")
     g.add_argument("--layers", type=int, nargs="+", default=[1, 14])
-    g.add_argument("--vocab", type=int, default=V41_VOCAB, help="compressed vocabulary size")
-    g.add_argument("--max-order", type=int, default=4, help="n-gram orders 2..N (4)")
-    g.add_argument("--heads", type=int, default=8, help="hash heads per order (8)")
-    g.add_argument("--prime-start", type=int, default=prime_start,
+    g.add_argument("--vocab", type=positive, default=V41_VOCAB, help="compressed vocabulary size")
+    g.add_argument("--max-order", type=positive, default=4, help="n-gram orders 2..N (4)")
+    g.add_argument("--heads", type=positive, default=8, help="hash heads per order (8)")
+    g.add_argument("--prime-start", type=positive, default=prime_start,
                    help=f"first table size candidate ({prime_start:,})")
 
 
@@ -260,7 +266,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.func(args)
-    except OflError as exc:  # a link or configuration problem: its reason, not a traceback
+    # a link or configuration problem, a missing file, a port taken, a bad value: its reason
+    # in one line, not a traceback
+    except (OflError, OSError, ValueError) as exc:
         print(f"remote-engram {args.cmd}: {exc}", file=sys.stderr)
         return 1
 
