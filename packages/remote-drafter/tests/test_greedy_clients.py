@@ -157,6 +157,8 @@ def test_quotas_that_admit_no_request_stop_the_worker_with_the_reason(capsys):
     assert main(["worker", "--drafter", "ngram", "--listen", "127.0.0.1:0",
                  "--max-history-bytes-per-client", "100"]) == 2
     assert "below one request's 16384 bytes" in capsys.readouterr().err
+    assert main(["worker", "--drafter", "ngram", "--listen", "127.0.0.1:0", "--max-requests", "0"]) == 2
+    assert "max_requests 0: a worker holds at least 1 request" in capsys.readouterr().err
 
 
 def test_replies_are_sized_before_drafting_entry_by_entry():

@@ -153,6 +153,8 @@ class DraftService:
     def _peer_quota(self) -> int:
         """Requests one peer may hold: the tighter of its two quotas."""
         c, per_request = self.config, self.bytes_per_request
+        if c.max_requests < 1:
+            raise ValueError(f"max_requests {c.max_requests}: a worker holds at least 1 request")
         requests = c.max_requests if c.max_requests_per_client is None else c.max_requests_per_client
         if not 1 <= requests <= c.max_requests:
             raise ValueError(f"max_requests_per_client {requests} is not between 1 and "
