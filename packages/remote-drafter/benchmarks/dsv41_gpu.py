@@ -131,13 +131,21 @@ def round_times(drafter, batch: int, rounds: int) -> dict:
     return timed(lambda: drafter.draft(requests, want_probs=False), rounds, drafter.device, warm_up=3)
 
 
+def in_service(window: int) -> int:
+    """Untimed rounds after which a request is in service: two windows of rows at one row a
+    round, so its row blocks (on both hosts) are recycled ones, touched before, as those of
+    a worker's long requests are, where a young request's still fault on their first write."""
+    return 2 * window
+
+
 def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
     """Round p50 per batch: the drafter alone (its windows current), the service in process, a
     worker over tcp; and the time the worker's rounds spent inside drafter.draft (the new rows'
     encoding included), so tcp minus that is the worker's own cost: protocol, copies, Python;
     and the same payload's round trip over a plain socket (ofl.bench's baseline), so the own
     cost less that is what the worker adds beyond the link's own time. Each is timed on the
-    second pass of the same requests (a worker in service has served before)."""
+    second pass of the same requests (a worker in service has served before), after the
+    requests are in service (in_service)."""
     rows = []
     service = DraftService(drafter, ServiceConfig(max_requests=64))
     inside, draft = [], drafter.draft
@@ -156,8 +164,10 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
                                     ("tcp", RemoteTransport(worker.address, "tcp", Manifest()))):
                 client = DrafterClient(transport, f"64:{drafter.max_depth}", deadline_s=30.0,
                                        row_dtype="bfloat16")
+                warm = in_service(drafter.window)
                 drive = functools.partial(drive_rounds, client, batch, rounds, drafter.max_depth,  # a bf16 target's rows
-                                          drafter.vocab_size, drafter.feature, "sync", 0.0, row_dtype="bfloat16")
+                                          drafter.vocab_size, drafter.feature, "sync", 0.0, row_dtype="bfloat16",
+                                          warm_rounds=warm)
                 drive()  # the same requests twice, timed the second time (a worker in service has served)
                 inside.clear()
                 drafter.draft = timed_draft
@@ -165,7 +175,7 @@ def measure(drafter, batches: list[int], rounds: int) -> list[dict]:
                     via[name] = drive()
                 finally:
                     del drafter.draft
-                via[name]["inside_p50_ms"] = percentiles(inside[3:rounds + 3])["p50_ms"]
+                via[name]["inside_p50_ms"] = percentiles(inside[warm:warm + rounds])["p50_ms"]
             tcp, in_draft = via["tcp"]["drafting"]["p50_ms"], via["tcp"]["inside_p50_ms"]
             sent = via["tcp"]["request_bytes_per_round"]
             # the same payload over a plain socket to a process of its own: its time on this link
@@ -207,8 +217,8 @@ def serve(width: str, device: str, graphs: str) -> None:
 
 def measure_own_process(width: str, device: str, graphs: str, batches: list[int], rounds: int) -> list[dict]:
     """The round over tcp with the worker in a process of its own (a fresh one per batch),
-    timed on the second pass of the same requests; the worker's draft p50 is its status's
-    (both passes: the device's time does not change with the pass)."""
+    timed on the second pass of the same requests, in service (in_service); the worker's draft
+    p50 is its status's (every round: the device's time does not change with the pass)."""
     rows = []
     for batch in batches:
         proc, address = worker_process(__file__, width, device, graphs)
@@ -217,7 +227,8 @@ def measure_own_process(width: str, device: str, graphs: str, batches: list[int]
             client = DrafterClient(RemoteTransport(address, "tcp", Manifest()), f"64:{d['max_depth']}",
                                    deadline_s=30.0, row_dtype="bfloat16")
             drive = functools.partial(drive_rounds, client, batch, rounds, d["max_depth"], d["vocab_size"],
-                                      d["feature"], "sync", 0.0, row_dtype="bfloat16")  # a bf16 target's rows
+                                      d["feature"], "sync", 0.0, row_dtype="bfloat16",  # a bf16 target's rows
+                                      warm_rounds=in_service(d["window"]))
             try:
                 drive()  # the same requests twice, timed the second time (as measure does)
                 r = drive()

@@ -7,9 +7,13 @@ float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the 
 Local (the service in process), a worker over tcp loopback in a thread of this process, and
 one in its own process (as deployed: the engine's and the worker's Python never share a
 lock), batch 1 / 4 / 16, each timed on its second pass (a worker and a client in service have
-served requests before: memory they reuse is warm); per phase the p50 over the timed rounds (the worker's phases where
-it runs in this process); over tcp, beside it, the same payload's round trip over a plain
-socket to a process of its own (the link's own time, ofl.bench's baseline).
+served requests before: memory they reuse is warm), with the requests young (three rounds
+after they opened, their second row blocks still fresh memory) and in service (after two
+windows of rounds, their row blocks recycled ones, as in a worker serving long requests:
+dsv41_gpu.in_service), both in the same run; per phase the p50 over the timed rounds (the
+worker's phases where it runs in this process); over tcp, beside it, the same payload's
+round trip over a plain socket to a process of its own (the link's own time, ofl.bench's
+baseline).
 
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import resource
 import sys
@@ -33,7 +38,7 @@ from ofl.bench import raw_message_round_trip
 from ofl.channel import Channel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dsv41_gpu import random_drafter, random_rounds, round_options, worker_process  # noqa: E402
+from dsv41_gpu import in_service, random_drafter, random_rounds, round_options, worker_process  # noqa: E402
 
 from remote_drafter.bench import drive_rounds  # noqa: E402
 from remote_drafter.engine import client as client_module  # noqa: E402
@@ -62,13 +67,14 @@ PHASES = [  # (module or class, function, label): where a round's own time goes
 
 
 class PhaseTimer:
-    """Wraps each phase's function with a timer; times[label] lists the seconds per call,
-    faults[label] counts the minor page faults the process took meanwhile (fresh memory's
-    first touches: a count no CPU's speed changes)."""
+    """Wraps each phase's function with a timer; once started, times[label] lists the seconds
+    per call, faults[label] counts the minor page faults the process took meanwhile (fresh
+    memory's first touches: a count no CPU's speed changes)."""
 
     def __init__(self):
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.faults: collections.Counter[str] = collections.Counter()
+        self.on = False
         self._saved = []
         for owner, name, label in PHASES:
             f = getattr(owner, name)
@@ -77,6 +83,8 @@ class PhaseTimer:
 
     def _wrap(self, f, label):
         def timed(*args, **kwargs):
+            if not self.on:
+                return f(*args, **kwargs)
             faults, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             try:
                 return f(*args, **kwargs)
@@ -85,14 +93,17 @@ class PhaseTimer:
                 self.faults[label] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         return timed
 
+    def start(self) -> None:
+        self.on = True
+
     def per_round(self, rounds: int) -> dict[str, float]:
         """ms per round of each phase: its median call times its calls per round (_apply runs
-        once per entry; the median leaves out the opening round's large calls)."""
-        return {label: round(float(np.median(samples)) * len(samples) / (rounds + 3) * 1e3, 3)
+        once per entry)."""
+        return {label: round(float(np.median(samples)) * len(samples) / rounds * 1e3, 3)
                 for label, samples in self.times.items()}
 
     def faults_per_round(self, rounds: int) -> dict[str, float]:
-        return {label: round(n / (rounds + 3), 1) for label, n in self.faults.items()}
+        return {label: round(n / rounds, 1) for label, n in self.faults.items()}
 
     def close(self) -> None:
         for owner, name, f in self._saved:
@@ -131,39 +142,39 @@ def main(argv=None) -> int:
         d = stub_drafter(row_dtype)
         proc, apart = worker_process(__file__, row_dtype)
         with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker, proc:
-            for batch in (int(b) for b in args.batches.split(",")):
-                for via in ("local", "tcp", "tcp_process"):
-                    transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
-                                 else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
-                    client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
-                    drive = functools.partial(drive_rounds, client, batch, args.rounds, d.max_depth, d.vocab_size,
-                                              d.feature, "sync", 0.0, seed=batch, row_dtype=row_dtype)
-                    try:  # the same requests twice, timed the second time (a worker in service has served)
-                        drive()
-                        timer = PhaseTimer()
-                        try:
-                            r = drive()
-                        finally:
-                            timer.close()
-                    finally:
-                        client.close()
-                    rows.append({"rows": row_dtype, "batch": batch, "via": via,
-                                 "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
-                                 "request_bytes_per_round": int(r["request_bytes_per_round"]),
-                                 "phases_p50_ms": timer.per_round(args.rounds),
-                                 "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
-                    if via != "local":  # the same payload over a plain socket: the link's own time
-                        wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
-                            protocol.REPLY_ENTRY.itemsize + 4 * d.max_depth), args.rounds)["p50_ms"]
-                        rows[-1].update(wire_p50_ms=round(wire, 3), own_beyond_wire_ms=round(rows[-1]["own_p50_ms"] - wire, 3))
-                    print(f"{row_dtype} rows, batch {batch:2d} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
-                          f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
-                          + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
+            for batch, age, via in itertools.product([int(b) for b in args.batches.split(",")],
+                                                     ("young", "in_service"), ("local", "tcp", "tcp_process")):
+                transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
+                             else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
+                client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
+                timer = PhaseTimer()
+                drive = functools.partial(drive_rounds, client, batch, args.rounds, d.max_depth, d.vocab_size,
+                                          d.feature, "sync", 0.0, seed=batch, row_dtype=row_dtype,
+                                          warm_rounds=3 if age == "young" else in_service(d.window))
+                try:  # the same requests twice, timed the second time (a worker in service has served)
+                    drive()
+                    r = drive(timing_starts=timer.start)
+                finally:
+                    timer.close()
+                    client.close()
+                rows.append({"rows": row_dtype, "batch": batch, "requests": age, "via": via,
+                             "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
+                             "request_bytes_per_round": int(r["request_bytes_per_round"]),
+                             "phases_p50_ms": timer.per_round(args.rounds),
+                             "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
+                if via != "local":  # the same payload over a plain socket: the link's own time
+                    wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
+                        protocol.REPLY_ENTRY.itemsize + 4 * d.max_depth), args.rounds)["p50_ms"]
+                    rows[-1].update(wire_p50_ms=round(wire, 3), own_beyond_wire_ms=round(rows[-1]["own_p50_ms"] - wire, 3))
+                print(f"{row_dtype} rows, batch {batch:2d}, {age:10s} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
+                      f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
+                      + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:
         json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)
     for r in rows:
         if r["via"] == "tcp":
-            print(f"{r['rows']}, batch {r['batch']}, tcp: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
+            print(f"{r['rows']}, batch {r['batch']}, {r['requests']}, tcp: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
             print("    page faults a round: " + ", ".join(f"{k} {v:g}" for k, v in r["phases_page_faults_per_round"].items()))
     return 0
 

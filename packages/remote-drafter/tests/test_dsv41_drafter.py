@@ -321,9 +321,9 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
     timed and its page faults counted, local (no link: no messages received), over tcp to a
     worker thread and to a worker process (there the client's phases only, and its receives),
-    with the same payload over a plain socket beside each; rows bf16 end to end then float32
-    on the hosts (bf16 on the wire both ways: the same bytes); the phases restored afterwards
-    (the service times nothing)."""
+    with the same payload over a plain socket beside each; young requests and requests in
+    service; rows bf16 end to end then float32 on the hosts (bf16 on the wire both ways: the
+    same bytes); the phases restored afterwards (the service times nothing)."""
     import json
 
     from ofl.channel import Channel
@@ -333,9 +333,12 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     out = tmp_path / "w.json"
     assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [(r["rows"], r["via"]) for r in result["rows"]] == [
-        (rows, via) for rows in ("bfloat16", "float32") for via in ("local", "tcp", "tcp_process")]
-    assert len({r["request_bytes_per_round"] for r in result["rows"] if r["via"] != "local"}) == 1
+    assert [(r["rows"], r["requests"], r["via"]) for r in result["rows"]] == [
+        (rows, age, via) for rows in ("bfloat16", "float32") for age in ("young", "in_service")
+        for via in ("local", "tcp", "tcp_process")]
+    for age in ("young", "in_service"):
+        assert len({r["request_bytes_per_round"] for r in result["rows"]
+                    if r["via"] != "local" and r["requests"] == age}) == 1
     for r in result["rows"]:
         labels = {label for _, _, label in script.PHASES}
         if r["via"] == "tcp_process":

@@ -78,13 +78,17 @@ def percentiles(samples) -> dict:
 
 
 def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: int, feature: int,
-                 mode: str, engine_s: float, seed: int = 0, row_dtype: str = "float32") -> dict:
-    """Open `batch` requests, then run `rounds` engine steps against a simulated target
-    whose text repeats each prompt's closing phrase: a step commits the drafts that match
-    it plus the target's next token (with random hidden rows when the drafter takes them,
-    in `row_dtype`: a bf16 target's are bf16).
+                 mode: str, engine_s: float, seed: int = 0, row_dtype: str = "float32",
+                 warm_rounds: int = 3, timing_starts=None) -> dict:
+    """Open `batch` requests, then run `warm_rounds` untimed and `rounds` timed engine steps
+    against a simulated target whose text repeats each prompt's closing phrase: a step
+    commits the drafts that match it plus the target's next token (with random hidden rows
+    when the drafter takes them, in `row_dtype`: a bf16 target's are bf16).
     A step is the engine's own work (`engine_s`) plus drafting: sync drafts after it,
-    async submits before it and collects after it."""
+    async submits before it and collects after it. Requests in service for a while (more
+    warm rounds than a window's rows) hold recycled row blocks, touched before, where young
+    ones still write into fresh memory. timing_starts(), if given, is called before the
+    first timed round."""
     rng = np.random.default_rng(seed)
     prompts = synthetic_prompts(batch, vocab, 64, seed)
 
@@ -96,7 +100,9 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
     for rid, p in prompts.items():
         client.add_request(rid, p, rows(len(p) - 1))
     steps, drafting, drafted = [], [], 0
-    for i in range(rounds + 3):  # the first three warm the path up
+    for i in range(rounds + warm_rounds):
+        if i == warm_rounds and timing_starts is not None:
+            timing_starts()
         t0 = time.perf_counter()
         if mode == "async":
             client.submit(k)
@@ -112,7 +118,7 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
             drafts = client.propose(k)
             done = time.perf_counter()
             spent = done - t1
-        if i >= 3:
+        if i >= warm_rounds:
             steps.append(done - t0)
             drafting.append(spent)
             drafted += sum(len(d.tokens) for d in drafts.values())
@@ -130,7 +136,7 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         client.release(rid)
     return {"drafting": percentiles(drafting), "step_p50_ms": percentiles(steps)["p50_ms"],
             "drafts_per_s": drafted / sum(steps), "drafts_per_round": drafted / rounds,
-            "request_bytes_per_round": (client.counters()["request_bytes"] - before["request_bytes"]) / (rounds + 3),
+            "request_bytes_per_round": (client.counters()["request_bytes"] - before["request_bytes"]) / (rounds + warm_rounds),
             "rounds_failed": client.counters()["rounds_failed"] - before["rounds_failed"]}
 
 
