@@ -150,6 +150,7 @@ def test_the_engine_speculates_runs_eager_and_in_one_process_only_when_configure
     (TP2_DENSE + "STACK_INJECT_DELAY_MS=2\n", ["--role", "offload-host"],
      "drafter-tp2 has none"),
     ("STACK_DRAFTER_TP2=yes\n", ["--role", "offload-host"], "STACK_DRAFTER_TP2='yes': expected 0 or 1"),
+    ("STACK_DRAFTER_LISTEN=\n", ["--role", "offload-host"], "STACK_DRAFTER is set but STACK_DRAFTER_LISTEN is not"),
     ("STACK_ENGINE_ONE_PROCESS=1\n", ["--role", "engine"],
      "STACK_ENGINE_ONE_PROCESS=1 runs one rank; STACK_TP=2"),
     ("STACK_DRAFTER_DTYPE=bf16\n", ["--role", "offload-host"],

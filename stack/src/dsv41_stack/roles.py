@@ -125,6 +125,9 @@ def drafter_worker(cfg: StackConfig) -> Role | None:
     same drafter, target, listener and backend, so engines see the same identities."""
     if not cfg["STACK_DRAFTER"]:
         return None
+    if not cfg["STACK_DRAFTER_LISTEN"]:
+        raise ConfigError("STACK_DRAFTER is set but STACK_DRAFTER_LISTEN is not: the worker needs "
+                          "HOST:PORT to listen on (where the engines reach it)")
     weights = cfg["STACK_DRAFTER_WEIGHTS"]  # values checked as the env files were read
     same = ["--drafter", cfg["STACK_DRAFTER"], "--target", cfg["STACK_DRAFTER_TARGET"] or cfg["STACK_MODEL"],
             "--listen", cfg["STACK_DRAFTER_LISTEN"], "--dtype", cfg["STACK_DRAFTER_DTYPE"]]
