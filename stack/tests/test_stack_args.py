@@ -268,3 +268,21 @@ def test_the_pinned_vllm_wheel_has_what_the_two_host_engine_uses():
         assert f'"{flag}"' in arg_utils
     assert "run_headless(args)" in serve and f"Launching vLLM (v%s) {HEADLESS_READY}" in serve
     assert "headless" not in api_server  # the OpenAI module ignores --headless: rank 1 uses serve
+
+
+def test_the_demo_calls_outputs_identical_only_when_every_prompt_was_answered():
+    from dsv41_stack.demo import identical_output
+    clean = {"fingerprint": "f" * 64, "unanswered": {}, "bench_exit": 0}
+    assert identical_output([clean, dict(clean)])
+    assert not identical_output([clean, {**clean, "fingerprint": "e" * 64}])
+    failed = {"fingerprint": "d" * 64, "unanswered": {"p1": "HTTP 500"}, "bench_exit": 1}
+    assert not identical_output([failed, dict(failed)])  # the same errors everywhere: not the same outputs
+    assert not identical_output([clean, {**clean, "bench_exit": 1}])
+
+
+def test_an_engine_host_does_not_check_the_offload_hosts_settings(tmp_path, capsys):
+    """The engine's roles alone: a drafter named for the rollback, its listener not set here."""
+    env = production(tmp_path, "--env", delta(tmp_path, "STACK_DRAFTER_LISTEN=\n"))
+    assert main(["args", *env, "--role", "engine", "--rank", "0"]) == 0
+    assert main(["args", *env, "--role", "offload-host"]) == 2
+    assert "STACK_DRAFTER_LISTEN is not" in capsys.readouterr().err

@@ -153,3 +153,20 @@ def test_mistakes_are_one_line_and_checked_before_measuring(fake, tmp_path, caps
     assert len(fake.requests) == before  # nothing was measured
     assert main(["compare", str(tmp_path / "missing.json")]) == 1
     assert "No such file or directory" in capsys.readouterr().err
+
+
+def test_the_gate_flags_an_unmeasured_cell_only_when_nothing_was_answered():
+    """A metric a clean cell cannot have (step p50 of requests answered in one event each) is
+    no regression; a cell the baseline measured and this run answered nothing in is."""
+    from longctx_bench.compare import GATED, gate
+    receipt = {"hardware": "h", "settings": {}}
+
+    def cell(n, **means):
+        return {"context": 64, "concurrency": 1, "mode": "cold", "errors": [] if n else ["HTTP 500"],
+                "ttft_s": {"mean": means.get("ttft_s"), "n": n},
+                **{m: {"mean": means.get(m)} for m in GATED if m != "ttft_s"}}
+    base = {"receipt": receipt, "cells": [cell(2, ttft_s=0.1, step_p50_s=0.02, task_s=1.0)]}
+    one_event = {"receipt": receipt, "cells": [cell(2, ttft_s=0.1, task_s=1.0)]}  # no step p50
+    assert gate(one_event, base, 0.05) == []
+    dead = {"receipt": receipt, "cells": [cell(0)]}
+    assert any("not measured (1 errors)" in p for p in gate(dead, base, 0.05))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from async_handoff import env as handoff_env
 from longctx_bench.launch import free_port
+from longctx_bench.runner import fingerprint_errors
 from ofl.http import read_counters, read_health
 from remote_drafter import env as drafter_env
 from remote_engram import env as engram_env
@@ -144,6 +145,14 @@ class HostKiller:
                 "drafter_workers": workers}
 
 
+def identical_output(rows: list[dict]) -> bool:
+    """Every configuration's greedy fingerprint the same, and each of outputs: equal digests
+    of errors are no equal outputs, so every prompt answered and every run clean."""
+    fingerprints = {r["fingerprint"] for r in rows}
+    answered = all(not r["unanswered"] and r["bench_exit"] == 0 for r in rows)
+    return answered and len(fingerprints) == 1 and None not in fingerprints
+
+
 def summarize(name: str, description: str, kv_budget: int, result: dict) -> dict:
     cell = max(result["cells"], key=lambda c: (c["context"], -c["concurrency"]))
     spec = cell.get("spec_decode") or {}
@@ -202,10 +211,13 @@ def run(cfg: StackConfig, base: str, out: Path, contexts: str, repeats: int, out
             drafted = drafting(run_cfg)
             fleet = drill.report() if drill else {}
             processes.stop(running)
-            result = json.loads((out / f"{name}.json").read_text())
-            rows.append({**summarize(name, description, kv, result), **drafted, **fleet, "bench_exit": code})
-    fingerprints = {r["fingerprint"] for r in rows}
-    report = {"configs": rows, "identical_output": len(fingerprints) == 1 and None not in fingerprints,
+            saved = out / f"{name}.json"
+            if not saved.exists():  # longctx-bench stopped before measuring (it said why, above)
+                raise RuntimeError(f"configuration {name}: longctx-bench wrote no result (exit {code})")
+            result = json.loads(saved.read_text())
+            rows.append({**summarize(name, description, kv, result), **drafted, **fleet, "bench_exit": code,
+                         "unanswered": fingerprint_errors(result.get("fingerprint") or {})})
+    report = {"configs": rows, "identical_output": identical_output(rows),
               "inject_delay_ms": cfg.int("STACK_INJECT_DELAY_MS"), "kv_budget_bytes": budget,
               "engram_table_bytes": table_bytes, "local_drafter_bytes": local_drafter,
               "drafter": cfg["STACK_DRAFTER"], "model": str(model),

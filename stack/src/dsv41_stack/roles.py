@@ -229,11 +229,10 @@ def roles(cfg: StackConfig, role: str | None = None, rank: int | None = None) ->
     engine rank too, ranks > 0 first, the order vLLM needs)."""
     if rank is not None and role != "engine":
         raise ConfigError("--rank goes with --role engine")
-    host = [r for r in (engram_server(cfg), drafter_worker(cfg)) if r is not None]
-    if role == "offload-host":
-        return host
-    if role in ("engram-server", "drafter-worker"):
-        return [r for r in host if r.name == role]
-    if role == "engine":
+    if role == "engine":  # the offload host's settings are not this host's to check
         return [engine(cfg, rank or 0)]
+    host = [r for r in (engram_server(cfg) if role != "drafter-worker" else None,
+                        drafter_worker(cfg) if role != "engram-server" else None) if r is not None]
+    if role in ("offload-host", "engram-server", "drafter-worker"):
+        return host
     return host + [engine(cfg, r) for r in [*range(1, engine_nodes(cfg)), 0]]

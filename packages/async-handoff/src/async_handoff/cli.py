@@ -1,7 +1,7 @@
 """`async-handoff`: check the handoff on this host before enabling it.
 
   async-handoff selftest                           # the proxy and its flags alone (echo in process)
-  ofl serve --listen 10.0.0.2:7471                 # on the peer host: an echo server
+  OFL_ALLOW=10.0.0.1 ofl serve --listen 10.0.0.2:7471   # on the peer host: an echo server
   async-handoff selftest --adapter async_handoff.adapters:OflMessageAdapter \\
       --adapter-config '{"address": "10.0.0.2:7471", "backend": "tcp"}' --rounds 2048
   async-handoff counters --listen 127.0.0.1:9496   # a running engine's handoff counters

@@ -40,6 +40,13 @@ def parse_list(text: str, conv=int) -> list:
     return [conv(x) for x in text.split(",") if x.strip()]
 
 
+def percentile_metrics(text: str) -> tuple[str, ...]:
+    names = parse_list(text, str)
+    if unknown := [m for m in names if m not in PERCENTILE_METRICS]:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: of {','.join(PERCENTILE_METRICS)}")
+    return tuple(PERCENTILE_METRICS[m] for m in names)
+
+
 def parse_tolerance(text: str) -> float:
     return float(text.rstrip("%")) / 100 if text.endswith("%") else float(text)
 
@@ -59,7 +66,7 @@ def cmd_run(args) -> int:
         prompt_file=args.prompt_file, tokenizer=args.tokenizer,
         capacity_drill=(int(args.capacity_drill[0]), parse_tokens(args.capacity_drill[1]))
         if args.capacity_drill else None, label=args.label,
-        percentile_metrics=tuple(PERCENTILE_METRICS[m] for m in parse_list(args.percentile_metrics, str)),
+        percentile_metrics=args.percentile_metrics,
         metric_percentiles=tuple(parse_list(args.metric_percentiles, float)))
     settings = {k: v for k, v in vars(cfg).items() if k not in ("label",)}
     total = len(cfg.contexts) * len(cfg.concurrency) * cfg.repeats
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
     r.add_argument("--tokenizer", help="tokenizer.json, when the server has no /tokenize")
     r.add_argument("--capacity-drill", nargs=2, metavar=("N", "CONTEXT"),
                    help="N concurrent requests at CONTEXT tokens: all complete or not")
-    r.add_argument("--percentile-metrics", default="ttft,step",
+    r.add_argument("--percentile-metrics", default="ttft,step", type=percentile_metrics,
                    help=f"metrics to report percentiles of, over a cell's requests: "
                         f"{','.join(PERCENTILE_METRICS)} (ttft,step)")
     r.add_argument("--metric-percentiles", default="50,99", help="which percentiles (50,99)")

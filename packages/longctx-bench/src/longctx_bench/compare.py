@@ -74,7 +74,7 @@ def gate(result: dict, baseline: dict, tolerance: float) -> list[str]:
             continue
         for metric in GATED:
             now, then = (c.get(metric) or {}).get("mean"), (b.get(metric) or {}).get("mean")
-            if now is None and then is not None:  # measured before, not now: every request failed
+            if not c["ttft_s"]["n"] and then is not None:  # measured before, not now: no request answered
                 problems.append(f"{key(c)} {metric}: not measured ({len(c.get('errors') or [])} "
                                 f"errors) vs baseline {then:.4g}")
                 continue

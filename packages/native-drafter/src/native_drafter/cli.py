@@ -217,7 +217,9 @@ def cmd_gate(args) -> int:
     from .states import requests_from
     torch.backends.cuda.matmul.allow_tf32 = False
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA GPU here (the gate checks the kernels on the GPU they serve)")
+        print(f"native-drafter gate: --device {args.device}: no CUDA GPU here (the gate checks the "
+              "kernels on the GPU they serve)", file=sys.stderr)
+        return 2
     drafter = DSparkDrafter.load(args.checkpoint, args.target, device=args.device)
     c = drafter.config
     reports, seed = [], args.seed
@@ -349,7 +351,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (OSError, ValueError) as exc:  # a missing file, a bad value: one line, exit 2 (1 is a failed gate)
+    except OSError as exc:  # a missing file: one line, exit 2 (1 is a failed gate)
         print(f"native-drafter {args.cmd}: {exc}", file=sys.stderr)
         return 2
 

@@ -101,8 +101,10 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         client.add_request(rid, p, rows(len(p) - 1))
     steps, drafting, drafted = [], [], 0
     for i in range(rounds + warm_rounds):
-        if i == warm_rounds and timing_starts is not None:
-            timing_starts()
+        if i == warm_rounds:
+            sent_before = client.counters()["request_bytes"]  # the timed rounds' bytes alone
+            if timing_starts is not None:
+                timing_starts()
         t0 = time.perf_counter()
         if mode == "async":
             client.submit(k)
@@ -136,7 +138,7 @@ def drive_rounds(client: DrafterClient, batch: int, rounds: int, k: int, vocab: 
         client.release(rid)
     return {"drafting": percentiles(drafting), "step_p50_ms": percentiles(steps)["p50_ms"],
             "drafts_per_s": drafted / sum(steps), "drafts_per_round": drafted / rounds,
-            "request_bytes_per_round": (client.counters()["request_bytes"] - before["request_bytes"]) / (rounds + warm_rounds),
+            "request_bytes_per_round": (client.counters()["request_bytes"] - sent_before) / rounds,
             "rounds_failed": client.counters()["rounds_failed"] - before["rounds_failed"]}
 
 
