@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from ofl.cli import positive_int
 from ofl.env import describe
 
 from . import env
@@ -30,11 +31,6 @@ def json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError("a JSON object, {...}")
     return value
 
-
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}")
-    return int(text)
 
 
 def cmd_selftest(args) -> int:
@@ -96,7 +92,7 @@ def main(argv=None) -> int:
     s.add_argument("--adapter-config", type=json_object, default={},
                    help='its configuration, a JSON object (OflMessageAdapter: {"address": '
                         '"HOST:PORT", "backend": "tcp"})')
-    s.add_argument("--rounds", type=positive, default=2048, help="rounds to run (%(default)s)")
+    s.add_argument("--rounds", type=positive_int, default=2048, help="rounds to run (%(default)s)")
     s.set_defaults(func=cmd_selftest)
     c = sub.add_parser("counters", help="a running Handoff's counters (ASYNC_HANDOFF_METRICS_LISTEN)",
                        description="Read the counters an engine's Handoff serves on "

@@ -35,6 +35,13 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1, refused by argparse (exit 2) otherwise."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}")
+    return int(text)
+
+
 def shutdown_event() -> threading.Event:
     """Catch SIGTERM from now on. Servers call it before they print their ready line: a
     supervisor may stop them the moment it reads that line, and then they stop cleanly."""

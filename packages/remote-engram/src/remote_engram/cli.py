@@ -22,7 +22,7 @@ import time
 from tqdm import tqdm
 
 from ofl import OflError
-from ofl.cli import shutdown_event, wait_for_shutdown
+from ofl.cli import positive_int, shutdown_event, wait_for_shutdown
 from ofl.env import describe
 
 from . import env
@@ -35,19 +35,14 @@ def geometry_from(args) -> EngramGeometry:
                           prime_start=args.prime_start)
 
 
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}")
-    return int(text)
-
 
 def add_geometry(p: argparse.ArgumentParser, prime_start: int = 16_000_000) -> None:
     g = p.add_argument_group("geometry (defaults: DeepSeek-V4.1-Flash)")
     g.add_argument("--layers", type=int, nargs="+", default=[1, 14])
-    g.add_argument("--vocab", type=positive, default=V41_VOCAB, help="compressed vocabulary size")
-    g.add_argument("--max-order", type=positive, default=4, help="n-gram orders 2..N (4)")
-    g.add_argument("--heads", type=positive, default=8, help="hash heads per order (8)")
-    g.add_argument("--prime-start", type=positive, default=prime_start,
+    g.add_argument("--vocab", type=positive_int, default=V41_VOCAB, help="compressed vocabulary size")
+    g.add_argument("--max-order", type=positive_int, default=4, help="n-gram orders 2..N (4)")
+    g.add_argument("--heads", type=positive_int, default=8, help="hash heads per order (8)")
+    g.add_argument("--prime-start", type=positive_int, default=prime_start,
                    help=f"first table size candidate ({prime_start:,})")
 
 
