@@ -170,3 +170,5 @@ def test_the_gate_flags_an_unmeasured_cell_only_when_nothing_was_answered():
     assert gate(one_event, base, 0.05) == []
     dead = {"receipt": receipt, "cells": [cell(0)]}
     assert any("not measured (1 errors)" in p for p in gate(dead, base, 0.05))
+    interrupted = {"receipt": receipt, "cells": []}
+    assert gate(interrupted, base, 0.05) == ["(64, 1, 'cold'): not measured in this run (interrupted?)"]
