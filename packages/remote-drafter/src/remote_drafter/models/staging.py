@@ -32,8 +32,8 @@ def to_device(a: np.ndarray, device) -> torch.Tensor:
 
 def to_device_all(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     """Small int64 host arrays (other integer and bool types are widened) as one queued copy
-    (`to_device`): views of one device tensor, shaped as given. A small copy's cost is the
-    host's fixed cost of making one, not its bytes, so a round's arrays go together."""
+    (`to_device`): views of one device tensor, shaped as given, so a round makes one such
+    call however many arrays it sends."""
     flat = [np.asarray(a).astype(np.int64, copy=False).reshape(-1) for a in arrays]
     joined = to_device(np.concatenate(flat) if flat else np.zeros(0, np.int64), device)
     out, at = [], 0
