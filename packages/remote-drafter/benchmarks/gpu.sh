@@ -23,7 +23,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
-  # both =moe and =ab in one call
+  # both =moe and =ab in one call, =worker the worker's own cost by phase
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -35,6 +35,15 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       2>&1 | tail -3 | tee "$OUT/drafter-gpu-pytest.txt" || echo "== tests failed (above); the timing goes on"
     python3 packages/remote-drafter/benchmarks/round_phases.py --host-ab --grouped-mm \
       --host-profile "$OUT/round-host-profile.txt" --out "$OUT/round-phases.json" 2>&1 | tail -12
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == worker ]]; then  # =worker: the worker's own cost by phase on this
+    # host, the stub drafter's (no GPU work) beside the Flash-width bf16 drafter's in CUDA graphs
+    # (worker_cost.py; no exllamav3)
+    python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
+      --out "$OUT/worker-cost-stub.json" 2>&1 | tail -8
+    python3 packages/remote-drafter/benchmarks/worker_cost.py --drafter flash --rounds 60 \
+      --out "$OUT/worker-cost-flash.json" 2>&1 | tail -12
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == decode ]]; then  # =decode: how fast any kernel can decode EXL3's

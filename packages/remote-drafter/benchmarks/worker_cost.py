@@ -18,7 +18,11 @@ baseline).
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
 The GPU script's figure (dsv41_gpu.measure: the tcp round minus the time inside `draft`) is the
-same quantity with the real drafter; this one needs no GPU and says where it goes."""
+same quantity with the real drafter; this one needs no GPU and says where it goes. With
+--drafter flash (a GPU) the phases are timed around the random Flash-width drafter in bf16,
+its rounds in CUDA graphs, as served: the own cost is then the round less the time inside
+`draft` (the worker's status says it for the worker in its own process), on the same host
+as the stub's figures, so the two tell a slow host from a cost the GPU brings."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from remote_drafter.engine.history import History  # noqa: E402
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.engine.rows import DTYPES  # noqa: E402
 from remote_drafter.engine.transport import LocalTransport, RemoteTransport  # noqa: E402
+from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.worker import service as service_module  # noqa: E402
 from remote_drafter.worker.server import Worker  # noqa: E402
 from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
@@ -64,6 +69,7 @@ PHASES = [  # (module or class, function, label): where a round's own time goes
     (client_module.DrafterClient, "_absorb", "client: absorb replies"),
     (Channel, "recv_payload", "both: receive messages (waiting for their bytes too)"),
 ]
+INSIDE_DRAFT = "worker: inside drafter.draft"  # not the worker's own cost: subtracted from the round
 
 
 class PhaseTimer:
@@ -71,12 +77,13 @@ class PhaseTimer:
     per call, faults[label] counts the minor page faults the process took meanwhile (fresh
     memory's first touches: a count no CPU's speed changes)."""
 
-    def __init__(self):
+    def __init__(self, drafter):
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.faults: collections.Counter[str] = collections.Counter()
         self.on = False
         self._saved = []
-        for owner, name, label in PHASES:
+        self._drafter, self._draft_was_own = drafter, "draft" in vars(drafter)  # the stub's is
+        for owner, name, label in [*PHASES, (drafter, "draft", INSIDE_DRAFT)]:
             f = getattr(owner, name)
             self._saved.append((owner, name, f))
             setattr(owner, name, self._wrap(f, label))  # client and service call protocol.<f>
@@ -108,6 +115,8 @@ class PhaseTimer:
     def close(self) -> None:
         for owner, name, f in self._saved:
             setattr(owner, name, f)
+        if not self._draft_was_own:
+            del self._drafter.draft  # its class's method again
 
 
 def stub_drafter(rows: str):
@@ -121,33 +130,52 @@ def stub_drafter(rows: str):
     return d
 
 
-def serve(row_dtype: str) -> None:
-    """The stub worker in this process until stdin closes (the worker process of `main`)."""
+def flash_drafter():
+    """The random Flash-width drafter in bf16 on the GPU, its rounds in CUDA graphs (as a
+    worker serves it)."""
+    d, _ = random_drafter("flash", "cuda", torch.bfloat16)
+    return Dsv41Drafter(d.model, d.manifest(), "cuda", cuda_graphs=True)
+
+
+def make_drafter(kind: str, row_dtype: str):
+    return flash_drafter() if kind == "flash" else stub_drafter(row_dtype)
+
+
+def serve(kind: str, row_dtype: str) -> None:
+    """The worker in this process until stdin closes (the worker process of `main`)."""
     torch.set_num_threads(1)
-    with Worker(stub_drafter(row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+    with Worker(make_drafter(kind, row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         print(worker.address, flush=True)
         sys.stdin.read()
 
 
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2])
+        serve(*sys.argv[2:4])
         return 0
-    args = round_options(__doc__, "worker-cost.json", rounds=40).parse_args(argv)
+    ap = round_options(__doc__, "worker-cost.json", rounds=40)
+    ap.add_argument("--drafter", default="stub", choices=["stub", "flash"],
+                    help="stub: fixed drafts at once, no GPU; flash: the random Flash-width drafter "
+                         "in bf16 on the GPU, in CUDA graphs (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.drafter == "flash" and not torch.cuda.is_available():
+        ap.error("--drafter flash needs a CUDA GPU")
     torch.set_num_threads(1)
     rows = []
     # bf16 rows from the engine to the histories (a bf16 target and drafter), then float32 rows
-    # on both hosts (cast for the wire and back), the same bf16 on the wire both ways
-    for row_dtype in ("bfloat16", "float32"):
-        d = stub_drafter(row_dtype)
-        proc, apart = worker_process(__file__, row_dtype)
+    # on both hosts (cast for the wire and back), the same bf16 on the wire both ways; the
+    # Flash drafter keeps bf16 rows only
+    for row_dtype in ("bfloat16",) if args.drafter == "flash" else ("bfloat16", "float32"):
+        d = make_drafter(args.drafter, row_dtype)
+        proc, apart = worker_process(__file__, args.drafter, row_dtype)
+        inside = {}
         with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker, proc:
             for batch, age, via in itertools.product([int(b) for b in args.batches.split(",")],
                                                      ("young", "in_service"), ("local", "tcp", "tcp_process")):
                 transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
                              else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
                 client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
-                timer = PhaseTimer()
+                timer = PhaseTimer(d)
                 drive = functools.partial(drive_rounds, client, batch, args.rounds, d.max_depth, d.vocab_size,
                                           d.feature, "sync", 0.0, seed=batch, row_dtype=row_dtype,
                                           warm_rounds=3 if age == "young" else in_service(d.window))
@@ -157,10 +185,17 @@ def main(argv=None) -> int:
                 finally:
                     timer.close()
                     client.close()
+                phases = timer.per_round(args.rounds)
+                # the time inside `draft` is the device's (the stub's: next to none); a worker in
+                # a process of its own drafts as long as the one in this process did for the
+                # same batch and age (same card, same graphs)
+                inside[batch, age] = phases.get(INSIDE_DRAFT, inside.get((batch, age), 0.0))
                 rows.append({"rows": row_dtype, "batch": batch, "requests": age, "via": via,
-                             "own_p50_ms": round(r["drafting"]["p50_ms"], 3),
+                             "round_p50_ms": round(r["drafting"]["p50_ms"], 3),
+                             "inside_draft_p50_ms": inside[batch, age],
+                             "own_p50_ms": round(r["drafting"]["p50_ms"] - inside[batch, age], 3),
                              "request_bytes_per_round": int(r["request_bytes_per_round"]),
-                             "phases_p50_ms": timer.per_round(args.rounds),
+                             "phases_p50_ms": phases,
                              "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
                 if via != "local":  # the same payload over a plain socket: the link's own time
                     wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
@@ -170,7 +205,9 @@ def main(argv=None) -> int:
                       f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
                       + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"feature": FLASH_FEATURE, "rounds": args.rounds, "rows": rows}, f, indent=1)
+        json.dump({"drafter": args.drafter, "feature": FLASH_FEATURE, "rounds": args.rounds,
+                   "device": torch.cuda.get_device_name() if args.drafter == "flash" else "cpu",
+                   "rows": rows}, f, indent=1)
     for r in rows:
         if r["via"] == "tcp":
             print(f"{r['rows']}, batch {r['batch']}, {r['requests']}, tcp: "

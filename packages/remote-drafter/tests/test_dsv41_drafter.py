@@ -323,7 +323,8 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     worker thread and to a worker process (there the client's phases only, and its receives),
     with the same payload over a plain socket beside each; young requests and requests in
     service; rows bf16 end to end then float32 on the hosts (bf16 on the wire both ways: the
-    same bytes); the phases restored afterwards (the service times nothing)."""
+    same bytes); the own cost is the round less the time inside `draft`; the phases restored
+    afterwards (the service times nothing)."""
     import json
 
     from ofl.channel import Channel
@@ -339,9 +340,14 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     for age in ("young", "in_service"):
         assert len({r["request_bytes_per_round"] for r in result["rows"]
                     if r["via"] != "local" and r["requests"] == age}) == 1
+    assert result["drafter"] == "stub" and result["device"] == "cpu"
     for r in result["rows"]:
-        labels = {label for _, _, label in script.PHASES}
-        if r["via"] == "tcp_process":
+        labels = {label for _, _, label in script.PHASES} | {script.INSIDE_DRAFT}
+        assert r["own_p50_ms"] == round(r["round_p50_ms"] - r["inside_draft_p50_ms"], 3)
+        if r["via"] == "tcp_process":  # drafts as long as the worker thread did (same batch, age)
+            [thread] = [t for t in result["rows"] if t["via"] == "tcp" and (t["rows"], t["requests"])
+                        == (r["rows"], r["requests"])]
+            assert r["inside_draft_p50_ms"] == thread["inside_draft_p50_ms"]
             labels = {label for label in labels if not label.startswith("worker")}
         if r["via"] == "local":
             labels = {label for label in labels if not label.startswith("both")}
