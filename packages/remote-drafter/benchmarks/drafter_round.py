@@ -13,9 +13,9 @@ weights drawn on the card) on one GPU, every variant side by side in one run
 Per variant and batch (1 / 4 / 16 requests, a block of W rows each): round p50 / p99 (the
 drafter alone, synchronised), against its floor: the bytes the round reads (every weight
 once, of the routed experts only those its rows chose, found by recording one round's
-router) over the read bandwidth measured in this run. Beside them: one MoE layer, ours
-(models/exl3_experts.py) against exllamav3's own BlockSparseMLP on the same weights and
-rows (time and agreement); the fused drafter through the real worker over tcp loopback
+router) over the read bandwidth measured in this run. Beside them: one MoE layer, ours (the
+experts module the drafter serves) against exllamav3's own BlockSparseMLP on the same weights
+and rows (time in a CUDA graph, as a round serves it, and eager; and agreement); the fused drafter through the real worker over tcp loopback
 (dsv41_gpu.measure: p50 as the engine sees it, the device p50, request bytes); peak memory
 with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth).
 
@@ -45,6 +45,7 @@ from dsv41_gpu import (  # noqa: E402
     width_config,
 )
 from exl3_moe_layer import exl3_linear, random_stored  # noqa: E402
+from round_phases import in_graph  # noqa: E402
 
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
@@ -240,21 +241,33 @@ def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
         weights, experts = model.layers[j].moe.route(x)
         layer = model.layers[j].moe.experts
         mine = layer(x, weights, experts).clone()
-        ours["rows"].append({"batch": batch, "rows": rows,
-                             "p50_ms": timed(lambda f=layer, a=(x, weights, experts): f(*a), 50, warm_up=3)["p50_ms"]})
+        ours["rows"].append({"batch": batch, "rows": rows, **layer_times(lambda f=layer, a=(x, weights, experts): f(*a))})
         if mlp is None:
             continue
         params = {"sel": experts.contiguous(), "rw": weights.half().contiguous()}
         x16 = x.half().view(1, rows, -1)
         try:
             theirs = mlp.forward(x16, params).view(rows, -1).float()
-            entry = {"batch": batch, "rows": rows, "p50_ms": timed(lambda a=x16, p=params: mlp.forward(a, p), 50, warm_up=3)["p50_ms"],
+            entry = {"batch": batch, "rows": rows, **layer_times(lambda a=x16, p=params: mlp.forward(a, p)),
                      "relative_difference_to_ours": float((theirs - mine).norm() / theirs.norm())}
         except Exception as exc:  # noqa: BLE001
             entry = {"batch": batch, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}
         upstream["rows"].append(entry)
-        say(f"    MoE layer, {rows} rows: ours {ours['rows'][-1]['p50_ms']:.3f} ms, exllamav3 {entry}")
+        say(f"    MoE layer, {rows} rows: ours {ours['rows'][-1]}, exllamav3 {entry}")
     return ours, upstream
+
+
+def layer_times(fn) -> dict:
+    """One layer call's p50 ms as served, in a CUDA graph (`p50_ms`; None with `graph_error`
+    where the call cannot be captured), and eager (`eager_p50_ms`: its launches' host time
+    included, which a served round does not pay)."""
+    out = {"eager_p50_ms": timed(fn, 50, warm_up=3)["p50_ms"]}
+    try:
+        out["p50_ms"] = in_graph(fn, 50, calls=1) / 1e3
+    except Exception as exc:  # noqa: BLE001 - recorded: the eager figure still stands
+        torch.cuda.synchronize()
+        out.update(p50_ms=None, graph_error=f"{type(exc).__name__}: {exc}")
+    return out
 
 
 # -- the run --------------------------------------------------------------------------------
