@@ -467,6 +467,18 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
         json.dump(res, f, indent=1)
 
 
+def moe_layers_alone(batches: list[int], out: str) -> None:
+    """One MoE layer, ours against exllamav3's BlockSparseMLP (moe_layers), without the rest of
+    the run: the layer's kernels chosen as a drafter chooses them at start-up."""
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "exllamav3": exl3.load_exllamav3(say).version, "batches": batches}
+    model, _ = exl3_flash_model()
+    res["experts"] = Dsv41Drafter(model, FLASH_EXL3_MANIFEST, "cuda", cuda_graphs=False, dense_mib=0).experts
+    res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def experts_ab(batches: list[int], rounds: int, out: str) -> None:
     """The EXL3 round as served (CUDA graphs, the dense copies the drafter chose) with each
     MoE's experts on exllamav3's fused kernels, then on the kernels chosen at start-up, on one
@@ -527,6 +539,9 @@ def main(argv=None) -> int:
                     "exllamav3's fused experts against the same with each MoE's kernels chosen at start-up "
                     "(ours where faster: REMOTE_DRAFTER_EXL3_EXPERTS=auto), the GPU memory each adds, and the latter "
                     "through the worker over tcp (--out)")
+    ap.add_argument("--moe-layers", action="store_true", help="instead: one MoE layer alone, ours "
+                    "against exllamav3's BlockSparseMLP on the same weights and rows, in a CUDA graph "
+                    "and eager (--out)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
@@ -535,6 +550,9 @@ def main(argv=None) -> int:
         return 0
     if args.compile_experiment:
         compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+        return 0
+    if args.moe_layers:
+        moe_layers_alone([int(b) for b in args.batches.split(",")], args.out)
         return 0
     if args.experts_ab:
         experts_ab([int(b) for b in args.batches.split(",")], args.rounds, args.out)

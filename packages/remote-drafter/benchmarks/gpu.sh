@@ -23,7 +23,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # =profile the kernel profile alone, =phases the bf16 round's host share, =decode EXL3's decode
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
-  # both =moe and =ab in one call, =worker the worker's own cost by phase
+  # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
+  # layer against exllamav3's BlockSparseMLP
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -85,6 +86,13 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     fi
     python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
       --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == upstream ]]; then  # =upstream: one MoE layer alone, ours against
+    # exllamav3's own BlockSparseMLP, in a CUDA graph and eager (drafter_round.py --moe-layers;
+    # exllamav3's build, ~5 min, comes with it)
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
+      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by
