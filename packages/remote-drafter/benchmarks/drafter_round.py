@@ -15,7 +15,8 @@ drafter alone, synchronised), against its floor: the bytes the round reads (ever
 once, of the routed experts only those its rows chose, found by recording one round's
 router) over the read bandwidth measured in this run. Beside them: one MoE layer, ours (the
 experts module the drafter serves) against exllamav3's own BlockSparseMLP on the same weights
-and rows (time in a CUDA graph, as a round serves it, and eager; and agreement); the fused drafter through the real worker over tcp loopback
+and rows (time eager and agreement; `--moe-layers` alone: also in a CUDA graph, as a round
+serves it); the fused drafter through the real worker over tcp loopback
 (dsv41_gpu.measure: p50 as the engine sees it, the device p50, request bytes); peak memory
 with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth).
 
@@ -24,6 +25,7 @@ with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -225,49 +227,65 @@ def upstream_layer(model: Dsv41Model, j: int):
     return mlp
 
 
-def moe_layers(model: Dsv41Model, batches: list[int]) -> tuple[dict, dict]:
+def moe_layers(model: Dsv41Model, batches: list[int], res: dict, save, graphs: bool = False) -> None:
+    """Layer 0's MoE, ours (the experts module the drafter serves) and exllamav3's
+    BlockSparseMLP over the same linears and routing, at each batch's rows: p50 ms eager (the
+    launches' host time included, which a served round does not pay) and their agreement.
+    With `graphs`, each also in a CUDA graph, as a round serves it (`graph_p50_ms`): ours
+    first, exllamav3's last, since a capture that fails can leave the process's CUDA state
+    unusable (its error is recorded instead). In res["ours_moe_layer"] and
+    res["exllamav3_moe_layer"], save() after each step."""
     c, j = model.config, 0
-    ours = {"rows": []}
-    upstream = {"rows": []}
+    ours = res["ours_moe_layer"] = {"rows": []}
+    upstream = res["exllamav3_moe_layer"] = {"rows": []}
     try:
         mlp = upstream_layer(model, j)
     except Exception as exc:  # noqa: BLE001 - recorded; ours is still measured
         upstream["error"] = f"{type(exc).__name__}: {exc}"
         mlp = None
     gen = torch.Generator(device="cuda").manual_seed(1)
+    calls = []  # per batch: ours, theirs (None where it failed)
     for batch in batches:
         rows = batch * c.block_size
         x = torch.randn(rows, c.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
         weights, experts = model.layers[j].moe.route(x)
         layer = model.layers[j].moe.experts
-        mine = layer(x, weights, experts).clone()
-        ours["rows"].append({"batch": batch, "rows": rows, **layer_times(lambda f=layer, a=(x, weights, experts): f(*a))})
-        if mlp is None:
-            continue
-        params = {"sel": experts.contiguous(), "rw": weights.half().contiguous()}
-        x16 = x.half().view(1, rows, -1)
-        try:
-            theirs = mlp.forward(x16, params).view(rows, -1).float()
-            entry = {"batch": batch, "rows": rows, **layer_times(lambda a=x16, p=params: mlp.forward(a, p)),
-                     "relative_difference_to_ours": float((theirs - mine).norm() / theirs.norm())}
-        except Exception as exc:  # noqa: BLE001
-            entry = {"batch": batch, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}
-        upstream["rows"].append(entry)
-        say(f"    MoE layer, {rows} rows: ours {ours['rows'][-1]}, exllamav3 {entry}")
-    return ours, upstream
+        mine_call = functools.partial(layer, x, weights, experts)
+        mine = mine_call().clone()
+        ours["rows"].append({"batch": batch, "rows": rows, "p50_ms": timed(mine_call, 50, warm_up=3)["p50_ms"]})
+        theirs_call = None
+        if mlp is not None:
+            params = {"sel": experts.contiguous(), "rw": weights.half().contiguous()}
+            theirs_call = functools.partial(mlp.forward, x.half().view(1, rows, -1), params)
+            try:
+                theirs = theirs_call().view(rows, -1).float()
+                entry = {"batch": batch, "rows": rows, "p50_ms": timed(theirs_call, 50, warm_up=3)["p50_ms"],
+                         "relative_difference_to_ours": float((theirs - mine).norm() / theirs.norm())}
+            except Exception as exc:  # noqa: BLE001
+                entry, theirs_call = {"batch": batch, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}, None
+            upstream["rows"].append(entry)
+        calls.append((mine_call, theirs_call))
+        say(f"    MoE layer, {rows} rows, eager: ours {ours['rows'][-1]['p50_ms']:.3f} ms, exllamav3 "
+            f"{upstream['rows'][-1] if mlp is not None else upstream.get('error')}")
+        save()
+    if graphs:
+        for side, k in ((ours, 0), (upstream, 1)):
+            for row, pair in zip(side["rows"], calls):
+                if pair[k] is not None:
+                    row.update(graph_times(pair[k]))
+                    say(f"    MoE layer, {row['rows']} rows, in a CUDA graph, {'ours' if k == 0 else 'exllamav3'}: {row}")
+                    save()
 
 
-def layer_times(fn) -> dict:
-    """One layer call's p50 ms as served, in a CUDA graph (`p50_ms`; None with `graph_error`
-    where the call cannot be captured), and eager (`eager_p50_ms`: its launches' host time
-    included, which a served round does not pay)."""
-    out = {"eager_p50_ms": timed(fn, 50, warm_up=3)["p50_ms"]}
+def graph_times(fn) -> dict:
+    """fn()'s p50 ms in a CUDA graph (`graph_p50_ms`), or why it could not be captured
+    (`graph_error`; the current stream restored, which a failed capture leaves switched)."""
+    stream = torch.cuda.current_stream()
     try:
-        out["p50_ms"] = in_graph(fn, 50, calls=1) / 1e3
+        return {"graph_p50_ms": in_graph(fn, 50, calls=1) / 1e3}
     except Exception as exc:  # noqa: BLE001 - recorded: the eager figure still stands
-        torch.cuda.synchronize()
-        out.update(p50_ms=None, graph_error=f"{type(exc).__name__}: {exc}")
-    return out
+        torch.cuda.set_stream(stream)
+        return {"graph_p50_ms": None, "graph_error": f"{type(exc).__name__}: {exc}"}
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -332,9 +350,8 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         e["fused_vs_per_matrix"] = draft_agreement(reference, eager_drafts)
         save()
         say("== one MoE layer: ours vs exllamav3's BlockSparseMLP")
-        res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
-        save()
-        say("== EXL3 4 bits, fused experts, CUDA graphs, exllamav3's kernels only (the dense copies' baseline)")
+        moe_layers(model, batches, res, save)
+        say("== EXL3 4 bits, fused experts, CUDA graphs, no dense copies (the dense copies' baseline)")
         kernels_only = Dsv41Drafter(model, manifest, "cuda", cuda_graphs=None, dense_mib=0)
         e["rounds_kernels_only"] = rounds_of(kernels_only, sizes, batches, rounds, bandwidth, floors)
         kernels_only_drafts = greedy_drafts(kernels_only, batches)
@@ -385,7 +402,7 @@ def print_table(res: dict) -> None:
     print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: "
           f"{e.get('experts')}; round kernels: {e.get('round_kernels')}")
     print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
-          "| kernels only (x its floor) | graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
+          "| no dense copies (x its floor) | graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
     def cell(rows, i, key, fmt="{:.2f}"):
         return fmt.format(rows[i][key]) if rows and i < len(rows) and key in rows[i] else "-"
     for i, b in enumerate(res["batches"]):
@@ -468,15 +485,18 @@ def compile_experiment(batches: list[int], rounds: int, out: str) -> None:
 
 
 def moe_layers_alone(batches: list[int], out: str) -> None:
-    """One MoE layer, ours against exllamav3's BlockSparseMLP (moe_layers), without the rest of
-    the run: the layer's kernels chosen as a drafter chooses them at start-up."""
+    """One MoE layer, ours against exllamav3's BlockSparseMLP (moe_layers), eager and in CUDA
+    graphs, without the rest of the run: the layer's kernels chosen as a drafter chooses them
+    at start-up."""
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "exllamav3": exl3.load_exllamav3(say).version, "batches": batches}
     model, _ = exl3_flash_model()
     res["experts"] = Dsv41Drafter(model, FLASH_EXL3_MANIFEST, "cuda", cuda_graphs=False, dense_mib=0).experts
-    res["ours_moe_layer"], res["exllamav3_moe_layer"] = moe_layers(model, batches)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save():
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    moe_layers(model, batches, res, save, graphs=True)
 
 
 def experts_ab(batches: list[int], rounds: int, out: str) -> None:

@@ -42,9 +42,10 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # host, the stub drafter's (no GPU work) beside the Flash-width bf16 drafter's in CUDA graphs
     # (worker_cost.py; no exllamav3)
     python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
-      --out "$OUT/worker-cost-stub.json" 2>&1 | tail -8
+      --out "$OUT/worker-cost-stub.json" 2>&1 | tee "$OUT/worker-cost-stub.log" | tail -8 \
+      || echo "== the stub's run failed (above); the Flash drafter's goes on"
     python3 packages/remote-drafter/benchmarks/worker_cost.py --drafter flash --rounds 60 \
-      --out "$OUT/worker-cost-flash.json" 2>&1 | tail -12
+      --out "$OUT/worker-cost-flash.json" 2>&1 | tee "$OUT/worker-cost-flash.log" | tail -12
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == decode ]]; then  # =decode: how fast any kernel can decode EXL3's
@@ -92,7 +93,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # exllamav3's own BlockSparseMLP, in a CUDA graph and eager (drafter_round.py --moe-layers;
     # exllamav3's build, ~5 min, comes with it)
     python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
-      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8
+      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tee "$OUT/moe-layer-vs-blocksparse.log" | tail -8
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == profile ]]; then  # =profile: where a round's device time goes, by

@@ -1,7 +1,8 @@
-"""The worker's own cost of a round, by phase, on the CPU: everything a round costs besides the
-drafter's forward (protocol, row conversions, histories, per-request Python), with a drafter
-whose `draft` returns fixed drafts at once and whose rows are as wide as DeepSeek-V4.1-Flash's
-taps (3 x 4,096), so the payload is the production one (bf16 rows on the wire). The rows
+"""The worker's own cost of a round, by phase: everything a round costs besides the drafter's
+forward (protocol, row conversions, histories, per-request Python). By default (any CPU) with
+a stub drafter whose `draft` returns fixed drafts at once and whose rows are as wide as
+DeepSeek-V4.1-Flash's taps (3 x 4,096), so the payload is the production one (bf16 rows on
+the wire). The rows
 bf16 from the engine to the worker's histories, as a bf16 target and drafter keep them; then
 float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the same run).
 Local (the service in process), a worker over tcp loopback in a thread of this process, and
@@ -20,9 +21,12 @@ baseline).
 The GPU script's figure (dsv41_gpu.measure: the tcp round minus the time inside `draft`) is the
 same quantity with the real drafter; this one needs no GPU and says where it goes. With
 --drafter flash (a GPU) the phases are timed around the random Flash-width drafter in bf16,
-its rounds in CUDA graphs, as served: the own cost is then the round less the time inside
-`draft` (the worker's status says it for the worker in its own process), on the same host
-as the stub's figures, so the two tell a slow host from a cost the GPU brings."""
+its rounds in CUDA graphs, as served (two such drafters, about 64 GB: this process's and the
+worker process's). The own cost is the round less the time inside `draft`: the worker in its
+own process borrows that time from the worker thread's row of the same batch and age (same
+card, same graphs; `inside_draft_from` says so), since its status' draft percentiles mix
+every batch it served. On the same host as the stub's figures, the two tell a slow host from
+a cost the GPU brings."""
 
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ PHASES = [  # (module or class, function, label): where a round's own time goes
     (protocol, "request_parts", "client: encode request"),
     (protocol, "parse_request", "worker: parse request"),
     (service_module.DraftService, "_apply", "worker: apply entries (histories)"),
-    (service_module.DraftService, "_draft", "worker: draft (stub) and replies"),
+    (service_module.DraftService, "_draft", "worker: draft and its replies (the time inside draft too)"),
     (protocol, "encode_reply", "worker: encode reply"),
     (protocol, "parse_reply", "client: parse reply"),
     (client_module.DrafterClient, "_absorb", "client: absorb replies"),
@@ -193,6 +197,8 @@ def main(argv=None) -> int:
                 rows.append({"rows": row_dtype, "batch": batch, "requests": age, "via": via,
                              "round_p50_ms": round(r["drafting"]["p50_ms"], 3),
                              "inside_draft_p50_ms": inside[batch, age],
+                             "inside_draft_from": "this row" if INSIDE_DRAFT in phases
+                             else "the worker thread's row of the same batch and age",
                              "own_p50_ms": round(r["drafting"]["p50_ms"] - inside[batch, age], 3),
                              "request_bytes_per_round": int(r["request_bytes_per_round"]),
                              "phases_p50_ms": phases,

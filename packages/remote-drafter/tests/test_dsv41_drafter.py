@@ -348,7 +348,10 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
             [thread] = [t for t in result["rows"] if t["via"] == "tcp" and (t["rows"], t["requests"])
                         == (r["rows"], r["requests"])]
             assert r["inside_draft_p50_ms"] == thread["inside_draft_p50_ms"]
+            assert r["inside_draft_from"].startswith("the worker thread's row")
             labels = {label for label in labels if not label.startswith("worker")}
+        else:
+            assert r["inside_draft_from"] == "this row"
         if r["via"] == "local":
             labels = {label for label in labels if not label.startswith("both")}
         assert set(r["phases_p50_ms"]) == set(r["phases_page_faults_per_round"]) == labels
@@ -356,6 +359,19 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
         assert ("wire_p50_ms" in r) == ("own_beyond_wire_ms" in r) == (r["via"] != "local")
         if "wire_p50_ms" in r:
             assert r["wire_p50_ms"] > 0 and abs(r["own_beyond_wire_ms"] - (r["own_p50_ms"] - r["wire_p50_ms"])) < 2e-3
+    assert DraftService._apply is apply and Channel.recv_payload is receive
+
+    class Drafter:  # a drafter whose draft is its class's method (the Flash drafter's is)
+        def draft(self, requests, want_probs):
+            return ["drafts"]
+    d = Drafter()
+    timer = script.PhaseTimer(d)
+    try:
+        timer.start()
+        assert d.draft([], False) == ["drafts"] and len(timer.times[script.INSIDE_DRAFT]) == 1
+    finally:
+        timer.close()
+    assert "draft" not in vars(d) and d.draft([], False) == ["drafts"]
     assert DraftService._apply is apply and Channel.recv_payload is receive
 
 
