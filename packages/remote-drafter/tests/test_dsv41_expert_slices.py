@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, tiny  # noqa: E402
 from remote_drafter.models.dsv41.config import routed_expert  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.dsv41.modules.attention import unseen_keys  # noqa: E402
 
 SLICES = (range(0, 2), range(2, 4))  # the tiny drafter's 4 routed experts, two ranks
 
@@ -107,7 +108,8 @@ def _interleaved(ranks, inputs):
             residual, pre, positions = states[r]
             layer = model.layers[j]
             x, post, comb, attn_pre = layer.attn_mix.pre(residual, pre)
-            residual = layer.attn_mix.post(layer.attention(x, positions, ctx[:, :, j], valid), residual, post, comb)
+            residual = layer.attn_mix.post(layer.attention(x, positions, ctx[:, :, j], unseen_keys(valid, c.block_size)),
+                                           residual, post, comb)
             x, post, comb, ffn_pre = layer.ffn_mix.pre(residual, attn_pre)
             halves.append((layer.moe(x), residual, post, comb, ffn_pre))
         total = halves[0][0] + halves[1][0]

@@ -195,3 +195,44 @@ def test_top_two_kernel_is_torchs(vocab):
     assert torch.equal(got_i.cpu(), want_i.cpu())
     assert torch.allclose(got_p.cpu(), want_p.cpu(), rtol=1e-5, atol=1e-12)
     assert got_i[1].tolist() == [vocab // 2, vocab - 1]
+
+
+def test_the_launch_counter_counts_a_rounds_kernels_by_line(tmp_path):
+    """benchmarks/round_launches.py on the tiny bf16 drafter with the round's Triton kernels:
+    each Triton launch counted once (not the torch work the interpreter runs a kernel with),
+    so each kernel as often as the round's structure says; the casts between bf16 and float32
+    counted, views not; every launch attributed to a line of remote_drafter."""
+    import json
+
+    from benchmark_scripts import load
+    from triton.runtime.jit import KernelInterface
+    script = load("round_launches")
+    getitem = KernelInterface.__getitem__
+    out = tmp_path / "launches.json"
+    assert script.main(["--batches", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    r = result["batches"]["1"]
+    ops, c = r["by_op"], tiny.tiny_config()["text_config"]
+    layers, steps = c["n_mtp_layers"], c["dspark_block_size"]
+    assert ops["triton._hc_pre_kernel"] == ops["triton._hc_post_kernel"] == 2 * layers  # two sublayers each
+    assert ops["triton._top_two_part_kernel"] == ops["triton._top_two_join_kernel"] == steps  # a greedy step each
+    assert ops["aten._to_copy"] > 0 and not {"aten.view", "aten._unsafe_view", "aten.empty"} & set(ops)
+    assert r["launches"] == sum(ops.values()) == sum(r["by_line"].values())
+    assert all(line.startswith("models/") for line in r["by_line"])
+    assert KernelInterface.__getitem__ is getitem
+
+
+def test_the_launch_counter_counts_what_reaches_the_device():
+    """LaunchCounter on plain code: a cast and a sum counted, a view not, a host read counted
+    as a sync; inference mode works again afterwards (the counter runs under no_grad)."""
+    from benchmark_scripts import load
+    script = load("round_launches")
+    x = torch.ones(4, dtype=torch.bfloat16)
+    with script.LaunchCounter() as counter:
+        with torch.inference_mode():
+            total = x.to(torch.float32).view(2, 2).sum()
+            total.item()
+    assert dict(counter.by_op) == {"aten._to_copy": 1, "aten.sum": 1}
+    assert sum(counter.syncs.values()) == 1 and list(counter.by_line) == ["(outside remote_drafter)"]
+    with torch.inference_mode():
+        assert torch.is_inference_mode_enabled()

@@ -17,6 +17,7 @@ import dsv41_vllm_transcript as ref  # noqa: E402
 
 from remote_drafter.models.dsv41.config import Dsv41DrafterConfig, expected_tensors  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.dsv41.modules.attention import unseen_keys  # noqa: E402
 from remote_drafter.models.dsv41.tiny import tiny_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -204,7 +205,7 @@ def test_each_layer_mixers_attention_routing_and_moe_match(compared, close):
                                          ("input", "post", "comb", "pre")):
                 close(value, want, f"layer {j} hc_{mixer} {name}")
         got = layer.attention(f32(t["attn_hc"].layer_input)[None], block_positions,
-                              f32(t["context_rows"])[None], valid)
+                              f32(t["context_rows"])[None], unseen_keys(valid, len(out.block_positions)))
         close(got, t["attn_out"], f"layer {j} attention")
         got = layer.attn_mix.post(f32(t["attn_out"]), f32(t["attn_residual"]), f32(t["attn_hc"].post),
                                   f32(t["attn_hc"].comb))

@@ -245,16 +245,18 @@ class Dsv41Drafter(Drafter):
         valid = torch.arange(n, device=ctx.device) >= n - kept[:, None]  # padding rows: kept 0, none
         h = model.block_hidden(ctx, valid, seed, p0)
         z = model.head(h)
-        previous, chain = seed, []
+        previous, probs, tokens, confidences = seed, [], [], []
         for i in range(self.max_depth):
             m = markov.embed(previous)
             p2, i2 = model.numerics.top_two(markov.logits(z[:, i], m))
-            step = [p2, i2]
+            probs.append(p2)
+            tokens.append(i2)
             if confidence is not None:
-                step.append(confidence(h[:, i], m)[:, None])
-            chain.append(torch.cat([t.double() for t in step], -1))
+                confidences.append(confidence(h[:, i], m)[:, None])
             previous = i2[:, 0]
-        return h, z, torch.stack(chain, 1)
+        # packed once for the whole chain (a step's own casts and join were launches a step)
+        parts = [probs, tokens] + ([confidences] if confidences else [])
+        return h, z, torch.cat([torch.stack(part, 1).double() for part in parts], -1)
 
     def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
         c, dev = self.config, self.device

@@ -28,7 +28,7 @@ from .config import (
     markov_names,
     weight_table,
 )
-from .modules.attention import Attention
+from .modules.attention import Attention, unseen_keys
 from .modules.heads import ConfidenceHead, Head, MarkovHead
 from .modules.inputs import BlockEmbedding, TapProjection
 from .modules.mix import HyperMix, OutputCollapse
@@ -48,10 +48,10 @@ class DecoderLayer(Module):
         self.ffn_mix = HyperMix(numerics, weights, prefix, "ffn")
         self.moe = MoE(numerics, weights, prefix, experts)
 
-    def __call__(self, residual, carried_pre, positions, ctx, ctx_valid):
+    def __call__(self, residual, carried_pre, positions, ctx, unseen):
         """-> (residual, its FFN's pre weight: the next layer's carried_pre)."""
         x, post, comb, attn_pre = self.attn_mix.pre(residual, carried_pre)
-        residual = self.attn_mix.post(self.attention(x, positions, ctx, ctx_valid), residual, post, comb)
+        residual = self.attn_mix.post(self.attention(x, positions, ctx, unseen), residual, post, comb)
         x, post, comb, ffn_pre = self.ffn_mix.pre(residual, attn_pre)
         return self.ffn_mix.post(self.moe(x), residual, post, comb), ffn_pre
 
@@ -125,10 +125,11 @@ class Dsv41Model(Module):
         c = self.config
         x, _ = self.embedding(seed)
         positions = p0[:, None] + torch.arange(c.block_size, device=p0.device)
+        unseen = unseen_keys(ctx_valid, c.block_size)
         residual = x[..., None, :].expand(*x.shape[:-1], c.hc_mult, x.shape[-1])
         pre = None
         for j, layer in enumerate(self.layers):
-            residual, pre = layer(residual, pre, positions, ctx[:, :, j], ctx_valid)
+            residual, pre = layer(residual, pre, positions, ctx[:, :, j], unseen)
         if self.output_collapse is not None:
             pre = self.output_collapse(residual)
         return self.numerics.collapse(residual, pre)

@@ -11,6 +11,12 @@ from .module import Module, Weights
 from .numerics import Numerics
 
 
+def unseen_keys(ctx_valid: torch.Tensor, block: int) -> torch.Tensor:
+    """The keys no block row sees, [B, C + block], from the context's valid rows [B, C]: the
+    context's padding (the whole block sees itself, both ways). Once a round, for every layer."""
+    return ~torch.cat([ctx_valid, ctx_valid.new_ones(len(ctx_valid), block)], 1)
+
+
 class Attention(Module):
     def __init__(self, numerics: Numerics, weights: Weights, prefix: str):
         super().__init__(numerics)
@@ -28,9 +34,9 @@ class Attention(Module):
         return num.rope(num.norm(self.wkv(x), self.kv_norm), positions)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
-                 ctx_valid: torch.Tensor) -> torch.Tensor:
-        """x [B, W, H] at positions [B, W] over ctx [B, C, D] (ctx_valid [B, C]) and the
-        block's own rows -> [B, W, H]."""
+                 unseen: torch.Tensor) -> torch.Tensor:
+        """x [B, W, H] at positions [B, W] over ctx [B, C, D] and the block's own rows, less
+        the keys `unseen` [B, C + W] (unseen_keys) -> [B, W, H]."""
         num = self.numerics
         c, wide = num.config, num.wide
         b, w, _ = x.shape
@@ -39,12 +45,11 @@ class Attention(Module):
         if c.q_head_norm:
             q = num.norm(q, None)
         q = num.rope(q, positions)
-        keys = torch.cat([ctx.to(x.dtype), self.context_rows(x, positions)], 1)  # [B, C+W, D]
-        scores = torch.einsum("bwhd,bkd->bhwk", q.to(wide), keys.to(wide)) * d ** -0.5
-        seen = torch.cat([ctx_valid, ctx_valid.new_ones(b, w)], 1)  # the whole block, both ways
-        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        keys = torch.cat([ctx.to(x.dtype), self.context_rows(x, positions)], 1).to(wide)  # [B, C+W, D]
+        scores = torch.einsum("bwhd,bkd->bhwk", q.to(wide), keys) * d ** -0.5
+        scores = scores.masked_fill(unseen[:, None, None, :], float("-inf"))
         sink = self.sink.view(1, heads, 1, 1).expand(b, heads, w, 1)
         probs = torch.cat([scores, sink.to(wide)], -1).softmax(-1)[..., :-1]
-        o = torch.einsum("bhwk,bkd->bwhd", probs, keys.to(wide)).to(x.dtype)
+        o = torch.einsum("bhwk,bkd->bwhd", probs, keys).to(x.dtype)
         o = num.rope(o, positions, inverse=True).reshape(b, w, c.o_groups, -1)
         return self.wo_b(self.wo_a(o).flatten(-2))
