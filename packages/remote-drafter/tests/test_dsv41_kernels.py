@@ -164,9 +164,9 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
 
 
 def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
-    """use_kernels compares the kernels with torch on the model's first layer and a row of
-    random logits: they serve when they match, and a kernel that computes something else is
-    refused by name (torch serves on)."""
+    """use_kernels compares the kernels with torch on the model's first layer and rows of
+    random logits (with and without a bias): they serve when they match, and a kernel that
+    computes something else is refused by name (torch serves on)."""
     m = model(loaded, torch.bfloat16)
     assert m.use_kernels() is None and m.numerics.kernels is kernels
     right_post, right_top = kernels.hc_post, kernels.top_two
@@ -176,8 +176,11 @@ def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
     monkeypatch.setattr(kernels, "hc_post", lambda *a: 1 / 0)
     assert m.use_kernels() == "ZeroDivisionError: division by zero" and m.numerics.kernels is None
     monkeypatch.setattr(kernels, "hc_post", right_post)
-    monkeypatch.setattr(kernels, "top_two", lambda x: (right_top(x)[0], right_top(x)[1].flip(-1)))
+    monkeypatch.setattr(kernels, "top_two", lambda x, b=None: (right_top(x, b)[0], right_top(x, b)[1].flip(-1)))
     assert m.use_kernels().startswith("the kernels' top-two tokens") and m.numerics.kernels is None
+    # a kernel that drops the Markov head's bias is refused too
+    monkeypatch.setattr(kernels, "top_two", lambda x, b=None: right_top(x))
+    assert m.use_kernels().startswith("the kernels' biased top-two") and m.numerics.kernels is None
 
 
 @pytest.mark.parametrize("vocab", [129280, 1024, 4097, 3])
@@ -195,6 +198,21 @@ def test_top_two_kernel_is_torchs(vocab):
     assert torch.equal(got_i.cpu(), want_i.cpu())
     assert torch.allclose(got_p.cpu(), want_p.cpu(), rtol=1e-5, atol=1e-12)
     assert got_i[1].tolist() == [vocab // 2, vocab - 1]
+
+
+@pytest.mark.parametrize("vocab", [129280, 4097])
+def test_top_two_kernel_adds_a_bias_as_it_reads_a_row(vocab):
+    """A block's row of logits (rows apart in memory, read in place) plus a bf16 bias, added in
+    float32 as the kernel reads them: the same tokens as pick.top_two of the sum torch makes
+    (one rounding each way: the same logits), the probabilities within float32 rounding."""
+    g = torch.Generator().manual_seed(vocab)
+    block = (torch.randn(4, 3, vocab, generator=g) * 4).to(DEVICE)  # [B, W, V]: row i of each is z[:, i]
+    bias = (torch.randn(4, vocab, generator=g) * 4).to(DEVICE, torch.bfloat16)
+    for i in range(3):
+        want_p, want_i = top_two(block[:, i] + bias.float())
+        got_p, got_i = kernels.top_two(block[:, i], bias)
+        assert torch.equal(got_i.cpu(), want_i.cpu())
+        assert torch.allclose(got_p.cpu(), want_p.cpu(), rtol=1e-5, atol=1e-12)
 
 
 def test_the_launch_counter_counts_a_rounds_kernels_by_line(tmp_path):

@@ -248,7 +248,7 @@ class Dsv41Drafter(Drafter):
         previous, probs, tokens, confidences = seed, [], [], []
         for i in range(self.max_depth):
             m = markov.embed(previous)
-            p2, i2 = model.numerics.top_two(markov.logits(z[:, i], m))
+            p2, i2 = model.numerics.top_two(z[:, i], markov.bias(m))  # = top_two(markov.logits(z[:, i], m))
             probs.append(p2)
             tokens.append(i2)
             if confidence is not None:

@@ -176,12 +176,16 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
 
 
 @triton.jit
-def _top_two_part_kernel(x_ptr, part_ptr, V, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+def _top_two_part_kernel(x_ptr, b_ptr, part_ptr, V, XS, BS, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                         BIAS: tl.constexpr):
     """Program (row, part): its slice's best and second values and tokens, and the sum of
-    exp(x - best) over the slice."""
+    exp(x - best) over the slice; x is the row (XS apart) plus, with BIAS, the bias row (BS
+    apart) in float32, one rounding as torch's add."""
     r, part = tl.program_id(0), tl.program_id(1)
     offs = part * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + r * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + r * XS + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if BIAS:
+        x = x + tl.load(b_ptr + r * BS + offs, mask=offs < V, other=0.0).to(tl.float32)
     v1, i1 = tl.max(x, 0, return_indices=True)
     v2, i2 = tl.max(tl.where(tl.arange(0, BLOCK) == i1, float("-inf"), x), 0, return_indices=True)
     total = tl.where(v1 == float("-inf"), 0.0, tl.sum(tl.exp(x - v1), 0))  # an all -inf slice adds 0
@@ -223,18 +227,21 @@ def _top_two_join_kernel(part_ptr, p_ptr, i_ptr, PARTS: tl.constexpr, PP: tl.con
 TOP_TWO_BLOCK = 4096  # vocabulary slice per program
 
 
-def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (top two probabilities [B, 2] float32, their tokens [B, 2] int64),
-    as pick.top_two at temperature 1."""
+def top_two(logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (+ bias [B, V], added in float32 as it is read) -> (top two
+    probabilities [B, 2] float32, their tokens [B, 2] int64), as pick.top_two at temperature
+    1 of logits + bias.float(). Rows may lie apart (a block's row of logits): no copy."""
     rows, vocab = logits.shape
     if vocab >= 1 << 24:
         raise ValueError(f"a vocabulary of {vocab} tokens: token ids pass through float32, exact below 2**24")
-    x = logits.contiguous()
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    b = x if bias is None else bias if bias.stride(-1) == 1 else bias.contiguous()
     parts = triton.cdiv(vocab, TOP_TWO_BLOCK)
     scratch = torch.empty(rows, parts, 5, dtype=torch.float32, device=x.device)
     probs = torch.empty(rows, 2, dtype=torch.float32, device=x.device)
     tokens = torch.empty(rows, 2, dtype=torch.int64, device=x.device)
-    _top_two_part_kernel[(rows, parts)](x, scratch, vocab, PARTS=parts, BLOCK=TOP_TWO_BLOCK)
+    _top_two_part_kernel[(rows, parts)](x, b, scratch, vocab, x.stride(0), b.stride(0), PARTS=parts,
+                                        BLOCK=TOP_TWO_BLOCK, BIAS=bias is not None)
     _top_two_join_kernel[(rows,)](scratch, probs, tokens, PARTS=parts, PP=triton.next_power_of_2(parts))
     return probs, tokens
 

@@ -168,7 +168,7 @@ class Dsv41Model(Module):
         """What use_kernels compares, every kernel on this model's own weights and shapes:
         layer 0's attention and FFN mixes on a fixed random stream (every collapse the
         variant uses), RoPE there and back at positions up to 300K, the norms with and
-        without a weight, the top two of random logits."""
+        without a weight, the top two of random logits and of logits plus a bias."""
         c, num, layer = self.config, self.numerics, self.layers[0]
         g = torch.Generator().manual_seed(0)
         residual = torch.randn(2, c.block_size, c.hc_mult, c.hidden_size, generator=g).to(self.device, self.dtype)
@@ -186,6 +186,8 @@ class Dsv41Model(Module):
         out["weighted norm"] = num.norm(x, layer.attn_mix.norm_weight)
         logits = torch.randn(3, c.vocab_size, generator=g).to(self.device)
         out["top-two probabilities"], out["top-two tokens"] = num.top_two(logits)
+        bias = torch.randn(3, c.vocab_size, generator=g).to(self.device, self.dtype)
+        out["biased top-two probabilities"], out["biased top-two tokens"] = num.top_two(logits, bias)
         return out
 
     def fuse_exl3_experts(self) -> str | None:

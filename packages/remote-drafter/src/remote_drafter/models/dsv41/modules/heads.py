@@ -34,8 +34,12 @@ class MarkovHead(Module):
         """previous tokens [B] -> m [B, r]."""
         return self.w1[previous]
 
+    def bias(self, m: torch.Tensor) -> torch.Tensor:
+        """m [B, r] -> what the head adds to the base logits, [B, V] (in the weights' dtype)."""
+        return m @ self.w2.T
+
     def logits(self, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return z + (m @ self.w2.T).to(self.numerics.wide)
+        return z + self.bias(m).to(self.numerics.wide)
 
 
 class ConfidenceHead(Module):

@@ -88,10 +88,13 @@ class Numerics:
             positions = positions[..., None]
         return rope(x, positions, c.rope_theta, c.qk_rope_head_dim, self.wide, inverse)
 
-    def top_two(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, V] -> (the two likeliest tokens' probabilities [B, 2], the tokens [B, 2]):
-        a greedy draft is the first."""
-        return self.kernels.top_two(logits) if self.kernels is not None else pick.top_two(logits)
+    def top_two(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] (+ bias [B, V] in `wide`) -> (the two likeliest tokens'
+        probabilities [B, 2], the tokens [B, 2]): a greedy draft is the first. The kernel adds
+        the bias as it reads the logits (no sum written and read back)."""
+        if self.kernels is not None:
+            return self.kernels.top_two(logits, bias)
+        return pick.top_two(logits if bias is None else logits + bias.to(self.wide))
 
     def mixes(self, fn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """fn . x * rsqrt(mean(x^2) + eps) over the whole stream x [..., K*H], in `wide`."""
