@@ -12,8 +12,10 @@ line of remote_drafter that made it. The counted round runs under no_grad in pla
 inference mode, where a dispatch mode would see composite operators whole and casts not at
 all (the arithmetic is the same). On a GPU a few operators launch more than one kernel
 (a sort, a top-k) and cuBLAS may add a split-K reduction, so this is a floor of what a GPU
-profile lists; the routed experts run here as on a CPU (not the grouped GEMMs or the EXL3
-kernels a GPU serves), so their lines are listed apart.
+profile lists. The routed experts run here as on a CPU, a loop over the chosen experts (not
+the grouped GEMMs or the EXL3 kernels a GPU serves): their lines (modules/moe.py's CPU path,
+the dense linears it calls) are the CPU's own, and its `nonzero` and `unique` are counted as
+syncs too, as they would be on a GPU.
 
     python packages/remote-drafter/benchmarks/round_launches.py --batches 1,16 --out round-launches.json
 """
@@ -47,10 +49,11 @@ from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 
 PACKAGE = str(Path(remote_drafter.__file__).parent)
 # operators that launch nothing on a GPU: allocations and metadata
-NO_LAUNCH = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+NO_LAUNCH = {"_unsafe_view", "empty", "empty_permuted", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
              "set_", "resize_", "_reshape_alias", "detach", "alias", "sym_size", "sym_stride",
              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
 SYNC = "_local_scalar_dense"  # .item() and friends: the host waits for the device
+SYNCING = {"nonzero", "_unique2", "masked_select"}  # launch, then the host waits for the result's size
 
 
 def launches_nothing(func) -> bool:
@@ -91,11 +94,16 @@ class LaunchCounter(TorchDispatchMode):
             self.syncs[source_line()] += 1
         elif not launches_nothing(func):
             self.by_op[f"aten.{name}"] += 1
-            self.by_line[source_line()] += 1
+            self.by_line[line := source_line()] += 1
+            if name in SYNCING:
+                self.syncs[line] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("enter the counter outside inference mode: inside it, casts are not seen")
         from triton.runtime.jit import KernelInterface  # JITFunction's and the interpreter's
+        entered = super().__enter__()
         counter, self._original = self, KernelInterface.__getitem__
 
         def launcher(kernel, grid, original=self._original):
@@ -119,7 +127,7 @@ class LaunchCounter(TorchDispatchMode):
         mode.__enter__, mode.__exit__ = (lambda self: None), (lambda self, *exc: None)
         self._no_grad = torch.no_grad()
         self._no_grad.__enter__()
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc):
         from triton.runtime.jit import KernelInterface

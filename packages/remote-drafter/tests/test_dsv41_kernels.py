@@ -213,6 +213,10 @@ def test_top_two_kernel_adds_a_bias_as_it_reads_a_row(vocab):
         got_p, got_i = kernels.top_two(block[:, i], bias)
         assert torch.equal(got_i.cpu(), want_i.cpu())
         assert torch.allclose(got_p.cpu(), want_p.cpu(), rtol=1e-5, atol=1e-12)
+        summed_p, summed_i = kernels.top_two(block[:, i] + bias.float())  # the same logits, bit for bit
+        assert torch.equal(got_p, summed_p) and torch.equal(got_i, summed_i)
+    with pytest.raises(ValueError, match="a bias of shape"):
+        kernels.top_two(block[:, 0], bias[0])
 
 
 def test_the_launch_counter_counts_a_rounds_kernels_by_line(tmp_path):
@@ -242,15 +246,21 @@ def test_the_launch_counter_counts_a_rounds_kernels_by_line(tmp_path):
 
 def test_the_launch_counter_counts_what_reaches_the_device():
     """LaunchCounter on plain code: a cast and a sum counted, a view not, a host read counted
-    as a sync; inference mode works again afterwards (the counter runs under no_grad)."""
+    as a sync, the top-two kernel's two launches and nothing of how the interpreter runs them;
+    inference mode works again afterwards (the counter runs under no_grad)."""
     from benchmark_scripts import load
     script = load("round_launches")
     x = torch.ones(4, dtype=torch.bfloat16)
+    logits = torch.randn(2, 5000).to(DEVICE)
     with script.LaunchCounter() as counter:
         with torch.inference_mode():
             total = x.to(torch.float32).view(2, 2).sum()
             total.item()
-    assert dict(counter.by_op) == {"aten._to_copy": 1, "aten.sum": 1}
-    assert sum(counter.syncs.values()) == 1 and list(counter.by_line) == ["(outside remote_drafter)"]
+        kernels.top_two(logits)  # two launches, not the torch work the interpreter runs them with
+    assert dict(counter.by_op) == {"aten._to_copy": 1, "aten.sum": 1, "triton._top_two_part_kernel": 1,
+                                   "triton._top_two_join_kernel": 1}
+    assert sum(counter.syncs.values()) == 1
+    assert counter.by_line["(outside remote_drafter)"] == 2  # the cast and the sum
+    assert sum(n for line, n in counter.by_line.items() if line.startswith("models/dsv41/kernels.py:")) == 2
     with torch.inference_mode():
         assert torch.is_inference_mode_enabled()

@@ -183,9 +183,10 @@ def _top_two_part_kernel(x_ptr, b_ptr, part_ptr, V, XS, BS, PARTS: tl.constexpr,
     apart) in float32, one rounding as torch's add."""
     r, part = tl.program_id(0), tl.program_id(1)
     offs = part * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + r * XS + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    row = r.to(tl.int64)  # rows W x V apart (a block's) pass 2**31 elements at a few thousand
+    x = tl.load(x_ptr + row * XS + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     if BIAS:
-        x = x + tl.load(b_ptr + r * BS + offs, mask=offs < V, other=0.0).to(tl.float32)
+        x = x + tl.load(b_ptr + row * BS + offs, mask=offs < V, other=0.0).to(tl.float32)
     v1, i1 = tl.max(x, 0, return_indices=True)
     v2, i2 = tl.max(tl.where(tl.arange(0, BLOCK) == i1, float("-inf"), x), 0, return_indices=True)
     total = tl.where(v1 == float("-inf"), 0.0, tl.sum(tl.exp(x - v1), 0))  # an all -inf slice adds 0
@@ -234,6 +235,8 @@ def top_two(logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[tor
     rows, vocab = logits.shape
     if vocab >= 1 << 24:
         raise ValueError(f"a vocabulary of {vocab} tokens: token ids pass through float32, exact below 2**24")
+    if bias is not None and bias.shape != logits.shape:
+        raise ValueError(f"a bias of shape {tuple(bias.shape)} for logits of shape {tuple(logits.shape)}")
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     b = x if bias is None else bias if bias.stride(-1) == 1 else bias.contiguous()
     parts = triton.cdiv(vocab, TOP_TWO_BLOCK)

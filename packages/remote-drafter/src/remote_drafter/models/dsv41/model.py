@@ -186,8 +186,9 @@ class Dsv41Model(Module):
         out["weighted norm"] = num.norm(x, layer.attn_mix.norm_weight)
         logits = torch.randn(3, c.vocab_size, generator=g).to(self.device)
         out["top-two probabilities"], out["top-two tokens"] = num.top_two(logits)
+        block = torch.randn(3, 2, c.vocab_size, generator=g).to(self.device)  # rows apart, as a round's
         bias = torch.randn(3, c.vocab_size, generator=g).to(self.device, self.dtype)
-        out["biased top-two probabilities"], out["biased top-two tokens"] = num.top_two(logits, bias)
+        out["biased top-two probabilities"], out["biased top-two tokens"] = num.top_two(block[:, 1], bias)
         return out
 
     def fuse_exl3_experts(self) -> str | None:
