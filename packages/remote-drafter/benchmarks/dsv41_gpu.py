@@ -90,8 +90,10 @@ def tiny_agreement(rounds: int = 20) -> dict:
     return {"requests": 4 * rounds, "same_greedy_drafts": same, "max_first_prob_diff_t1": diff}
 
 
-def random_drafter(width: str, device: str, dtype: torch.dtype) -> tuple[Dsv41Drafter, int]:
-    """Random weights drawn on `device` (a 30 GB model never passes through host memory)."""
+def random_drafter(width: str, device: str, dtype: torch.dtype,
+                   cuda_graphs: bool = False) -> tuple[Dsv41Drafter, int]:
+    """Random weights drawn on `device` (a 30 GB model never passes through host memory);
+    with cuda_graphs, its rounds captured as a worker serves them."""
     config, gen = width_config(width), torch.Generator(device=device).manual_seed(0)
     weights = {name: tiny.random_values(name, shape, config, gen).to(dtype)
                for name, (shape, _) in weight_table(config).items()}
@@ -100,7 +102,7 @@ def random_drafter(width: str, device: str, dtype: torch.dtype) -> tuple[Dsv41Dr
     del weights
     tag = f"random-{width}"
     manifest = Manifest(target=tag, tokenizer=tag, drafter=tag, markov=tag, kind=Dsv41Drafter.kind)
-    return Dsv41Drafter(model, manifest, device), weight_bytes
+    return Dsv41Drafter(model, manifest, device, cuda_graphs=cuda_graphs), weight_bytes
 
 
 def synchronize(device: str) -> None:
@@ -207,9 +209,7 @@ def worker_process(script: str, *args: str) -> tuple[subprocess.Popen, str]:
 def serve(width: str, device: str, graphs: str) -> None:
     """`measure_own_process`'s worker: the random drafter at `width` in bf16 (in CUDA graphs
     when `graphs` is "graphs"), over tcp until stdin closes."""
-    drafter, _ = random_drafter(width, device, torch.bfloat16)
-    if graphs == "graphs":
-        drafter = Dsv41Drafter(drafter.model, drafter.manifest(), device, cuda_graphs=True)
+    drafter, _ = random_drafter(width, device, torch.bfloat16, cuda_graphs=graphs == "graphs")
     with Worker(drafter, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         print(worker.address, flush=True)
         sys.stdin.read()

@@ -49,9 +49,10 @@ from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 
 PACKAGE = str(Path(remote_drafter.__file__).parent)
 # operators that launch nothing on a GPU: allocations and metadata
-NO_LAUNCH = {"_unsafe_view", "empty", "empty_permuted", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
-             "set_", "resize_", "_reshape_alias", "detach", "alias", "sym_size", "sym_stride",
-             "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+NO_LAUNCH = {"_unsafe_view", "empty", "empty_permuted", "empty_strided", "empty_like", "new_empty",
+             "new_empty_strided", "lift_fresh", "set_", "resize_", "_reshape_alias", "detach", "alias",
+             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+             "_has_compatible_shallow_copy_type"}
 SYNC = "_local_scalar_dense"  # .item() and friends: the host waits for the device
 SYNCING = {"nonzero", "_unique2", "masked_select"}  # launch, then the host waits for the result's size
 
@@ -69,7 +70,7 @@ def launches_nothing(func) -> bool:
 def source_line() -> str:
     """file:line of the innermost frame in remote_drafter (relative to the package)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename.startswith(PACKAGE) and not frame.filename.endswith("round_launches.py"):
+        if frame.filename.startswith(PACKAGE):
             return f"{os.path.relpath(frame.filename, PACKAGE)}:{frame.lineno}"
     return "(outside remote_drafter)"
 

@@ -2,8 +2,8 @@
 forward (protocol, row conversions, histories, per-request Python). By default (any CPU) with
 a stub drafter whose `draft` returns fixed drafts at once and whose rows are as wide as
 DeepSeek-V4.1-Flash's taps (3 x 4,096), so the payload is the production one (bf16 rows on
-the wire). The rows
-bf16 from the engine to the worker's histories, as a bf16 target and drafter keep them; then
+the wire). The rows bf16 from the engine to the worker's histories, as a bf16 target and
+drafter keep them; then
 float32 on both hosts, cast to bf16 for the wire and back (the baseline, in the same run).
 Local (the service in process), a worker over tcp loopback in a thread of this process, and
 one in its own process (as deployed: the engine's and the worker's Python never share a
@@ -56,7 +56,6 @@ from remote_drafter.engine.history import History  # noqa: E402
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.engine.rows import DTYPES  # noqa: E402
 from remote_drafter.engine.transport import LocalTransport, RemoteTransport  # noqa: E402
-from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.worker import service as service_module  # noqa: E402
 from remote_drafter.worker.server import Worker  # noqa: E402
 from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
@@ -134,15 +133,12 @@ def stub_drafter(rows: str):
     return d
 
 
-def flash_drafter():
-    """The random Flash-width drafter in bf16 on the GPU, its rounds in CUDA graphs (as a
-    worker serves it)."""
-    d, _ = random_drafter("flash", "cuda", torch.bfloat16)
-    return Dsv41Drafter(d.model, d.manifest(), "cuda", cuda_graphs=True)
-
-
 def make_drafter(kind: str, row_dtype: str):
-    return flash_drafter() if kind == "flash" else stub_drafter(row_dtype)
+    """The stub; or (flash) the random Flash-width drafter in bf16 on the GPU, its rounds in
+    CUDA graphs, as a worker serves it."""
+    if kind == "flash":
+        return random_drafter("flash", "cuda", torch.bfloat16, cuda_graphs=True)[0]
+    return stub_drafter(row_dtype)
 
 
 def serve(kind: str, row_dtype: str) -> None:

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 
 def parse(text: str, where: str = "env file") -> dict[str, str]:
     values, known = {}, declared()  # once a file: it imports and walks every component's list
+    not_installed = unchecked(known)
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -53,7 +54,7 @@ def parse(text: str, where: str = "env file") -> dict[str, str]:
                               f"component variable ({', '.join(COMPONENT_PREFIXES)}*)")
         if key.startswith("STACK_") and key not in BY_NAME:
             raise ConfigError(f"{where}:{number}: unknown setting {key} (dsv41-stack env lists them)")
-        if key not in known and not key.startswith(unchecked(known)):
+        if key not in known and not key.startswith(not_installed):
             raise ConfigError(f"{where}:{number}: {key} is not a variable its component declares "
                               "(misspelled? dsv41-stack env lists them)")
         if key in known and (why := known[key].problem(value)):

@@ -32,7 +32,6 @@ def json_object(text: str) -> dict:
     return value
 
 
-
 def cmd_selftest(args) -> int:
     h = Handoff(HandoffConfig.from_env(), args.adapter, args.adapter_config)
     t = time.perf_counter()

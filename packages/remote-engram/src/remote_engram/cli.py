@@ -35,7 +35,6 @@ def geometry_from(args) -> EngramGeometry:
                           prime_start=args.prime_start)
 
 
-
 def add_geometry(p: argparse.ArgumentParser, prime_start: int = 16_000_000) -> None:
     g = p.add_argument_group("geometry (defaults: DeepSeek-V4.1-Flash)")
     g.add_argument("--layers", type=int, nargs="+", default=[1, 14])

@@ -254,7 +254,7 @@ class Dsv41Drafter(Drafter):
             if confidence is not None:
                 confidences.append(confidence(h[:, i], m)[:, None])
             previous = i2[:, 0]
-        # packed once for the whole chain (a step's own casts and join were launches a step)
+        # packed once for the whole chain: casting and joining each step's would launch a kernel each
         parts = [probs, tokens] + ([confidences] if confidences else [])
         return h, z, torch.cat([torch.stack(part, 1).double() for part in parts], -1)
 

@@ -228,6 +228,12 @@ def _top_two_join_kernel(part_ptr, p_ptr, i_ptr, PARTS: tl.constexpr, PP: tl.con
 TOP_TWO_BLOCK = 4096  # vocabulary slice per program
 
 
+def _rows_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t itself when each row is contiguous (rows may lie apart: the kernel takes a row
+    stride), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def top_two(logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (+ bias [B, V], added in float32 as it is read) -> (top two
     probabilities [B, 2] float32, their tokens [B, 2] int64), as pick.top_two at temperature
@@ -237,8 +243,8 @@ def top_two(logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[tor
         raise ValueError(f"a vocabulary of {vocab} tokens: token ids pass through float32, exact below 2**24")
     if bias is not None and bias.shape != logits.shape:
         raise ValueError(f"a bias of shape {tuple(bias.shape)} for logits of shape {tuple(logits.shape)}")
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    b = x if bias is None else bias if bias.stride(-1) == 1 else bias.contiguous()
+    x = _rows_in_place(logits)
+    b = x if bias is None else _rows_in_place(bias)
     parts = triton.cdiv(vocab, TOP_TWO_BLOCK)
     scratch = torch.empty(rows, parts, 5, dtype=torch.float32, device=x.device)
     probs = torch.empty(rows, 2, dtype=torch.float32, device=x.device)

@@ -89,7 +89,7 @@ class Numerics:
         return rope(x, positions, c.rope_theta, c.qk_rope_head_dim, self.wide, inverse)
 
     def top_two(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, V] (+ bias [B, V] in `wide`) -> (the two likeliest tokens'
+        """logits [B, V] (+ bias [B, V], any float dtype, added in `wide`) -> (the two likeliest tokens'
         probabilities [B, 2], the tokens [B, 2]): a greedy draft is the first. The kernel adds
         the bias as it reads the logits (no sum written and read back)."""
         if self.kernels is not None:
