@@ -24,7 +24,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
   # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
-  # layer against exllamav3's BlockSparseMLP
+  # layer against exllamav3's BlockSparseMLP, =round a change to the round (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -76,6 +76,21 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer.json" \
       --profile "$OUT/exl3-moe-layer-profile.txt"
     [[ $ONLY_DRAFTER_ROUND == moe ]] && exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == round ]]; then  # =round: the round's GPU tests (its kernels, the
+    # drafter eager and graphed) while exllamav3 builds beside them (~5 min), then =ab without its
+    # tests and =upstream: one call for a change to the round
+    python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" > "$OUT/exllamav3-build.log" 2>&1 &
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py \
+      packages/remote-drafter/tests/test_dsv41_drafter.py packages/remote-drafter/tests/test_drafter_gpu.py \
+      2>&1 | tail -8 | tee "$OUT/round-gpu-pytest.txt" || echo "== tests failed (above); the timing goes on"
+    wait
+    tail -2 "$OUT/exllamav3-build.log"
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
+      --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
+      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tee "$OUT/moe-layer-vs-blocksparse.log" | tail -8
+    exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == ab || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =ab: the fused
     # experts' GPU tests (exllamav3's build, ~5 min, comes with them), then the EXL3 round as
