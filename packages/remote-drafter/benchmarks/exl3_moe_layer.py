@@ -77,7 +77,6 @@ def routing(rows: int, chosen: int, experts: int, top_k: int, gen) -> tuple[torc
 def products_only(moe: TritonExl3Experts, x, weights, experts, splits: int | None = None) -> callable:
     """The call's three grouped products alone (inputs prepared once, as the call prepares them),
     the input split as the layer splits it or into `splits`."""
-    _, experts = moe.with_shared(weights, experts)
     plan = moe.plan(experts)
     xs = x.half()[plan.row_of_slot]
     act = torch.randn(len(xs), moe.down.in_features, device=x.device).half()

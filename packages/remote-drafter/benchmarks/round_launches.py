@@ -17,6 +17,10 @@ the grouped GEMMs or the EXL3 kernels a GPU serves): their lines (modules/moe.py
 the dense linears it calls) are the CPU's own, and its `nonzero` and `unique` are counted as
 syncs too, as they would be on a GPU.
 
+`--experts` counts one MoE layer of our EXL3 experts' kernels apart (models/exl3_triton_experts.py,
+which a GPU serves and this round does not reach): random trellis bytes at a small width (the
+count does not depend on it), its call planned by the plan's kernel and by torch's sort.
+
     python packages/remote-drafter/benchmarks/round_launches.py --batches 1,16 --out round-launches.json
 """
 
@@ -163,11 +167,40 @@ def count_round(drafter: Dsv41Drafter, batch: int) -> LaunchCounter:
     return counter
 
 
+def count_experts(rows: int, top_k: int = 6, experts: int = 16, width: int = 256) -> dict[str, dict]:
+    """One call of our EXL3 experts' layer on `rows` rows (each choosing top_k of `experts`,
+    plus the shared expert), after a warm one: {"plan kernel" | "torch sort": its launches by op}."""
+    import numpy as np
+
+    from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts
+    rng, dev = np.random.default_rng(0), "cuda" if torch.cuda.is_available() else "cpu"
+
+    def linear(n_in, n_out):
+        return Stored(*(torch.from_numpy(a).to(dev) for a in (
+            rng.integers(-2**15, 2**15, (n_in // 16, n_out // 16, 64), dtype=np.int16),
+            np.ones(n_in, np.float16), np.full(n_out, 0.01, np.float16))))
+    three = [(linear(width, 128), linear(width, 128), linear(128, width)) for _ in range(experts + 1)]
+    layer = TritonExl3Experts(three[:-1], three[-1], 7.0)
+    x = torch.from_numpy(rng.standard_normal((rows, width)).astype(np.float16)).to(dev)
+    chosen = torch.stack([torch.randperm(experts)[:top_k] for _ in range(rows)]).to(dev)
+    weights = torch.full((rows, top_k), 1 / top_k, device=dev)
+    out = {}
+    for name, refusal in (("plan kernel", None), ("torch sort", "counted against")):
+        layer.plan_refusal = refusal
+        layer(x, weights, chosen)
+        with LaunchCounter() as counter:
+            layer(x, weights, chosen)
+        out[name] = {"launches": counter.total, "by_op": dict(counter.by_op.most_common())}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16", help="requests per round (default: %(default)s)")
     ap.add_argument("--top", type=int, default=25, help="source lines printed (default: %(default)s)")
     ap.add_argument("--out", default="round-launches.json", help="JSON results (default: %(default)s)")
+    ap.add_argument("--experts", action="store_true", help="also one MoE layer of our EXL3 experts' "
+                    "kernels at each batch's block rows, planned by its kernel and by torch's sort")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     drafter = tiny_drafter(device)
@@ -182,6 +215,10 @@ def main(argv=None) -> int:
               f" Triton), {sum(c.syncs.values())} host syncs")
         for line, n in c.by_line.most_common(args.top):
             print(f"  {n:5d}  {line}")
+        if args.experts:
+            counts = result["batches"][batch]["exl3_experts_layer"] = count_experts(batch * drafter.model.config.block_size)
+            print("  one MoE layer of our EXL3 experts: " + ", ".join(f"{k} {v['launches']} launches"
+                                                                     for k, v in counts.items()))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

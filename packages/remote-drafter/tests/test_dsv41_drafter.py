@@ -502,6 +502,8 @@ def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
     assert len(model.layers) > 1
 
     class Tunable:
+        plan_refusal = None  # the plan's kernel serves
+
         def tune(self, samples):
             self.tuned = {x.shape[0]: {"nt": 8, "num_warps": 4, "fill": 32} for x, _, _ in samples}
     stand_in_experts(model, lambda j: Tunable())
@@ -509,6 +511,9 @@ def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
     assert why is None and described == "exl3 fused (ours at [5, 10] rows, exllamav3's at no rows)"
     first = model.layers[0].moe.experts.ours.tuned
     assert set(first) == {5, 10} and all(layer.moe.experts.ours.tuned == first for layer in model.layers)
+    model.layers[0].moe.experts.ours.plan_refusal = "RuntimeError: no such instruction"  # status says so
+    assert model.layers[0].moe.experts.describe() == ("exl3 fused (ours at [5, 10] rows, exllamav3's at no rows; "
+                                                      "ours sort with torch: RuntimeError: no such instruction)")
     stand_in_experts(model, lambda j: Tunable() if j else None)
     for mode in ("ours", "auto"):
         described, why = model.choose_expert_kernels([5, 10], mode)

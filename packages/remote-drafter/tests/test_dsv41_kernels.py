@@ -153,7 +153,7 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
     if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
         assert m.use_kernels() is None
     fused = Dsv41Drafter(m, MANIFEST, DEVICE)
-    assert fused.describe()["round_kernels"] == "triton (mHC, RoPE, norms, top two)"
+    assert fused.describe()["round_kernels"] == "triton (mHC, RoPE, norms, routers, top two)"
     got = fused.draft(requests, False)
     assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in got]
     assert np.allclose([a.own_probs for a in want], [b.own_probs for b in got], atol=1e-4)
@@ -181,6 +181,31 @@ def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
     # a kernel that drops the Markov head's bias is refused too
     monkeypatch.setattr(kernels, "top_two", lambda x, b=None: right_top(x))
     assert m.use_kernels().startswith("the kernels' biased top-two") and m.numerics.kernels is None
+    monkeypatch.setattr(kernels, "top_two", right_top)
+    right_route = kernels.route  # and a router that drops the gate's bias
+    monkeypatch.setattr(kernels, "route", lambda x, bias, *a: right_route(x, None, *a))
+    assert m.use_kernels().startswith("the kernels' routing weights") and m.numerics.kernels is None
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_kernel_is_the_torch_router(loaded, scoring, norm):
+    """Layer 0's router with the kernel and in torch, at every scoring function, with and
+    without renormalising: the same experts in the same order, the weights within float32
+    rounding, on rows whose products with the gate reach far past softplus's threshold of 20
+    both ways (where log(1 + exp(x)) alone would lose what log1p keeps)."""
+    m = model(loaded, scoring_func=scoring, norm_topk_prob=norm)
+    moe = m.layers[0].moe
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(9, m.config.hidden_size, generator=g).to(DEVICE)
+    rows[0] *= 60 / float((rows[0] @ moe.gate.T.float()).abs().max())
+    rows[1] = -rows[0]  # products past softplus's threshold of 20, and as far below zero
+    want, got = both(m, moe.route, rows)
+    assert torch.equal(got[1].cpu(), want[1].cpu()) and got[1].dtype == torch.int64
+    assert got[0].dtype == want[0].dtype == torch.float32
+    assert torch.allclose(got[0].cpu(), want[0].cpu(), rtol=2e-6, atol=0)
+    logits = (rows @ moe.gate.T).float()
+    assert logits.max() > 20 and logits.min() < -20
 
 
 @pytest.mark.parametrize("vocab", [129280, 1024, 4097, 3])
@@ -242,6 +267,17 @@ def test_the_launch_counter_counts_a_rounds_kernels_by_line(tmp_path):
     assert r["launches"] == sum(ops.values()) == sum(r["by_line"].values())
     assert all(line.startswith("models/") for line in r["by_line"])
     assert KernelInterface.__getitem__ is getitem
+
+
+def test_the_launch_counter_counts_our_exl3_experts_layer_in_eight_launches():
+    """round_launches.count_experts: with the plan's kernel our EXL3 experts' layer is its seven
+    kernels and the plan (one), where torch's sort takes some two dozen launches more."""
+    from benchmark_scripts import load
+    counts = load("round_launches").count_experts(5)
+    assert counts["plan kernel"]["by_op"] == {"triton._expert_tiles_kernel": 3, "triton._rows_in_kernel": 2,
+                                              "triton._plan_kernel": 1, "triton._activation_kernel": 1,
+                                              "triton._combine_kernel": 1}
+    assert counts["torch sort"]["launches"] >= 8 + 20 and "aten.sort" in counts["torch sort"]["by_op"]
 
 
 def test_the_launch_counter_counts_what_reaches_the_device():

@@ -105,12 +105,12 @@ def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
     rng = np.random.default_rng(6)
     rows, k, splits = 7, 2, 2
     x = torch.from_numpy(rng.standard_normal((rows, H)).astype(np.float16)).to(DEVICE)
-    weights, experts = moe.with_shared(torch.from_numpy(rng.random((rows, k)).astype(np.float32)).to(DEVICE),
-                                       torch.from_numpy(np.stack([rng.choice(3, k, replace=False)
-                                                                  for _ in range(rows)])).to(DEVICE))
+    weights = torch.from_numpy(rng.random((rows, k)).astype(np.float32)).to(DEVICE)
+    experts = torch.from_numpy(np.stack([rng.choice(3, k, replace=False) for _ in range(rows)])).to(DEVICE)
     plan = moe.plan(experts)
     e, had = plan.expert_of_slot, exl3_triton.hadamard(DEVICE)
-    assert torch.equal(e[plan.slot_of], experts.reshape(-1))  # slot_of inverts the sort
+    with_shared = torch.cat([experts, torch.full((rows, 1), 3, device=DEVICE)], 1)  # the shared expert: 3
+    assert torch.equal(e[plan.slot_of], with_shared.reshape(-1))  # slot_of inverts the sort
 
     def close(got, want, ulps):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -126,9 +126,50 @@ def test_the_fused_rotations_equal_torchs_rotations_around_the_product():
     # down's sums past fp16's range (the split rotation scales each row into it)
     y = torch.from_numpy(rng.standard_normal((splits, len(e), H)).astype(np.float32) * 3e5).to(DEVICE)
     order = plan.slot_of.argsort()  # each slot's (row, choice)
-    slots = exl3_triton.rotated_out(y.sum(0), moe.down.svh[e], had) * weights.reshape(-1)[order][:, None]
+    slot_weights = torch.cat([weights, torch.ones((rows, 1), device=DEVICE)], 1)  # the shared expert's: 1
+    slots = exl3_triton.rotated_out(y.sum(0), moe.down.svh[e], had) * slot_weights.reshape(-1)[order][:, None]
     want = torch.empty_like(slots).index_copy_(0, order, slots)
-    close(layer_kernels._combine(y, plan, weights, moe.down.svh), want.view(rows, k + 1, H).sum(1), 1e-5)
+    close(layer_kernels._combine(y, plan, weights, moe.down.svh, True), want.view(rows, k + 1, H).sum(1), 1e-5)
+
+
+@pytest.mark.parametrize("rows,k,shared", [(1, 6, True), (16, 6, True), (80, 6, True), (80, 8, False)])
+def test_the_plans_kernel_is_torchs_sort_exactly(rows, k, shared):
+    """_plan_kernel (one launch) against _torch_plan (argsort, counts, scans, searches) at the
+    Flash width's 256 experts: every field equal, on routings with a row repeating one expert
+    (an expert-parallel slice's, a graph's padding row), one expert many rows chose (several
+    work items) and the bound's padding items spanning several of the kernel's blocks."""
+    gen = torch.Generator().manual_seed(rows + k)
+    total = 256 + shared
+    experts = torch.randint(0, 256, (rows, k), generator=gen)
+    experts[:, 0] = 7  # every row: more than one work item of one expert
+    experts[-1] = 3    # a row of one expert k times
+    experts = experts.to(DEVICE)
+    bound = exl3_triton.max_items(rows * (k + shared), total)
+    got = layer_kernels._flat(layer_kernels._device_plan(experts, total, shared, bound))
+    want = layer_kernels._flat(layer_kernels._torch_plan(experts, total, shared, bound))
+    assert bound > layer_kernels.PLAN_BLOCK or rows == 1
+    for name, a, b in zip(layer_kernels.PLAN_PARTS, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_a_plan_kernel_that_fails_leaves_torchs_sort_serving_and_says_why(monkeypatch, caplog):
+    """The plan's kernel is checked against torch's at construction: one that fails (or differs)
+    is refused with a warning and the reason kept, and the layer's sums are the same."""
+    routed, shared, moe = layer(10, experts=3)
+    rng = np.random.default_rng(10)
+    x = torch.from_numpy(rng.standard_normal((5, H)).astype(np.float16)).to(DEVICE)
+    weights = torch.from_numpy(rng.random((5, 2)).astype(np.float32)).to(DEVICE)
+    chosen = torch.from_numpy(np.stack([rng.choice(3, 2, replace=False) for _ in range(5)])).to(DEVICE)
+    assert moe.plan_refusal is None
+    fast = moe(x, weights, chosen)
+
+    def broken(experts, total, shared, bound):
+        raise RuntimeError("no such instruction on this GPU")
+    monkeypatch.setattr(layer_kernels, "_device_plan", broken)
+    refused = TritonExl3Experts(routed, shared, LIMIT)
+    assert refused.plan_refusal == "RuntimeError: no such instruction on this GPU"
+    assert "plan each call with torch's sort" in caplog.text
+    assert torch.equal(refused(x, weights, chosen), fast)
 
 
 def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():

@@ -5,7 +5,8 @@ kernels), with no host synchronisation either, so a CUDA graph captures it:
 
 1. the (row, expert) slots sorted by expert on the device and cut into work items of up to 16
    slots of one expert, so that the kernel's grid spans the slots, not every expert, and an
-   expert many rows chose (the shared one) is spread over as many programs;
+   expert many rows chose (the shared one) is spread over as many programs: one kernel
+   (`_plan_kernel`, a counting sort) where it matched torch's sort at start-up, else torch's;
 2. gate and up: each slot's row gathered, times its expert's suh and rotated (128-point
    Hadamard blocks) in one kernel (`_rows_in_kernel`), then the grouped product;
 3. one kernel (`_activation_kernel`) per 16 slots and 128 intermediate columns: the split's
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
 SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
+PLAN_BLOCK = 64  # slots (and work items) the plan's kernel takes at a time
 
 
 class Stored(NamedTuple):
@@ -89,7 +91,8 @@ class _Projection:
 
 class _Plan(NamedTuple):
     """A call's slots by expert, on the device: `row_of_slot`, `expert_of_slot` for each slot in
-    sorted order, `slot_of` each (row, choice)'s slot in it; `items` the work items
+    sorted order, `slot_of` each (row, choice)'s slot in it (the shared expert a row's last
+    choice); `items` the work items
     (exl3_triton.work_items), `counts` and `starts` where each expert's slots lie; `sms` the
     GPU's multiprocessors, `kernel` the product's configuration for this call's row count
     (TritonExl3Experts.CONFIGS' form), `signs` the rotation's signs (fp16 ±1)."""
@@ -147,6 +150,8 @@ class TritonExl3Experts:
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.signs = (exl3_triton.hadamard(device) * HAD ** 0.5).round().half()  # the rotation's, exact
+        self.plan_refusal = None
+        self.plan_refusal = self._check_plan()  # None: the plan's kernel serves
 
     @classmethod
     def of(cls, routed: list, shared, limit: float | None) -> TritonExl3Experts:
@@ -163,17 +168,37 @@ class TritonExl3Experts:
         return cls([stored(e) for e in routed], None if shared is None else stored(shared), limit)
 
     def plan(self, experts: torch.Tensor) -> _Plan:
-        """The slots of `experts` ([rows, k]) sorted by expert, on the device."""
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
+        """The slots of the chosen `experts` ([rows, k]) and the shared expert's, sorted by
+        expert (stably: a row's slots of one expert in row order), on the device."""
+        rows, k = experts.shape
         total = self.experts + self.has_shared
-        counts = torch.zeros(total + 1, dtype=torch.int32, device=flat.device)  # + the padding expert
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        starts = counts.cumsum(0, dtype=torch.int32) - counts
-        items = exl3_triton.work_items(counts, exl3_triton.max_items(len(flat), total))
-        slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
-        return _Plan(order // experts.shape[1], flat[order], slot_of, items, counts, starts, self.sms,
-                     self.config_at(experts.shape[0]), self.signs)
+        slots = rows * (k + self.has_shared)
+        if self.plan_refusal is None:
+            parts = _device_plan(experts.contiguous(), total, self.has_shared, exl3_triton.max_items(slots, total))
+        else:
+            parts = _torch_plan(experts, total, self.has_shared, exl3_triton.max_items(slots, total))
+        return _Plan(*parts, self.sms, self.config_at(rows), self.signs)
+
+    def _check_plan(self) -> str | None:
+        """None if the plan's kernel gives torch's plan on routings with repeated experts and
+        padding items (the worker's start-up, outside any graph), else why not: torch's then
+        serves, and a warning says so."""
+        gen, dev = torch.Generator().manual_seed(0), self.gate.table.device
+        total = self.experts + self.has_shared
+        try:
+            for rows, k in ((1, 1), (5, 3), (37, 8)):
+                experts = torch.randint(0, self.experts, (rows, k), generator=gen).to(dev)
+                experts[-1] = experts[0, 0]  # a row choosing one expert k times (a slice's, a padding row's)
+                bound = exl3_triton.max_items(rows * (k + self.has_shared), total)
+                got, want = (plan(experts, total, self.has_shared, bound) for plan in (_device_plan, _torch_plan))
+                for name, a, b in zip(PLAN_PARTS, _flat(got), _flat(want)):
+                    if not torch.equal(a, b):
+                        raise ValueError(f"its {name} differs from torch's at {rows} rows, {k} choices")
+        except Exception as exc:  # noqa: BLE001 - torch's plan serves, the reason logged and shown
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("our expert kernels plan each call with torch's sort (the plan's kernel cannot serve: %s)", why)
+            return why
+        return None
 
     @torch.inference_mode()
     def tune(self, samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[int, dict]:
@@ -208,23 +233,104 @@ class TritonExl3Experts:
             return self.kernel
         return self.tuned[bucket_for(self.tuned, rows, max(self.tuned))]
 
-    def with_shared(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routing with the shared expert as one more chosen expert, of weight 1, on every row."""
-        if not self.has_shared:
-            return weights, experts
-        rows = experts.shape[0]
-        every = torch.full((rows, 1), self.experts, dtype=experts.dtype, device=experts.device)
-        return (torch.cat([weights.float(), torch.ones((rows, 1), device=weights.device)], 1),
-                torch.cat([experts, every], 1))
-
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.with_shared(weights, experts)
         plan = self.plan(experts)
         x = x.contiguous()
         g = self.gate.partials(_rows_in(x, plan, self.gate.suh), plan)
         u = self.up.partials(_rows_in(x, plan, self.up.suh), plan)
         y = self.down.partials(_activation(g, u, plan, self.gate.svh, self.up.svh, self.down.suh, self.limit), plan)
-        return _combine(y, plan, weights.float().contiguous(), self.down.svh)
+        return _combine(y, plan, weights.float().contiguous(), self.down.svh, self.has_shared)
+
+
+PLAN_PARTS = ("row_of_slot", "expert_of_slot", "slot_of", "item experts", "item rows", "counts", "starts")
+
+
+def _flat(plan: tuple) -> tuple:
+    """A plan's first six fields as PLAN_PARTS' seven tensors (the items are two)."""
+    return (*plan[:3], *plan[3], *plan[4:])
+
+
+def _torch_plan(experts: torch.Tensor, total: int, shared: bool, bound: int) -> tuple:
+    """_Plan's first six fields in torch (sort, counts, scans, searches): `total` experts, the
+    shared one (`shared`: the last) a further choice of every row, then the padding expert."""
+    rows = experts.shape[0]
+    if shared:
+        experts = torch.cat([experts, torch.full((rows, 1), total - 1, dtype=experts.dtype, device=experts.device)], 1)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(total + 1, dtype=torch.int32, device=flat.device)  # + the padding expert
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    starts = counts.cumsum(0, dtype=torch.int32) - counts
+    items = exl3_triton.work_items(counts, bound)
+    slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    return order // experts.shape[1], flat[order], slot_of, items, counts, starts
+
+
+def _device_plan(experts: torch.Tensor, total: int, shared: bool, bound: int) -> tuple:
+    """_torch_plan's result in one launch of _plan_kernel (experts contiguous int64)."""
+    rows, k = experts.shape
+    slots, dev = rows * (k + shared), experts.device
+    long = dict(dtype=torch.int64, device=dev)
+    row_of_slot, expert_of_slot, slot_of = (torch.empty(slots, **long) for _ in range(3))
+    counts, starts = (torch.empty(total + 1, dtype=torch.int32, device=dev) for _ in range(2))
+    items = (torch.empty(bound, **long), torch.empty(bound, dtype=torch.int32, device=dev))
+    _plan_kernel[(1,)](experts, rows, k, total, bound, counts, starts, row_of_slot, expert_of_slot, slot_of,
+                       *items, SHARED=shared, E=triton.next_power_of_2(total + 1), B=PLAN_BLOCK,
+                       ITEM=exl3_triton.ITEM_ROWS)
+    return row_of_slot, expert_of_slot, slot_of, items, counts, starts
+
+
+@triton.jit
+def _expert_of(experts_ptr, i, slots, k, total, SHARED: tl.constexpr):
+    """The expert of flat slots i ((row, choice), row-major; the shared expert, total - 1, a
+    row's last choice under SHARED), -1 past the slots."""
+    kk = k + SHARED
+    row = i // kk
+    j = i - row * kk
+    e = tl.load(experts_ptr + row.to(tl.int64) * k + j, mask=(i < slots) & (j < k), other=0).to(tl.int32)
+    if SHARED:
+        e = tl.where(j == k, total - 1, e)
+    return tl.where(i < slots, e, -1)
+
+
+@triton.jit
+def _plan_kernel(experts_ptr, rows, k, total, bound, counts_ptr, starts_ptr, row_of_slot_ptr, expert_of_slot_ptr,
+                 slot_of_ptr, item_expert_ptr, item_row_ptr, SHARED: tl.constexpr, E: tl.constexpr,
+                 B: tl.constexpr, ITEM: tl.constexpr):
+    """One program, _torch_plan's plan: each expert's slots counted (the padding expert's,
+    `total`, none), a slot's place its expert's start plus the slots of that expert before it
+    (a stable counting sort), then the work items of ITEM slots (exl3_triton.work_items) up to
+    `bound`."""
+    slots = rows * (k + SHARED)
+    e_ids = tl.arange(0, E)
+    counts = tl.zeros([E], tl.int32)
+    for c in range(0, slots, B):
+        ex = _expert_of(experts_ptr, c + tl.arange(0, B), slots, k, total, SHARED)
+        counts += tl.sum((ex[:, None] == e_ids[None, :]).to(tl.int32), 0)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(counts_ptr + e_ids, counts, mask=e_ids <= total)
+    tl.store(starts_ptr + e_ids, starts, mask=e_ids <= total)
+    for c in range(0, slots, B):
+        i = c + tl.arange(0, B)
+        ex = _expert_of(experts_ptr, i, slots, k, total, SHARED)
+        at = tl.sum(tl.where(e_ids[None, :] == ex[:, None], starts[None, :], 0), 1)
+        for d in range(0, c + B, B):  # the slots of the same expert before each
+            j = d + tl.arange(0, B)
+            ey = _expert_of(experts_ptr, j, slots, k, total, SHARED)
+            at += tl.sum(((ey[None, :] == ex[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), 1)
+        live = i < slots
+        tl.store(slot_of_ptr + i, at.to(tl.int64), mask=live)
+        tl.store(row_of_slot_ptr + at, (i // (k + SHARED)).to(tl.int64), mask=live)
+        tl.store(expert_of_slot_ptr + at, ex.to(tl.int64), mask=live)
+    ends = tl.cumsum((counts + ITEM - 1) // ITEM, 0)  # each expert's last item, past its end
+    for c in range(0, bound, B):
+        item = c + tl.arange(0, B)
+        passed = (ends[None, :] <= item[:, None]) & (e_ids[None, :] <= total)  # experts wholly before
+        expert = tl.minimum(tl.sum(passed.to(tl.int32), 1), total)
+        first = tl.max(tl.where(passed, ends[None, :], 0), 1)  # the item's expert's first item
+        live = item < bound
+        tl.store(item_expert_ptr + item, expert.to(tl.int64), mask=live)
+        tl.store(item_row_ptr + item, (item - first) * ITEM, mask=live)
 
 
 _RSQRT_HAD = tl.constexpr(float(HAD) ** -0.5)
@@ -300,15 +406,16 @@ def _activation_kernel(g_ptr, u_ptr, splits, slots, features, expert_of_slot_ptr
 
 @triton.jit
 def _combine_kernel(y_ptr, splits, slots, features, slot_of_ptr, expert_of_slot_ptr, weights_ptr, svh_ptr, signs_ptr,
-                    out_ptr, k, K: tl.constexpr):
-    """Program (row, 128-output block): each of the row's k slots summed over the split, rotated
-    back, times svh and its routing weight; the slots added (fp32)."""
+                    out_ptr, k, K: tl.constexpr, SHARED: tl.constexpr):
+    """Program (row, 128-output block): each of the row's k slots (SHARED: and the shared
+    expert's, its last, of weight 1) summed over the split, rotated back, times svh and its
+    routing weight; the slots added (fp32)."""
     r = tl.program_id(0)
     j = tl.arange(0, K)
-    live = j < k
-    slot = tl.load(slot_of_ptr + r * k + j, mask=live, other=0).to(tl.int64)
+    live = j < k + SHARED
+    slot = tl.load(slot_of_ptr + r * (k + SHARED) + j, mask=live, other=0).to(tl.int64)
     e = tl.load(expert_of_slot_ptr + slot, mask=live, other=0).to(tl.int64)
-    w = tl.load(weights_ptr + r * k + j, mask=live, other=0.0)
+    w = tl.load(weights_ptr + r * k + j, mask=j < k, other=1.0)
     cols = (tl.program_id(1) * _HAD + tl.arange(0, _HAD))[None, :]
     y = _rotated(_summed(y_ptr, slot[:, None] * features + cols, splits, slots * features,
                          live[:, None] & (cols >= 0)), signs_ptr)
@@ -336,13 +443,14 @@ def _activation(g: torch.Tensor, u: torch.Tensor, plan: _Plan, svh_g: torch.Tens
     return out
 
 
-def _combine(y: torch.Tensor, plan: _Plan, weights: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+def _combine(y: torch.Tensor, plan: _Plan, weights: torch.Tensor, svh: torch.Tensor, shared: bool) -> torch.Tensor:
     """fp32 [rows, out]: each row's slots of down's partials ([splits, slots, out]), rotated back,
-    times svh and the routing weights (fp32 [rows, k]), summed."""
+    times svh and the routing weights (fp32 [rows, k]; the shared expert's slot, a row's last,
+    weighs 1), summed."""
     splits, slots, features = y.shape
     rows, k = weights.shape
     out = torch.empty((rows, features), dtype=torch.float32, device=y.device)
     _combine_kernel[(rows, features // HAD)](
         y, splits, slots, features, plan.slot_of, plan.expert_of_slot, weights, svh, plan.signs, out, k,
-        K=max(SLOT_BLOCK, triton.next_power_of_2(k)))
+        K=max(SLOT_BLOCK, triton.next_power_of_2(k + shared)), SHARED=shared)
     return out

@@ -216,7 +216,7 @@ class Dsv41Drafter(Drafter):
         """What runs the round's mixes, RoPE, norms and top two. The model's choice: a drafter
         built later over the same model with another choice changes it for this one too."""
         if self.model.numerics.kernels is not None:
-            return "triton (mHC, RoPE, norms, top two)"
+            return "triton (mHC, RoPE, norms, routers, top two)"
         return f"torch ({self._kernels_why or 'another drafter of this model chose it'})"
 
     def manifest(self) -> Manifest:

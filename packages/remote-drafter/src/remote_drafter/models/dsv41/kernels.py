@@ -10,6 +10,9 @@
   program per (row, slice of H): residual = comb^T residual + post x out.
 * rope and rms_norm: a row's GPT-J rotation (cos/sin from the model's own inv_freq table)
   and its RMS norm, one program a row, for a dozen and half a dozen launches in torch.
+* route: a MoE layer's router after its product with the gate (scores, the bias that
+  steers the choice, the top k, the chosen scores renormalised and scaled), one program a
+  row, for some ten launches in torch.
 * top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
   vocabulary, split over many programs per row then combined, for torch's single-row
   reductions (pick.top_two), which leave most of the GPU idle at batch 1.
@@ -311,3 +314,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _rms_norm_kernel[(x.numel() // d,)](x, x if weight is None else weight, out, eps, D=d,
                                          BLOCK=triton.next_power_of_2(d), WEIGHT=weight is not None)
     return out
+
+
+SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}  # the router's scoring functions
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E, scale, K: tl.constexpr, KP: tl.constexpr,
+                  EP: tl.constexpr, SCORE: tl.constexpr, BIAS: tl.constexpr, NORM: tl.constexpr):
+    """Row r: scores of its E logits (SCORE: sqrt(softplus), sigmoid or softmax, in float32),
+    the K largest of score + bias (BIAS) in descending order (ties: the lowest expert), their
+    scores (NORM: over their sum) times scale."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    live = e < E
+    x = tl.load(logits_ptr + r * E + e, mask=live, other=0.0).to(tl.float32)
+    if SCORE == 0:  # softplus as torch's: x past 20, else log1p(exp(x)) (Goldberg's log1p)
+        y = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+        score = tl.sqrt(tl.where(x > 20.0, x, log1p))
+    elif SCORE == 1:
+        score = tl.sigmoid(x)
+    else:
+        p = tl.where(live, tl.exp(x - tl.max(tl.where(live, x, float("-inf")), 0)), 0.0)
+        score = p / tl.sum(p, 0)
+    choose = score
+    if BIAS:
+        choose = score + tl.load(bias_ptr + e, mask=live, other=0.0).to(tl.float32)
+    choose = tl.where(live, choose, float("-inf"))
+    j = tl.arange(0, KP)
+    chosen = tl.zeros([KP], tl.int64)
+    weights = tl.zeros([KP], tl.float32)
+    for t in tl.static_range(K):
+        _, at = tl.max(choose, 0, return_indices=True)
+        chosen = tl.where(j == t, at.to(tl.int64), chosen)
+        weights = tl.where(j == t, tl.sum(tl.where(e == at, score, 0.0), 0), weights)
+        choose = tl.where(e == at, float("-inf"), choose)
+    if NORM:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + r * K + j, weights * scale, mask=j < K)
+    tl.store(experts_ptr + r * K + j, chosen, mask=j < K)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str, norm: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] (the rows' products with the gate, any float dtype) -> (routing weights
+    [N, k] float32, chosen experts [N, k] int64), as MoE.route in float32."""
+    n, experts = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    chosen = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(n,)](logits, logits if bias is None else bias, weights, chosen, experts, float(scale), K=k,
+                        KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(experts), SCORE=SCORES[scoring],
+                        BIAS=bias is not None, NORM=norm)
+    return weights, chosen

@@ -137,8 +137,8 @@ class Dsv41Model(Module):
     # -- which implementations serve -----------------------------------------------------
     def use_kernels(self, on: bool = True) -> str | None:
         """The round's Triton kernels (kernels.py: the hyper-connection mixes, one launch a
-        side of each sublayer; RoPE and the RMS norms; the greedy chain's top two over the
-        vocabulary), or (on False) torch, for every module at once. The kernels serve only
+        side of each sublayer; RoPE and the RMS norms; the routers; the greedy chain's top two
+        over the vocabulary), or (on False) torch, for every module at once. The kernels serve only
         once they have matched torch on this model's own weights and shapes (_probes), on
         this device (a Triton or GPU they break on is refused here, not mid-round). None
         when they serve, else why not."""
@@ -158,7 +158,7 @@ class Dsv41Model(Module):
             return f"{type(exc).__name__}: {exc}"
         for name, a in torch_path.items():
             err = relative_error(a, kernel_path[name])
-            if not err <= (0 if name.endswith("tokens") else num.rounding):
+            if not err <= (0 if name.endswith(("tokens", "experts")) else num.rounding):
                 num.kernels = None
                 return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
         return None
@@ -168,7 +168,8 @@ class Dsv41Model(Module):
         """What use_kernels compares, every kernel on this model's own weights and shapes:
         layer 0's attention and FFN mixes on a fixed random stream (every collapse the
         variant uses), RoPE there and back at positions up to 300K, the norms with and
-        without a weight, the top two of random logits and of logits plus a bias."""
+        without a weight, the top two of random logits and of logits plus a bias, layer 0's
+        router on random rows (its chosen experts exactly)."""
         c, num, layer = self.config, self.numerics, self.layers[0]
         g = torch.Generator().manual_seed(0)
         residual = torch.randn(2, c.block_size, c.hc_mult, c.hidden_size, generator=g).to(self.device, self.dtype)
@@ -189,6 +190,8 @@ class Dsv41Model(Module):
         block = torch.randn(3, 2, c.vocab_size, generator=g).to(self.device)  # rows apart, as a round's
         bias = torch.randn(3, c.vocab_size, generator=g).to(self.device, self.dtype)
         out["biased top-two probabilities"], out["biased top-two tokens"] = num.top_two(block[:, 1], bias)
+        rows = torch.randn(2 * c.block_size, c.hidden_size, generator=g).to(self.device, self.dtype)
+        out["routing weights"], out["routed experts"] = layer.moe.route(rows)
         return out
 
     def fuse_exl3_experts(self) -> str | None:

@@ -179,7 +179,8 @@ class FusedExperts(Module):
             return "exl3 fused (exllamav3's kernels)"
         ours = sorted(n for n, mine in self.ours_at.items() if mine) or "no"
         theirs = sorted(n for n, mine in self.ours_at.items() if not mine) or ("no" if self.ours_at else "all")
-        return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows)"
+        sort = "" if self.ours.plan_refusal is None else f"; ours sort with torch: {self.ours.plan_refusal}"
+        return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows{sort})"
 
 
 class MoE(Module):
@@ -198,8 +199,12 @@ class MoE(Module):
         self.sum_over_ranks = None  # expert parallel: x -> every rank's x added (drafter_tp2)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k])."""
-        c = self.numerics.config
+        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k]): after
+        the product with the gate, one kernel where the round's kernels serve."""
+        c, kernels = self.numerics.config, self.numerics.kernels
+        if kernels is not None:
+            return kernels.route(x @ self.gate.T, self.bias, c.num_experts_per_tok, c.scoring_func,
+                                 c.norm_topk_prob, c.routed_scaling_factor)
         scores = _SCORES[c.scoring_func]((x @ self.gate.T).to(self.numerics.wide))
         choose = scores + self.bias if self.bias is not None else scores
         experts = choose.topk(c.num_experts_per_tok, dim=-1).indices
