@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -499,12 +500,13 @@ def moe_layers_alone(batches: list[int], out: str) -> None:
     moe_layers(model, batches, res, save, graphs=True)
 
 
-def experts_ab(batches: list[int], rounds: int, out: str) -> None:
+def experts_ab(batches: list[int], rounds: int, out: str, modes: list[str]) -> None:
     """The EXL3 round as served (CUDA graphs, the dense copies the drafter chose) with each
-    MoE's experts on exllamav3's fused kernels, then on the kernels chosen at start-up, on one
-    model in one run: p50 / p99 against the floor, the GPU memory each drafter adds to the
-    weights (with four sequences' windows), their greedy drafts compared, the latter through
-    the worker over tcp loopback."""
+    MoE's experts on exllamav3's fused kernels, then on the kernels chosen at start-up (modes:
+    REMOTE_DRAFTER_EXL3_EXPERTS values, in turn), on one model in one run: p50 / p99 against
+    the floor, the GPU memory each drafter adds to the weights (with four sequences' windows),
+    their greedy drafts compared and kept (`--compare` sets them against another run's),
+    `auto` through the worker over tcp loopback."""
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
                  "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
@@ -515,7 +517,7 @@ def experts_ab(batches: list[int], rounds: int, out: str) -> None:
     floors = [round_floor(eager, sizes, b, bandwidth) for b in batches]
     del eager
     drafts = {}
-    for mode in ("exllamav3", "auto"):
+    for mode in modes:
         say(f"== EXL3 4 bits as served, REMOTE_DRAFTER_EXL3_EXPERTS={mode}")
         os.environ["REMOTE_DRAFTER_EXL3_EXPERTS"] = mode
         torch.cuda.empty_cache()
@@ -533,18 +535,50 @@ def experts_ab(batches: list[int], rounds: int, out: str) -> None:
                                "peak_allocated_bytes": torch.cuda.max_memory_allocated() - allocated}
         say(f"    experts: {res[mode]['experts']}; memory beyond the weights: {res[mode]['memory']}")
         drafts[mode] = greedy_drafts(drafter, batches)
+        res[mode]["greedy_drafts"] = [{"tokens": d.tokens.tolist(), "own_probs": d.own_probs.tolist(),
+                                       "alt_probs": d.alt_probs.tolist()} for d in drafts[mode]]
         if mode == "auto":
             say("== the same through the worker over tcp loopback")
             res["worker_tcp"] = {"rounds": measure(drafter, batches, rounds)}
         del drafter
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
-    res["auto_vs_exllamav3"] = draft_agreement(drafts["exllamav3"], drafts["auto"])
-    for theirs, ours in zip(res["exllamav3"]["rounds"], res["auto"]["rounds"]):
-        say(f"    batch {ours['batch']}: {theirs['p50_ms']:.2f} -> {ours['p50_ms']:.2f} ms "
-            f"({ours['p50_over_floor']}x floor)")
+    if len(modes) == 2:
+        first, second = modes
+        res[f"{second}_vs_{first}"] = draft_agreement(drafts[first], drafts[second])
+        for a, b in zip(res[first]["rounds"], res[second]["rounds"]):
+            say(f"    batch {b['batch']}: {a['p50_ms']:.2f} -> {b['p50_ms']:.2f} ms ({b['p50_over_floor']}x floor)")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def compare(before: str, after: str, out: str, mode: str = "auto") -> dict:
+    """Two --experts-ab runs of one machine and call (the code before a change, then after):
+    each batch's p50 and p99 after over before, the worker's own cost over tcp in both, and
+    their greedy drafts compared (the same random model and requests in both)."""
+    runs = []
+    for path in (before, after):
+        with open(path) as f:
+            runs.append(json.load(f))
+    a, b = (r[mode] for r in runs)
+    res = {"before": before, "after": after, "device": runs[1]["device"], "mode": mode, "rounds": []}
+    for x, y in zip(a["rounds"], b["rounds"]):
+        res["rounds"].append({"batch": y["batch"], "p50_ms": [x["p50_ms"], y["p50_ms"]],
+                              "p99_ms": [x["p99_ms"], y["p99_ms"]],
+                              "p50_after_over_before": round(y["p50_ms"] / x["p50_ms"], 3),
+                              "p99_after_over_before": round(y["p99_ms"] / x["p99_ms"], 3),
+                              "after_p50_over_floor": y["p50_over_floor"]})
+        say(f"    batch {y['batch']}: {x['p50_ms']:.2f} -> {y['p50_ms']:.2f} ms "
+            f"({res['rounds'][-1]['p50_after_over_before']}x; {y['p50_over_floor']}x floor)")
+    if all("worker_tcp" in r for r in runs):
+        res["worker_own_beyond_wire_ms"] = [[r["tcp_worker_own_beyond_wire_ms"] for r in run["worker_tcp"]["rounds"]]
+                                            for run in runs]
+    drafts = [[SimpleNamespace(**{k: np.array(v) for k, v in d.items()}) for d in r["greedy_drafts"]] for r in (a, b)]
+    res["drafts_after_vs_before"] = draft_agreement(*drafts)
+    say(f"    drafts: {res['drafts_after_vs_before']}")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
 
 
 def main(argv=None) -> int:
@@ -559,10 +593,17 @@ def main(argv=None) -> int:
                     "exllamav3's fused experts against the same with each MoE's kernels chosen at start-up "
                     "(ours where faster: REMOTE_DRAFTER_EXL3_EXPERTS=auto), the GPU memory each adds, and the latter "
                     "through the worker over tcp (--out)")
+    ap.add_argument("--modes", default="exllamav3,auto", help="with --experts-ab: the expert kernels, "
+                    "in turn (REMOTE_DRAFTER_EXL3_EXPERTS values; default: %(default)s)")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="instead: two --experts-ab "
+                    "JSONs of one call (the code before a change and after) set side by side (--out)")
     ap.add_argument("--moe-layers", action="store_true", help="instead: one MoE layer alone, ours "
                     "against exllamav3's BlockSparseMLP on the same weights and rows, in a CUDA graph "
                     "and eager (--out)")
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(*args.compare, args.out)
+        return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")
     if args.profile:
@@ -575,7 +616,7 @@ def main(argv=None) -> int:
         moe_layers_alone([int(b) for b in args.batches.split(",")], args.out)
         return 0
     if args.experts_ab:
-        experts_ab([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+        experts_ab([int(b) for b in args.batches.split(",")], args.rounds, args.out, args.modes.split(","))
         return 0
     run([int(b) for b in args.batches.split(",")], args.rounds, args.out, args.variants.split(","))
     return 0

@@ -24,7 +24,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
   # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
-  # layer against exllamav3's BlockSparseMLP, =round a change to the round (below)
+  # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -77,19 +77,27 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       --profile "$OUT/exl3-moe-layer-profile.txt"
     [[ $ONLY_DRAFTER_ROUND == moe ]] && exit
   fi
-  if [[ $ONLY_DRAFTER_ROUND == round ]]; then  # =round: the round's GPU tests (its kernels, the
-    # drafter eager and graphed) while exllamav3 builds beside them (~5 min), then =ab without its
-    # tests and =upstream: one call for a change to the round
-    python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" > "$OUT/exllamav3-build.log" 2>&1 &
-    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py \
-      packages/remote-drafter/tests/test_dsv41_drafter.py packages/remote-drafter/tests/test_drafter_gpu.py \
-      2>&1 | tail -8 | tee "$OUT/round-gpu-pytest.txt" || echo "== tests failed (above); the timing goes on"
-    wait
-    tail -2 "$OUT/exllamav3-build.log"
-    python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
-      --out "$OUT/drafter-round-experts-ab.json" 2>&1 | tee "$OUT/drafter-round-experts-ab.log"
+  if [[ $ONLY_DRAFTER_ROUND == before-after ]]; then  # =before-after: a change to the round timed
+    # against the code before it in one call. BEFORE: the earlier remote_drafter's source folder
+    # (git archive <commit> packages/remote-drafter/src | tar -x -C .before; carry .before).
+    # exllamav3's build first and alone (~5 min: beside other work it took twice as long), then
+    # the EXL3 round as served (drafter_round.py --experts-ab --modes auto) by the code before and
+    # after, each in a process of its own, --compare, and one MoE layer against BlockSparseMLP;
+    # then the round's GPU tests in the time left (ROUND_TESTS_S)
+    python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1
+    for side in before after; do
+      src=packages/remote-drafter/src; [[ $side == before ]] && src=${BEFORE:?BEFORE: the earlier source folder}
+      echo "== the round as served, $side ($src)"
+      PYTHONPATH="$src:$PYTHONPATH" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
+        --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch"
+    done
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --compare "$OUT/served-before.json" \
+      "$OUT/served-after.json" --out "$OUT/served-before-after.json"
     python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
-      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tee "$OUT/moe-layer-vs-blocksparse.log" | tail -8
+      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8
+    timeout "${ROUND_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+      packages/remote-drafter/tests/test_dsv41_kernels.py packages/remote-drafter/tests/test_exl3_triton_experts.py \
+      > "$OUT/round-gpu-pytest.txt" 2>&1; tail -4 "$OUT/round-gpu-pytest.txt"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == ab || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =ab: the fused

@@ -304,6 +304,30 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
     assert abs(row["tcp_worker_own_beyond_wire_ms"] - (row["tcp_worker_own_ms"] - row["wire_p50_ms"])) < 2e-3
 
 
+def test_the_round_script_sets_two_runs_of_the_served_round_side_by_side(tmp_path):
+    """drafter_round.py --compare (its GPU run feeds it --experts-ab of the code before a
+    change and after, in one call): each batch's p50 and p99 after over before, the worker's
+    own cost of both, and where their greedy drafts part, with the gap there."""
+    import json
+
+    def run(p50s, tokens):
+        drafts = [{"tokens": t, "own_probs": [0.6] * len(t), "alt_probs": [0.3] * len(t)} for t in tokens]
+        return {"device": "H200", "auto": {"rounds": [{"batch": b, "p50_ms": p, "p99_ms": 2 * p, "p50_over_floor": p}
+                                                      for b, p in zip((1, 16), p50s)], "greedy_drafts": drafts},
+                "worker_tcp": {"rounds": [{"tcp_worker_own_beyond_wire_ms": 0.5}]}}
+    paths = [tmp_path / "before.json", tmp_path / "after.json"]
+    paths[0].write_text(json.dumps(run([4.0, 8.0], [[1, 2, 3], [4, 5, 6]])))
+    paths[1].write_text(json.dumps(run([3.0, 8.0], [[1, 2, 3], [4, 7, 6]])))
+    out = tmp_path / "c.json"
+    script = benchmark_scripts.load("drafter_round")
+    assert script.main(["--compare", *map(str, paths), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["p50_after_over_before"] for r in res["rounds"]] == [0.75, 1.0]
+    assert res["rounds"][0]["p99_ms"] == [8.0, 6.0] and res["worker_own_beyond_wire_ms"] == [[0.5], [0.5]]
+    assert res["drafts_after_vs_before"] == {"same_greedy_drafts": 1, "requests": 2,
+                                             "top_two_gaps_where_they_part": [0.3]}
+
+
 def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
     """dsv41_gpu.py --own-process: the worker in a process of its own (as deployed) per batch,
     its draft p50 read from its status, the process waited for once its figure is taken."""
