@@ -89,15 +89,17 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       src=packages/remote-drafter/src; [[ $side == before ]] && src=${BEFORE:?BEFORE: the earlier source folder}
       echo "== the round as served, $side ($src)"
       PYTHONPATH="$src:$PYTHONPATH" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
-        --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch"
+        --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch" \
+        || echo "== the $side run failed (above)"
     done
     python3 packages/remote-drafter/benchmarks/drafter_round.py --compare "$OUT/served-before.json" \
-      "$OUT/served-after.json" --out "$OUT/served-before-after.json"
+      "$OUT/served-after.json" --out "$OUT/served-before-after.json" || echo "== no comparison (above)"
     python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
-      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8
+      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8 || echo "== the MoE layers failed (above)"
     timeout "${ROUND_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-      packages/remote-drafter/tests/test_dsv41_kernels.py packages/remote-drafter/tests/test_exl3_triton_experts.py \
-      > "$OUT/round-gpu-pytest.txt" 2>&1; tail -4 "$OUT/round-gpu-pytest.txt"
+      packages/remote-drafter/tests/test_exl3_triton_experts.py packages/remote-drafter/tests/test_dsv41_kernels.py \
+      > "$OUT/round-gpu-pytest.txt" 2>&1 || echo "== tests failed or ran out of time (below)"
+    tail -4 "$OUT/round-gpu-pytest.txt"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == ab || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =ab: the fused
