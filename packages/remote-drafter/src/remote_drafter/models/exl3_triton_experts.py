@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
 SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
-PLAN_BLOCK = 64  # slots (and work items) the plan's kernel takes at a time
+PLAN_BLOCK = 32  # slots (and work items) the plan's kernel takes at a time
 
 
 class Stored(NamedTuple):
@@ -276,7 +276,7 @@ def _device_plan(experts: torch.Tensor, total: int, shared: bool, bound: int) ->
     items = (torch.empty(bound, **long), torch.empty(bound, dtype=torch.int32, device=dev))
     _plan_kernel[(1,)](experts, rows, k, total, bound, counts, starts, row_of_slot, expert_of_slot, slot_of,
                        *items, SHARED=shared, E=triton.next_power_of_2(total + 1), B=PLAN_BLOCK,
-                       ITEM=exl3_triton.ITEM_ROWS)
+                       ITEM=exl3_triton.ITEM_ROWS, num_warps=8)
     return row_of_slot, expert_of_slot, slot_of, items, counts, starts
 
 
@@ -299,8 +299,8 @@ def _plan_kernel(experts_ptr, rows, k, total, bound, counts_ptr, starts_ptr, row
                  B: tl.constexpr, ITEM: tl.constexpr):
     """One program, _torch_plan's plan: each expert's slots counted (the padding expert's,
     `total`, none), a slot's place its expert's start plus the slots of that expert before it
-    (a stable counting sort), then the work items of ITEM slots (exl3_triton.work_items) up to
-    `bound`."""
+    (a stable counting sort, block by block: those in earlier blocks kept per expert), then the
+    work items of ITEM slots (exl3_triton.work_items) up to `bound`."""
     slots = rows * (k + SHARED)
     e_ids = tl.arange(0, E)
     counts = tl.zeros([E], tl.int32)
@@ -310,14 +310,15 @@ def _plan_kernel(experts_ptr, rows, k, total, bound, counts_ptr, starts_ptr, row
     starts = tl.cumsum(counts, 0) - counts
     tl.store(counts_ptr + e_ids, counts, mask=e_ids <= total)
     tl.store(starts_ptr + e_ids, starts, mask=e_ids <= total)
+    before = starts  # each expert's start plus its slots in the blocks before this one
     for c in range(0, slots, B):
         i = c + tl.arange(0, B)
         ex = _expert_of(experts_ptr, i, slots, k, total, SHARED)
-        at = tl.sum(tl.where(e_ids[None, :] == ex[:, None], starts[None, :], 0), 1)
-        for d in range(0, c + B, B):  # the slots of the same expert before each
-            j = d + tl.arange(0, B)
-            ey = _expert_of(experts_ptr, j, slots, k, total, SHARED)
-            at += tl.sum(((ey[None, :] == ex[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), 1)
+        mine = ex[:, None] == e_ids[None, :]
+        at = tl.sum(tl.where(mine, before[None, :], 0), 1)
+        earlier = (ex[:, None] == ex[None, :]) & (i[None, :] < i[:, None])  # this block's slots before each
+        at += tl.sum(earlier.to(tl.int32), 1)
+        before += tl.sum(mine.to(tl.int32), 0)
         live = i < slots
         tl.store(slot_of_ptr + i, at.to(tl.int64), mask=live)
         tl.store(row_of_slot_ptr + at, (i // (k + SHARED)).to(tl.int64), mask=live)
