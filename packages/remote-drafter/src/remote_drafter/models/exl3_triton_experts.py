@@ -40,6 +40,9 @@ HAD = exl3_format.HAD
 _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
 SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
 PLAN_BLOCK = 32  # slots (and work items) the plan's kernel takes at a time
+# warps of the plan's kernel and of the activation's: with 4 the activation's two rotations
+# spill registers on sm_90 (tests/test_kernels_compile_for_hopper.py)
+PLAN_WARPS = ACTIVATION_WARPS = 8
 
 
 class Stored(NamedTuple):
@@ -276,7 +279,7 @@ def _device_plan(experts: torch.Tensor, total: int, shared: bool, bound: int) ->
     items = (torch.empty(bound, **long), torch.empty(bound, dtype=torch.int32, device=dev))
     _plan_kernel[(1,)](experts, rows, k, total, bound, counts, starts, row_of_slot, expert_of_slot, slot_of,
                        *items, SHARED=shared, E=triton.next_power_of_2(total + 1), B=PLAN_BLOCK,
-                       ITEM=exl3_triton.ITEM_ROWS, num_warps=8)
+                       ITEM=exl3_triton.ITEM_ROWS, num_warps=PLAN_WARPS)
     return row_of_slot, expert_of_slot, slot_of, items, counts, starts
 
 
@@ -440,7 +443,7 @@ def _activation(g: torch.Tensor, u: torch.Tensor, plan: _Plan, svh_g: torch.Tens
     out = torch.empty((slots, features), dtype=torch.float16, device=g.device)
     _activation_kernel[(triton.cdiv(slots, SLOT_BLOCK), features // HAD)](
         g, u, splits, slots, features, plan.expert_of_slot, svh_g, svh_u, suh_d, plan.signs, out, limit,
-        S=SLOT_BLOCK, LIMITED=bool(limit))
+        S=SLOT_BLOCK, LIMITED=bool(limit), num_warps=ACTIVATION_WARPS)
     return out
 
 
