@@ -79,27 +79,37 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   fi
   if [[ $ONLY_DRAFTER_ROUND == before-after ]]; then  # =before-after: a change to the round timed
     # against the code before it in one call. BEFORE: the earlier remote_drafter's source folder
-    # (git archive <commit> packages/remote-drafter/src | tar -x -C .before; carry .before).
-    # exllamav3's build first and alone (~5 min: beside other work it took twice as long), then
-    # the EXL3 round as served (drafter_round.py --experts-ab --modes auto) by the code before and
-    # after, each in a process of its own, --compare, and one MoE layer against BlockSparseMLP;
-    # then the round's GPU tests in the time left (ROUND_TESTS_S)
-    python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1
-    for side in before after; do
-      src=packages/remote-drafter/src; [[ $side == before ]] && src=${BEFORE:?BEFORE: the earlier source folder}
-      echo "== the round as served, $side ($src)"
+    # (mkdir -p .before && git archive <commit> packages/remote-drafter/src | tar -x -C .before;
+    # BEFORE=.before/packages/remote-drafter/src; carry .before). exllamav3's build first and
+    # alone (~5 min: beside other work it took twice as long), then the EXL3 round as served
+    # (drafter_round.py --experts-ab --modes auto) by the code after the change and before it,
+    # each in a process of its own, --compare; then, while the call's 10 minutes allow, one MoE
+    # layer against BlockSparseMLP and the round's GPU tests
+    if [[ ! -f ${BEFORE:-}/remote_drafter/__init__.py ]]; then
+      echo "BEFORE=${BEFORE:-} holds no remote_drafter: the earlier source folder (see gpu.sh)"; exit 2
+    fi
+    python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1 \
+      || echo "== exllamav3 did not load (above)"
+    for side in after before; do
+      src=packages/remote-drafter/src; [[ $side == before ]] && src=$BEFORE
+      echo "== the round as served, $side ($src), at $SECONDS s"
       PYTHONPATH="$src:$PYTHONPATH" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
         --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch" \
         || echo "== the $side run failed (above)"
     done
     python3 packages/remote-drafter/benchmarks/drafter_round.py --compare "$OUT/served-before.json" \
       "$OUT/served-after.json" --out "$OUT/served-before-after.json" || echo "== no comparison (above)"
-    python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
-      --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8 || echo "== the MoE layers failed (above)"
-    timeout "${ROUND_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-      packages/remote-drafter/tests/test_exl3_triton_experts.py packages/remote-drafter/tests/test_dsv41_kernels.py \
-      > "$OUT/round-gpu-pytest.txt" 2>&1 || echo "== tests failed or ran out of time (below)"
-    tail -4 "$OUT/round-gpu-pytest.txt"
+    if (( SECONDS < 450 )); then
+      python3 packages/remote-drafter/benchmarks/drafter_round.py --moe-layers \
+        --out "$OUT/moe-layer-vs-blocksparse.json" 2>&1 | tail -8 || echo "== the MoE layers failed (above)"
+    fi
+    if (( SECONDS < 530 )); then
+      timeout $((570 - SECONDS)) python3 -m pytest -q -p no:cacheprovider \
+        packages/remote-drafter/tests/test_exl3_triton_experts.py packages/remote-drafter/tests/test_dsv41_kernels.py \
+        > "$OUT/round-gpu-pytest.txt" 2>&1 || echo "== tests failed or ran out of time (below)"
+      tail -4 "$OUT/round-gpu-pytest.txt"
+    fi
+    echo "== done at $SECONDS s"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == ab || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =ab: the fused

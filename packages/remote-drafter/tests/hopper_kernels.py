@@ -47,14 +47,16 @@ def variants():
     ptrs = {"experts_ptr": "*i64", "counts_ptr": "*i32", "starts_ptr": "*i32", "row_of_slot_ptr": "*i64",
             "expert_of_slot_ptr": "*i64", "slot_of_ptr": "*i64", "item_expert_ptr": "*i64", "item_row_ptr": "*i32"}
     for shared in (True, False):
-        yield (f"plan shared={shared}", exl3_triton_experts._plan_kernel, {**ints, **ptrs},
-               {"SHARED": shared, "E": triton.next_power_of_2(EXPERTS + 2), "B": exl3_triton_experts.PLAN_BLOCK,
-                "ITEM": exl3_triton.ITEM_ROWS}, exl3_triton_experts.PLAN_WARPS)
+        for experts in (EXPERTS, 256):  # the Flash drafter's; DeepSeek-V4's 256 (and the shared one)
+            yield (f"plan shared={shared} experts={experts}", exl3_triton_experts._plan_kernel, {**ints, **ptrs},
+                   {"SHARED": shared, "E": triton.next_power_of_2(experts + 2), "B": exl3_triton_experts.PLAN_BLOCK,
+                    "ITEM": exl3_triton.ITEM_ROWS}, exl3_triton_experts.PLAN_WARPS)
     for name, score in kernels.SCORES.items():
-        yield (f"route {name}", kernels._route_kernel,
-               {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i64",
-                "E": "i32", "scale": "fp32"},
-               {"K": TOP_K, "KP": TOP_K, "EP": 256, "SCORE": score, "BIAS": True, "NORM": True}, 4)
+        for steered in (True, False):  # with a gate bias and renormalised, and with neither
+            yield (f"route {name} bias={steered}", kernels._route_kernel,
+                   {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i64",
+                    "E": "i32", "scale": "fp32"},
+                   {"K": TOP_K, "KP": TOP_K, "EP": 256, "SCORE": score, "BIAS": steered, "NORM": steered}, 4)
     yield ("experts combine", exl3_triton_experts._combine_kernel,
            {"y_ptr": "*fp32", "splits": "i32", "slots": "i32", "features": "i32", "slot_of_ptr": "*i64",
             "expert_of_slot_ptr": "*i64", "weights_ptr": "*fp32", "svh_ptr": "*fp16", "signs_ptr": "*fp16",

@@ -307,16 +307,17 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
 def test_the_round_script_sets_two_runs_of_the_served_round_side_by_side(tmp_path):
     """drafter_round.py --compare (its GPU run feeds it --experts-ab of the code before a
     change and after, in one call): each batch's p50 and p99 after over before, the worker's
-    own cost of both, and where their greedy drafts part, with the gap there."""
+    own cost of both, and where their greedy drafts part, with the gap there; two runs of the
+    same code (a BEFORE that did not take) refused."""
     import json
 
-    def run(p50s, tokens):
+    def run(p50s, tokens, code="/after/remote_drafter"):
         drafts = [{"tokens": t, "own_probs": [0.6] * len(t), "alt_probs": [0.3] * len(t)} for t in tokens]
-        return {"device": "H200", "auto": {"rounds": [{"batch": b, "p50_ms": p, "p99_ms": 2 * p, "p50_over_floor": p}
+        return {"device": "H200", "remote_drafter": code, "auto": {"rounds": [{"batch": b, "p50_ms": p, "p99_ms": 2 * p, "p50_over_floor": p}
                                                       for b, p in zip((1, 16), p50s)], "greedy_drafts": drafts},
                 "worker_tcp": {"rounds": [{"tcp_worker_own_beyond_wire_ms": 0.5}]}}
     paths = [tmp_path / "before.json", tmp_path / "after.json"]
-    paths[0].write_text(json.dumps(run([4.0, 8.0], [[1, 2, 3], [4, 5, 6]])))
+    paths[0].write_text(json.dumps(run([4.0, 8.0], [[1, 2, 3], [4, 5, 6]], "/before/remote_drafter")))
     paths[1].write_text(json.dumps(run([3.0, 8.0], [[1, 2, 3], [4, 7, 6]])))
     out = tmp_path / "c.json"
     script = benchmark_scripts.load("drafter_round")
@@ -326,6 +327,9 @@ def test_the_round_script_sets_two_runs_of_the_served_round_side_by_side(tmp_pat
     assert res["rounds"][0]["p99_ms"] == [8.0, 6.0] and res["worker_own_beyond_wire_ms"] == [[0.5], [0.5]]
     assert res["drafts_after_vs_before"] == {"same_greedy_drafts": 1, "requests": 2,
                                              "top_two_gaps_where_they_part": [0.3]}
+    paths[0].write_text(json.dumps(run([4.0, 8.0], [[1, 2, 3], [4, 5, 6]])))  # BEFORE missed: this tree twice
+    with pytest.raises(SystemExit, match="both runs timed the same code"):
+        script.main(["--compare", *map(str, paths), "--out", str(out)])
 
 
 def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
@@ -526,7 +530,7 @@ def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
     assert len(model.layers) > 1
 
     class Tunable:
-        plan_refusal = None  # the plan's kernel serves
+        plan_refusal, plan_kernel_at = None, {}  # the plan's kernel serves
 
         def tune(self, samples):
             self.tuned = {x.shape[0]: {"nt": 8, "num_warps": 4, "fill": 32} for x, _, _ in samples}

@@ -184,7 +184,7 @@ def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
     monkeypatch.setattr(kernels, "top_two", right_top)
     right_route = kernels.route  # and a router that drops the gate's bias
     monkeypatch.setattr(kernels, "route", lambda x, bias, *a: right_route(x, None, *a))
-    assert m.use_kernels().startswith("the kernels' routing weights") and m.numerics.kernels is None
+    assert m.use_kernels().startswith(("the kernels' routing weights", "the kernels' routed experts")) and m.numerics.kernels is None
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
@@ -206,6 +206,25 @@ def test_route_kernel_is_the_torch_router(loaded, scoring, norm):
     assert torch.allclose(got[0].cpu(), want[0].cpu(), rtol=2e-6, atol=0)
     logits = (rows @ moe.gate.T).float()
     assert logits.max() > 20 and logits.min() < -20
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_route_kernel_at_widths_past_its_blocks_and_its_tie_rule(bias):
+    """kernels.route where the experts (100) and the choices (6) are not powers of two (the
+    masked lanes), with and without a bias: torch's experts in torch's order and its weights
+    within float32 rounding on logits with no ties; where scores tie, the lowest expert."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, 100, generator=g) * 3).to(DEVICE)
+    b = (torch.randn(100, generator=g) * 0.1).to(DEVICE) if bias else None
+    weights, experts = kernels.route(logits, b, 6, "sigmoid", True, 2.5)
+    scores = logits.sigmoid()
+    want = (scores + b if bias else scores).topk(6, dim=-1).indices
+    picked = scores.gather(-1, want)
+    assert torch.equal(experts.cpu(), want.cpu())
+    assert torch.allclose(weights.cpu(), (picked / picked.sum(-1, keepdim=True) * 2.5).cpu(), rtol=2e-6, atol=0)
+    tied = torch.zeros(1, 100, device=DEVICE)
+    tied[0, [90, 40, 70]] = 5.0  # three equal scores above the rest
+    assert kernels.route(tied, None, 2, "sigmoid", True, 1.0)[1].tolist() == [[40, 70]]
 
 
 @pytest.mark.parametrize("vocab", [129280, 1024, 4097, 3])

@@ -171,6 +171,14 @@ def test_a_plan_kernel_that_fails_leaves_torchs_sort_serving_and_says_why(monkey
     assert "plan each call with torch's sort" in caplog.text
     assert torch.equal(refused(x, weights, chosen), fast)
 
+    def off_by_one(experts, total, shared, bound):  # a kernel that places one slot wrong
+        plan = layer_kernels._torch_plan(experts, total, shared, bound)
+        plan[2][-1] += 1
+        return plan
+    monkeypatch.setattr(layer_kernels, "_device_plan", off_by_one)
+    assert TritonExl3Experts(routed, shared, LIMIT).plan_refusal == \
+        "ValueError: its slot_of differs from torch's at 1 rows, 1 choices"
+
 
 def test_padding_rows_weigh_nothing_and_every_call_gives_the_same_sums():
     _, _, moe = layer(2, shared=False)
@@ -241,6 +249,25 @@ def test_tuning_keeps_the_fastest_configuration_and_leaves_out_those_that_fail(m
     with pytest.raises(RuntimeError, match="no kernel for this GPU"):
         moe.tune([sample])
     assert moe.tuned == {}  # the earlier tuning is gone, and no failing configuration is left
+
+
+@pytest.mark.parametrize("kernel_ms,serves", [(1.0, True), (3.0, False)])
+def test_tuning_times_the_plans_kernel_against_torchs_sort_and_keeps_the_faster(monkeypatch, kernel_ms, serves):
+    """After the configurations, tune times the plan's kernel and torch's sort alone (the graph
+    timing faked: it needs CUDA); the faster plans calls of that row count, and only there."""
+    _, _, moe = layer(11, experts=2, shared=True)
+    plans = {layer_kernels._device_plan: kernel_ms, layer_kernels._torch_plan: 2.0}
+
+    def fake_ms(fn, device):
+        fn()  # it runs
+        bound = fn.__defaults__[0]  # a configuration's call binds its arguments, a plan's timing the plan
+        return plans[bound] if bound in plans else 1.0
+    monkeypatch.setattr(layer_kernels, "graph_ms", fake_ms)
+    sample = (torch.zeros((5, H), dtype=torch.float16, device=DEVICE), torch.ones((5, 2), device=DEVICE),
+              torch.zeros((5, 2), dtype=torch.int64, device=DEVICE))
+    result = moe.tune([sample])
+    assert result[5]["plan_ms"] == {"kernel": kernel_ms, "torch": 2.0} and moe.plan_kernel_at == {5: serves}
+    assert [moe.plan_kernel_serves(n) for n in (1, 5, 80)] == [serves] * 3
 
 
 def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_tiles():

@@ -150,6 +150,7 @@ class TritonExl3Experts:
         self.limit = float(limit or 0.0)
         self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT, "fill": 8}  # untuned
         self.tuned: dict[int, dict] = {}  # row count -> the product's configuration timed fastest there
+        self.plan_kernel_at: dict[int, bool] = {}  # row count -> the plan's kernel timed faster than torch's sort
         device = self.gate.table.device
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.signs = (exl3_triton.hadamard(device) * HAD ** 0.5).round().half()  # the rotation's, exact
@@ -176,11 +177,19 @@ class TritonExl3Experts:
         rows, k = experts.shape
         total = self.experts + self.has_shared
         slots = rows * (k + self.has_shared)
-        if self.plan_refusal is None:
+        if self.plan_kernel_serves(rows):
             parts = _device_plan(experts.contiguous(), total, self.has_shared, exl3_triton.max_items(slots, total))
         else:
             parts = _torch_plan(experts, total, self.has_shared, exl3_triton.max_items(slots, total))
         return _Plan(*parts, self.sms, self.config_at(rows), self.signs)
+
+    def plan_kernel_serves(self, rows: int) -> bool:
+        """The plan's kernel unless refused, or torch's sort timed faster at the fewest rows
+        tuned at or above `rows` (past them all, the most's; untuned: the kernel)."""
+        if self.plan_refusal is not None:
+            return False
+        at = self.plan_kernel_at
+        return not at or at[bucket_for(at, rows, max(at))]
 
     def _check_plan(self) -> str | None:
         """None if the plan's kernel gives torch's plan on routings with repeated experts and
@@ -195,7 +204,7 @@ class TritonExl3Experts:
                 bound = exl3_triton.max_items(rows * (k + self.has_shared), total)
                 got, want = (plan(experts, total, self.has_shared, bound) for plan in (_device_plan, _torch_plan))
                 for name, a, b in zip(PLAN_PARTS, _flat(got), _flat(want)):
-                    if not torch.equal(a, b):
+                    if a.dtype != b.dtype or not torch.equal(a, b):
                         raise ValueError(f"its {name} differs from torch's at {rows} rows, {k} choices")
         except Exception as exc:  # noqa: BLE001 - torch's plan serves, the reason logged and shown
             why = f"{type(exc).__name__}: {exc}"
@@ -208,9 +217,11 @@ class TritonExl3Experts:
         """`tuned` afresh: for each sample call's row count (rows, routing weights, chosen
         experts), the fastest of CONFIGS, each timed in a CUDA graph as a round runs it (the
         median of 20 replays). A configuration that fails there is left out (its time inf, a
-        warning logged); all of them failing raises the first failure. {rows: {"ms": its time, "config": it,
-        "trials": [every configuration's ms, in CONFIGS' order]}}."""
-        self.tuned, out = {}, {}
+        warning logged); all of them failing raises the first failure. Then the plan's kernel
+        and torch's sort, each timed alone in a graph: the faster plans calls of that row count
+        (`plan_kernel_at`). {rows: {"ms": its time, "config": it, "trials": [every
+        configuration's ms, in CONFIGS' order], "plan_ms": {"kernel": .., "torch": ..}}}."""
+        self.tuned, self.plan_kernel_at, out = {}, {}, {}
         for x, weights, experts in samples:
             rows, trials, failure = x.shape[0], [], None
             for config in self.CONFIGS:
@@ -228,7 +239,18 @@ class TritonExl3Experts:
                 raise failure
             self.tuned[rows] = self.CONFIGS[best]
             out[rows] = {"ms": trials[best], "config": self.CONFIGS[best], "trials": trials}
+            if self.plan_refusal is None:
+                out[rows]["plan_ms"] = times = self._plan_times(experts)
+                self.plan_kernel_at[rows] = times["kernel"] < times["torch"]
         return out
+
+    def _plan_times(self, experts: torch.Tensor) -> dict[str, float]:
+        """The plan of `experts` by the kernel and by torch's sort, each timed in a graph."""
+        total = self.experts + self.has_shared
+        bound = exl3_triton.max_items(experts.numel() + len(experts) * self.has_shared, total)
+        experts = experts.contiguous()
+        return {name: graph_ms(lambda plan=plan: plan(experts, total, self.has_shared, bound), experts.device)
+                for name, plan in (("kernel", _device_plan), ("torch", _torch_plan))}
 
     def config_at(self, rows: int) -> dict:
         """The product's configuration for a call of `rows` rows."""

@@ -169,7 +169,7 @@ class Dsv41Model(Module):
         layer 0's attention and FFN mixes on a fixed random stream (every collapse the
         variant uses), RoPE there and back at positions up to 300K, the norms with and
         without a weight, the top two of random logits and of logits plus a bias, layer 0's
-        router on random rows (its chosen experts exactly)."""
+        router on random float32 logits (its chosen experts exactly)."""
         c, num, layer = self.config, self.numerics, self.layers[0]
         g = torch.Generator().manual_seed(0)
         residual = torch.randn(2, c.block_size, c.hc_mult, c.hidden_size, generator=g).to(self.device, self.dtype)
@@ -190,8 +190,10 @@ class Dsv41Model(Module):
         block = torch.randn(3, 2, c.vocab_size, generator=g).to(self.device)  # rows apart, as a round's
         bias = torch.randn(3, c.vocab_size, generator=g).to(self.device, self.dtype)
         out["biased top-two probabilities"], out["biased top-two tokens"] = num.top_two(block[:, 1], bias)
-        rows = torch.randn(2 * c.block_size, c.hidden_size, generator=g).to(self.device, self.dtype)
-        out["routing weights"], out["routed experts"] = layer.moe.route(rows)
+        # float32 logits: no two scores tie, so the chosen experts and their order are the
+        # arithmetic's alone (a bf16 product's ties may go either way)
+        logits = torch.randn(2 * c.block_size, c.n_routed_experts, generator=g).to(self.device)
+        out["routing weights"], out["routed experts"] = layer.moe.routing(logits)
         return out
 
     def fuse_exl3_experts(self) -> str | None:
@@ -243,6 +245,7 @@ class Dsv41Model(Module):
             mine.ours_at = dict(chosen) if first.ours is not None and mine.ours is not None else {}
             if mine.ours_at:
                 mine.ours.tuned = dict(first.ours.tuned)
+                mine.ours.plan_kernel_at = dict(first.ours.plan_kernel_at)
         return first.describe(), first.ours_refusal
 
     @property

@@ -179,7 +179,9 @@ class FusedExperts(Module):
             return "exl3 fused (exllamav3's kernels)"
         ours = sorted(n for n, mine in self.ours_at.items() if mine) or "no"
         theirs = sorted(n for n, mine in self.ours_at.items() if not mine) or ("no" if self.ours_at else "all")
-        sort = "" if self.ours.plan_refusal is None else f"; ours sort with torch: {self.ours.plan_refusal}"
+        torch_sorts = sorted(n for n, kernel in self.ours.plan_kernel_at.items() if not kernel)
+        sort = (f"; ours sort with torch: {self.ours.plan_refusal}" if self.ours.plan_refusal is not None
+                else f"; ours sort with torch at {torch_sorts} rows (faster there)" if torch_sorts else "")
         return f"exl3 fused (ours at {ours} rows, exllamav3's at {theirs} rows{sort})"
 
 
@@ -199,13 +201,18 @@ class MoE(Module):
         self.sum_over_ranks = None  # expert parallel: x -> every rank's x added (drafter_tp2)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k]): after
-        the product with the gate, one kernel where the round's kernels serve."""
+        """x [N, H] -> (routing weights [N, top-k] in `wide`, chosen experts [N, top-k])."""
+        return self.routing(x @ self.gate.T)
+
+    def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route after the product with the gate (logits [N, experts], any float dtype): one
+        kernel where the round's kernels serve. Of experts whose scores tie, the kernel takes
+        the lowest; torch's top-k may take another (a tie either way)."""
         c, kernels = self.numerics.config, self.numerics.kernels
         if kernels is not None:
-            return kernels.route(x @ self.gate.T, self.bias, c.num_experts_per_tok, c.scoring_func,
+            return kernels.route(logits, self.bias, c.num_experts_per_tok, c.scoring_func,
                                  c.norm_topk_prob, c.routed_scaling_factor)
-        scores = _SCORES[c.scoring_func]((x @ self.gate.T).to(self.numerics.wide))
+        scores = _SCORES[c.scoring_func](logits.to(self.numerics.wide))
         choose = scores + self.bias if self.bias is not None else scores
         experts = choose.topk(c.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(-1, experts)
