@@ -1,6 +1,10 @@
 """A TCP socket that carries ofl frames, with a deadline on every blocking step.
 
-Both sides use it: the server for its connection loop, the client for its calls. Sends are
+Both sides use it: the server for its connection loop, the client for its calls. The socket
+stays non-blocking: each send or receive is tried at once, and only one that would block
+waits, in a poll bounded by the deadline. (A Python socket timeout costs a mode switch
+(ioctl) each time it is set and a poll before every call, ready or not: on a host where
+system calls are dear, such as a gVisor sandbox, that is most of a round's own cost.) Sends are
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
 caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
@@ -12,6 +16,7 @@ the socket's own copy).
 
 from __future__ import annotations
 
+import select
 import socket
 import sys
 import threading
@@ -74,16 +79,27 @@ class Channel:
         self._last: bytearray | None = None  # the last large payload's buffer, for the next one
         self._last_size = 0  # the most it held
         set_socket_options(sock)
+        sock.setblocking(False)
+        self._readable, self._writable = select.poll(), select.poll()
+        self._readable.register(sock, select.POLLIN)
+        self._writable.register(sock, select.POLLOUT)
 
     # -- deadlines -----------------------------------------------------------------------
-    def _arm(self, deadline: float | None) -> None:
-        if deadline is None:
-            self.sock.settimeout(None)
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
+    @staticmethod
+    def _check(deadline: float | None) -> None:
+        if deadline is not None and deadline - time.monotonic() <= 0:
             raise DeadlineExceeded("deadline passed")
-        self.sock.settimeout(left)
+
+    @staticmethod
+    def _ready(poller: select.poll, seconds: float | None) -> bool:
+        """Whether the socket became ready within `seconds` (None: however long it takes)."""
+        return bool(poller.poll(None if seconds is None else max(0, -int(-seconds * 1000))))
+
+    def _wait(self, poller: select.poll, deadline: float | None) -> None:
+        """Until the socket is ready for what would have blocked, or raise at the deadline."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 or not self._ready(poller, left):
+            raise TimeoutError
 
     # -- send ----------------------------------------------------------------------------
     def send_frame(self, kind: wire.Kind, request_id: int, parts=(), deadline: float | None = None,
@@ -95,9 +111,13 @@ class Channel:
     def send_all(self, parts: list, deadline: float | None) -> None:
         pending = [memoryview(p).cast("B") for p in parts if len(p)]
         try:
+            self._check(deadline)
             while pending:
-                self._arm(deadline)
-                sent = self.sock.sendmsg(pending[:IOV_MAX])
+                try:
+                    sent = self.sock.sendmsg(pending[:IOV_MAX])
+                except BlockingIOError:
+                    self._wait(self._writable, deadline)
+                    continue
                 while sent:
                     if sent >= len(pending[0]):
                         sent -= len(pending.pop(0))
@@ -116,9 +136,13 @@ class Channel:
         """Fill `view` completely or raise."""
         got, n = 0, len(view)
         try:
+            self._check(deadline)
             while got < n:
-                self._arm(deadline)
-                k = self.sock.recv_into(view[got:], n - got)
+                try:
+                    k = self.sock.recv_into(view[got:], n - got)
+                except BlockingIOError:
+                    self._wait(self._readable, deadline)
+                    continue
                 if k == 0:
                     raise ConnectionLost(f"peer closed the connection ({got} of {n} bytes received)")
                 got += k
@@ -134,12 +158,13 @@ class Channel:
         passes first (False; None waits for ever). The frame's own deadline starts with its
         first byte."""
         try:
-            self.sock.settimeout(idle_s)
+            if not self._ready(self._readable, idle_s):
+                return False
             if not self.sock.recv(1, socket.MSG_PEEK):
                 raise ConnectionLost("peer closed the connection")
             return True
-        except TimeoutError:
-            return False
+        except BlockingIOError:
+            return True  # a wake-up with nothing to read after all: the frame's deadline bounds the wait
         except OSError as exc:
             if isinstance(exc, ConnectionLost):
                 raise
