@@ -89,8 +89,9 @@ def test_a_receive_that_would_block_waits_once_until_its_deadline(pair):
     assert not b.wait_readable(0.0)
 
 
-def test_a_closed_peer_is_a_lost_connection_not_a_wait(pair):
+def test_a_closed_peer_ends_the_wait_and_its_next_receive_is_a_lost_connection(pair):
     a, b = pair
     a.close()
+    assert b.wait_readable(5.0)
     with pytest.raises(ConnectionLost, match="peer closed the connection"):
-        b.wait_readable(5.0)
+        b.recv_header(deadline=time.monotonic() + 5)

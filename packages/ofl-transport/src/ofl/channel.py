@@ -154,21 +154,10 @@ class Channel:
             raise ConnectionLost(f"receive failed: {exc}") from None
 
     def wait_readable(self, idle_s: float | None = None) -> bool:
-        """Block until the peer sends a byte (True) or closes (ConnectionLost), or `idle_s`
-        passes first (False; None waits for ever). The frame's own deadline starts with its
-        first byte."""
-        try:
-            if not self._ready(self._readable, idle_s):
-                return False
-            if not self.sock.recv(1, socket.MSG_PEEK):
-                raise ConnectionLost("peer closed the connection")
-            return True
-        except BlockingIOError:
-            return True  # a wake-up with nothing to read after all: the frame's deadline bounds the wait
-        except OSError as exc:
-            if isinstance(exc, ConnectionLost):
-                raise
-            raise ConnectionLost(f"receive failed: {exc}") from None
+        """Block until the peer sends a byte or closes (True: the next receive gets the byte,
+        or raises ConnectionLost), or `idle_s` passes first (False; None waits for ever). The
+        frame's own deadline starts with its first byte."""
+        return self._ready(self._readable, idle_s)
 
     def recv_header(self, deadline: float | None) -> wire.Header:
         raw = bytearray(wire.HEADER_SIZE)
