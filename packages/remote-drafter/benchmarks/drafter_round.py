@@ -50,6 +50,7 @@ from dsv41_gpu import (  # noqa: E402
 from exl3_moe_layer import exl3_linear, random_stored  # noqa: E402
 from round_phases import in_graph  # noqa: E402
 
+import ofl  # noqa: E402
 import remote_drafter  # noqa: E402
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models import exl3  # noqa: E402
@@ -511,6 +512,7 @@ def experts_ab(batches: list[int], rounds: int, out: str, modes: list[str]) -> N
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
                  "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
     res["remote_drafter"] = str(Path(remote_drafter.__file__).parent)  # which tree's code (--compare)
+    res["ofl"] = str(Path(ofl.__file__).parent)
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
     res["exllamav3"] = exl3.load_exllamav3(say).version
     model, sizes = exl3_flash_model()
@@ -566,7 +568,7 @@ def compare(before: str, after: str, out: str, mode: str = "auto") -> dict:
         raise SystemExit(f"both runs timed the same code ({runs[0].get('remote_drafter')}): nothing to compare")
     a, b = (r[mode] for r in runs)
     res = {"before": before, "after": after, "device": runs[1]["device"], "mode": mode, "rounds": [],
-           "code": [r["remote_drafter"] for r in runs]}
+           "code": [{k: r.get(k) for k in ("remote_drafter", "ofl")} for r in runs]}
     for x, y in zip(a["rounds"], b["rounds"]):
         res["rounds"].append({"batch": y["batch"], "p50_ms": [x["p50_ms"], y["p50_ms"]],
                               "p99_ms": [x["p99_ms"], y["p99_ms"]],

@@ -78,22 +78,27 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     [[ $ONLY_DRAFTER_ROUND == moe ]] && exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == before-after ]]; then  # =before-after: a change to the round timed
-    # against the code before it in one call. BEFORE: the earlier remote_drafter's source folder
-    # (mkdir -p .before && git archive <commit> packages/remote-drafter/src | tar -x -C .before;
-    # BEFORE=.before/packages/remote-drafter/src; carry .before). exllamav3's build first and
-    # alone (~5 min: beside other work it took twice as long), then the EXL3 round as served
-    # (drafter_round.py --experts-ab --modes auto) by the code after the change and before it,
-    # each in a process of its own, --compare; then, while the call's 10 minutes allow, one MoE
-    # layer against BlockSparseMLP and the round's GPU tests
-    if [[ ! -f ${BEFORE:-}/remote_drafter/__init__.py ]]; then
-      echo "BEFORE=${BEFORE:-} holds no remote_drafter: the earlier source folder (see gpu.sh)"; exit 2
+    # against the code before it in one call. BEFORE: a folder holding the earlier commit's
+    # package sources (mkdir -p .before && git archive <commit> packages/remote-drafter/src
+    # packages/ofl-transport/src | tar -x -C .before; BEFORE=.before; carry .before): its
+    # packages/*/src come first on the path of the run before, the C helpers built here copied
+    # in. exllamav3's build first and alone (~5 min: beside other work it took twice as long),
+    # then the EXL3 round as served (drafter_round.py --experts-ab --modes auto: the round, and
+    # the worker over tcp) by the code after the change and before it, each in a process of its
+    # own, --compare; then, while the call's 10 minutes allow, one MoE layer against
+    # BlockSparseMLP and the round's GPU tests
+    if [[ ! -f ${BEFORE:-}/packages/remote-drafter/src/remote_drafter/__init__.py ]]; then
+      echo "BEFORE=${BEFORE:-} holds no packages/remote-drafter/src: the earlier sources (see gpu.sh)"; exit 2
     fi
+    for so in packages/*/src/*/_*_cffi*.so; do
+      [[ -d $BEFORE/$(dirname "$so") ]] && cp "$so" "$BEFORE/$so"
+    done
     python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1 \
       || echo "== exllamav3 did not load (above)"
     for side in after before; do
-      src=packages/remote-drafter/src; [[ $side == before ]] && src=$BEFORE
-      echo "== the round as served, $side ($src), at $SECONDS s"
-      PYTHONPATH="$src:$PYTHONPATH" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
+      path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+      echo "== the round as served, $side, at $SECONDS s"
+      PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
         --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch" \
         || echo "== the $side run failed (above)"
     done
