@@ -569,6 +569,9 @@ def compare(before: str, after: str, out: str, mode: str = "auto") -> dict:
     a, b = (r[mode] for r in runs)
     res = {"before": before, "after": after, "device": runs[1]["device"], "mode": mode, "rounds": [],
            "code": [{k: r.get(k) for k in ("remote_drafter", "ofl")} for r in runs]}
+    if runs[0].get("ofl") == runs[1].get("ofl"):
+        res["note"] = "ofl is the same tree in both runs: its changes are not in this comparison"
+        say(f"    note: {res['note']}")
     for x, y in zip(a["rounds"], b["rounds"]):
         res["rounds"].append({"batch": y["batch"], "p50_ms": [x["p50_ms"], y["p50_ms"]],
                               "p99_ms": [x["p99_ms"], y["p99_ms"]],

@@ -54,7 +54,9 @@ def traced(batch: int, n: int) -> tuple[dict[str, int], float]:
     """This script's `rounds` in a process under `strace -f -c`: (calls by name, round p50)."""
     with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
         run = subprocess.run(["strace", "-f", "-c", "-o", out.name, sys.executable, __file__, "--child",
-                              str(batch), str(n)], capture_output=True, text=True, check=True)
+                              str(batch), str(n)], capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"the traced rounds failed ({run.returncode}):\n{run.stderr[-3000:]}")
         calls = {}
         for line in out.read().splitlines():
             parts = line.split()

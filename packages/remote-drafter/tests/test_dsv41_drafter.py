@@ -534,11 +534,14 @@ def test_every_layer_takes_the_first_layers_tuning_or_none_takes_ours(folders):
 
         def tune(self, samples):
             self.tuned = {x.shape[0]: {"nt": 8, "num_warps": 4, "fill": 32} for x, _, _ in samples}
+            self.plan_kernel_at = {x.shape[0]: x.shape[0] < 10 for x, _, _ in samples}  # torch's sort at 10
     stand_in_experts(model, lambda j: Tunable())
     described, why = model.choose_expert_kernels([5, 10], "ours")
-    assert why is None and described == "exl3 fused (ours at [5, 10] rows, exllamav3's at no rows)"
-    first = model.layers[0].moe.experts.ours.tuned
-    assert set(first) == {5, 10} and all(layer.moe.experts.ours.tuned == first for layer in model.layers)
+    assert why is None and described == ("exl3 fused (ours at [5, 10] rows, exllamav3's at no rows; "
+                                         "ours sort with torch at [10] rows (faster there))")
+    first = model.layers[0].moe.experts.ours
+    assert set(first.tuned) == {5, 10} and all(layer.moe.experts.ours.tuned == first.tuned for layer in model.layers)
+    assert all(layer.moe.experts.ours.plan_kernel_at == {5: True, 10: False} for layer in model.layers)
     model.layers[0].moe.experts.ours.plan_refusal = "RuntimeError: no such instruction"  # status says so
     assert model.layers[0].moe.experts.describe() == ("exl3 fused (ours at [5, 10] rows, exllamav3's at no rows; "
                                                       "ours sort with torch: RuntimeError: no such instruction)")

@@ -16,6 +16,7 @@ the socket's own copy).
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import sys
@@ -28,6 +29,7 @@ from .errors import ConnectionLost, DeadlineExceeded
 
 IOV_MAX = 1024  # Linux limit of iovecs per sendmsg
 GROW_FROM = 64 << 10  # a payload buffer starts this large and doubles as bytes arrive
+POLL_MAX_MS = 2**31 - 1  # the longest wait one poll takes
 
 
 def _held_once() -> int:
@@ -92,14 +94,20 @@ class Channel:
 
     @staticmethod
     def _ready(poller: select.poll, seconds: float | None) -> bool:
-        """Whether the socket became ready within `seconds` (None: however long it takes)."""
-        return bool(poller.poll(None if seconds is None else max(0, -int(-seconds * 1000))))
+        """Whether the socket became ready within `seconds` (None: however long it takes; a
+        poll takes whole milliseconds, rounded up, and at most 2**31 - 1 of them: the caller
+        of a longer wait polls again)."""
+        return bool(poller.poll(None if seconds is None else min(max(math.ceil(seconds * 1000), 0), POLL_MAX_MS)))
 
     def _wait(self, poller: select.poll, deadline: float | None) -> None:
-        """Until the socket is ready for what would have blocked, or raise at the deadline."""
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0 or not self._ready(poller, left):
-            raise TimeoutError
+        """Until the socket is ready for what would have blocked, or raise once the deadline
+        has passed and a last look found it not ready (never before the deadline)."""
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if self._ready(poller, None if left is None else max(left, 0.0)):  # past it: one look
+                return
+            if left is not None and left <= 0:
+                raise TimeoutError
 
     # -- send ----------------------------------------------------------------------------
     def send_frame(self, kind: wire.Kind, request_id: int, parts=(), deadline: float | None = None,
@@ -111,8 +119,8 @@ class Channel:
     def send_all(self, parts: list, deadline: float | None) -> None:
         pending = [memoryview(p).cast("B") for p in parts if len(p)]
         try:
-            self._check(deadline)
             while pending:
+                self._check(deadline)  # a clock read, no system call
                 try:
                     sent = self.sock.sendmsg(pending[:IOV_MAX])
                 except BlockingIOError:
@@ -136,8 +144,8 @@ class Channel:
         """Fill `view` completely or raise."""
         got, n = 0, len(view)
         try:
-            self._check(deadline)
             while got < n:
+                self._check(deadline)  # a clock read, no system call
                 try:
                     k = self.sock.recv_into(view[got:], n - got)
                 except BlockingIOError:
@@ -157,7 +165,11 @@ class Channel:
         """Block until the peer sends a byte or closes (True: the next receive gets the byte,
         or raises ConnectionLost), or `idle_s` passes first (False; None waits for ever). The
         frame's own deadline starts with its first byte."""
-        return self._ready(self._readable, idle_s)
+        try:
+            self._wait(self._readable, None if idle_s is None else time.monotonic() + idle_s)
+            return True
+        except TimeoutError:
+            return False
 
     def recv_header(self, deadline: float | None) -> wire.Header:
         raw = bytearray(wire.HEADER_SIZE)

@@ -240,8 +240,12 @@ class TritonExl3Experts:
             self.tuned[rows] = self.CONFIGS[best]
             out[rows] = {"ms": trials[best], "config": self.CONFIGS[best], "trials": trials}
             if self.plan_refusal is None:
-                out[rows]["plan_ms"] = times = self._plan_times(experts)
-                self.plan_kernel_at[rows] = times["kernel"] < times["torch"]
+                try:
+                    out[rows]["plan_ms"] = times = self._plan_times(experts)
+                    self.plan_kernel_at[rows] = times["kernel"] < times["torch"]
+                except Exception as exc:  # noqa: BLE001 - timing only: the checked kernel plans on
+                    log.warning("the plan's kernel and torch's sort could not be timed at %d rows (the kernel "
+                                "plans): %s: %s", rows, type(exc).__name__, exc)
         return out
 
     def _plan_times(self, experts: torch.Tensor) -> dict[str, float]:
