@@ -41,13 +41,14 @@ LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 SPLITS = (1, 2, 4, 8, 16)  # the products' input splits timed beside the layer's own choice
 
 
-def random_stored(n_in: int, n_out: int, gen, bits: int = exl3_triton.BITS) -> Stored:
+def random_stored(n_in: int, n_out: int, gen, bits: int = exl3_triton.BITS, device: str = "cuda") -> Stored:
     """An EXL3 linear of n_in x n_out (multiples of 16) with random trellis bytes (every pattern is
-    a valid trellis), suh signs and svh signs over sqrt(n_in), on CUDA: timing only."""
+    a valid trellis), suh signs and svh signs over sqrt(n_in), on `device` (gen's): timing and
+    counting only."""
     trellis = torch.randint(-2**15, 2**15, (n_in // 16, n_out // 16, 16 * bits), dtype=torch.int16,
-                            device="cuda", generator=gen)
-    suh = (torch.randint(0, 2, (n_in,), device="cuda", generator=gen) * 2 - 1).half()
-    svh = ((torch.randint(0, 2, (n_out,), device="cuda", generator=gen) * 2 - 1) * n_in ** -0.5).half()
+                            device=device, generator=gen)
+    suh = (torch.randint(0, 2, (n_in,), device=device, generator=gen) * 2 - 1).half()
+    svh = ((torch.randint(0, 2, (n_out,), device=device, generator=gen) * 2 - 1) * n_in ** -0.5).half()
     return Stored(trellis, suh, svh)
 
 

@@ -170,18 +170,17 @@ def count_round(drafter: Dsv41Drafter, batch: int) -> LaunchCounter:
 def count_experts(rows: int, top_k: int = 6, experts: int = 16, width: int = 256) -> dict[str, dict]:
     """One call of our EXL3 experts' layer on `rows` rows (each choosing top_k of `experts`,
     plus the shared expert), after a warm one: {"plan kernel" | "torch sort": its launches by op}."""
-    import numpy as np
+    from exl3_moe_layer import random_stored
 
-    from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts
-    rng, dev = np.random.default_rng(0), "cuda" if torch.cuda.is_available() else "cpu"
+    from remote_drafter.models.exl3_triton_experts import TritonExl3Experts
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
 
     def linear(n_in, n_out):
-        return Stored(*(torch.from_numpy(a).to(dev) for a in (
-            rng.integers(-2**15, 2**15, (n_in // 16, n_out // 16, 64), dtype=np.int16),
-            np.ones(n_in, np.float16), np.full(n_out, 0.01, np.float16))))
+        return random_stored(n_in, n_out, gen, device=dev)
     three = [(linear(width, 128), linear(width, 128), linear(128, width)) for _ in range(experts + 1)]
     layer = TritonExl3Experts(three[:-1], three[-1], 7.0)
-    x = torch.from_numpy(rng.standard_normal((rows, width)).astype(np.float16)).to(dev)
+    x = torch.randn(rows, width, generator=gen, device=dev).half()
     chosen = torch.stack([torch.randperm(experts)[:top_k] for _ in range(rows)]).to(dev)
     weights = torch.full((rows, top_k), 1 / top_k, device=dev)
     out = {}

@@ -3,8 +3,8 @@
 Both sides use it: the server for its connection loop, the client for its calls. The socket
 stays non-blocking: each send or receive is tried at once, and only one that would block
 waits, in a poll bounded by the deadline. (A Python socket timeout costs a mode switch
-(ioctl) each time it is set and a poll before every call, ready or not: on a host where
-system calls are dear, such as a gVisor sandbox, that is most of a round's own cost.) Sends are
+(ioctl) each time it is set and a poll before every call, ready or not: calls that cost on a
+host where system calls are dear, such as a gVisor sandbox.) Sends are
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
 caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
