@@ -121,3 +121,86 @@ def test_a_closed_peer_ends_the_wait_and_its_next_receive_is_a_lost_connection(p
     assert b.wait_readable(5.0)
     with pytest.raises(ConnectionLost, match="peer closed the connection"):
         b.recv_header(deadline=time.monotonic() + 5)
+
+
+def test_a_request_waits_for_its_reply_before_receiving(monkeypatch):
+    """A reply takes the server's whole turn, so the client polls for it first, and a small
+    reply's header and payload come in one receive: none is tried for nothing."""
+    from ofl import client as client_module
+    from ofl.client import Connection
+    from ofl.server import Server
+
+    made = []
+    monkeypatch.setattr(client_module, "Channel",
+                        lambda sock, **kw: made.append(Channel(CountingSocket(sock), **kw)) or made[-1])
+    arrived, answer = threading.Event(), threading.Event()
+
+    def handler(payload, _peer):
+        arrived.set()
+        answer.wait(30)  # the client is waiting for the reply by now (seen below)
+        return bytes(payload)
+
+    with Server("tcp", handler=handler) as srv, Connection(srv.address, backend="tcp") as conn:
+        conn.ensure_connected()
+        sock = made[-1].sock
+        got = []
+        caller = threading.Thread(target=lambda: got.append(conn.request(b"x" * 1000, deadline_s=30)))
+        before = sock.counts["recv_into"]
+        caller.start()
+        assert arrived.wait(30)
+        answer.set()
+        caller.join(30)
+        assert got == [b"x" * 1000]
+        assert sock.counts["recv_into"] - before == 1  # the header and the payload at once
+
+
+def test_frames_received_ahead_are_read_in_order(pair):
+    """A header's receive takes what else has arrived (the rest of a small frame, the start of
+    the next): every frame still reads whole and in order, whatever their sizes, and a frame
+    that arrived whole needs no further receive or wait."""
+    a, b = pair
+    sizes = [0, 5, channel_module.AHEAD_BYTES - 30, channel_module.AHEAD_BYTES + 3000, 70_000, 1]
+    sent = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+    for i, p in enumerate(sent):  # back to back, all in the receiver's buffer before it reads
+        a.send_frame(wire.Kind.MESSAGE, i, [p], deadline=time.monotonic() + 30)
+    deadline = time.monotonic() + 30
+    assert b.wait_readable(5.0)
+    receives = b.sock.counts["recv_into"]
+    for i, p in enumerate(sent):
+        header = b.recv_header(deadline)
+        assert (header.request_id, header.length) == (i, len(p))
+        assert bytes(b.recv_payload(header, deadline)) == p.tobytes()
+        if i == 1:  # the first two frames, small, came in the first header's receive
+            assert b.sock.counts["recv_into"] == receives + 1
+    assert not b.wait_readable(0.0)  # nothing left over
+
+
+def test_a_header_split_across_receives(pair):
+    """A header whose bytes come in two pieces, the second after a wait, reads whole."""
+    a, b = pair
+    frame = wire.pack_header(wire.Kind.MESSAGE, 3, 4) + b"abcd"
+    a.sock.sendall(frame[:10])
+    assert b.wait_readable(5.0)
+    done = []
+    reader = threading.Thread(target=lambda: done.append((b.recv_header(time.monotonic() + 30),)))
+    reader.start()
+    while CountingPoll.waits < 2:  # the reader waits for the rest (observed, not slept on)
+        time.sleep(0.001)
+    a.sock.sendall(frame[10:])
+    reader.join(30)
+    header = done[0][0]
+    assert (header.request_id, header.length) == (3, 4)
+    assert bytes(b.recv_payload(header, time.monotonic() + 30)) == b"abcd"
+
+
+def test_bytes_received_ahead_land_in_a_caller_buffer(pair):
+    """recv_into (a READ's rows into the caller's array) takes the bytes a header's receive
+    took ahead first, then the socket's."""
+    a, b = pair
+    data = np.arange(10_000, dtype=np.uint8)
+    a.send_frame(wire.Kind.READ_DATA, 1, [data], deadline=time.monotonic() + 30)
+    assert b.wait_readable(5.0)
+    header = b.recv_header(time.monotonic() + 30)
+    dest = np.zeros(header.length, np.uint8)
+    b.recv_into(memoryview(dest), time.monotonic() + 30)
+    assert np.array_equal(dest, data)

@@ -28,6 +28,7 @@ from . import wire
 from .errors import ConnectionLost, DeadlineExceeded
 
 IOV_MAX = 1024  # Linux limit of iovecs per sendmsg
+AHEAD_BYTES = 4 << 10  # a header's receive takes up to this much more: a small frame whole
 GROW_FROM = 64 << 10  # a payload buffer starts this large and doubles as bytes arrive
 POLL_MAX_MS = 2**31 - 1  # the longest wait one poll takes
 
@@ -80,6 +81,8 @@ class Channel:
         self.largest = 0  # the largest payload received whole: a later one starts this large
         self._last: bytearray | None = None  # the last large payload's buffer, for the next one
         self._last_size = 0  # the most it held
+        self._scratch = bytearray(wire.HEADER_SIZE + AHEAD_BYTES)  # what a header's receive lands in
+        self._ahead = memoryview(b"")  # received past what was asked for: the next bytes of the stream
         set_socket_options(sock)
         sock.setblocking(False)
         self._readable, self._writable = select.poll(), select.poll()
@@ -141,19 +144,28 @@ class Channel:
 
     # -- receive -------------------------------------------------------------------------
     def recv_into(self, view: memoryview, deadline: float | None) -> None:
-        """Fill `view` completely or raise."""
-        got, n = 0, len(view)
+        """Fill `view` (bytes) completely or raise."""
+        got = min(len(self._ahead), len(view))
+        if got:
+            view[:got] = self._ahead[:got]
+            self._ahead = self._ahead[got:]
+        while got < len(view):
+            got += self._recv_some(view[got:], deadline, got, len(view))
+
+    def _recv_some(self, view: memoryview, deadline: float | None, got: int, n: int) -> int:
+        """One receive into `view` that gets at least a byte (waiting only when none has
+        arrived), or raise; `got` of `n` bytes asked for have come (for the error)."""
         try:
-            while got < n:
+            while True:
                 self._check(deadline)  # a clock read, no system call
                 try:
-                    k = self.sock.recv_into(view[got:], n - got)
+                    k = self.sock.recv_into(view, len(view))
                 except BlockingIOError:
                     self._wait(self._readable, deadline)
                     continue
                 if k == 0:
                     raise ConnectionLost(f"peer closed the connection ({got} of {n} bytes received)")
-                got += k
+                return k
         except TimeoutError:
             raise DeadlineExceeded(f"deadline passed with {got} of {n} bytes received") from None
         except (ConnectionResetError, OSError) as exc:
@@ -165,6 +177,8 @@ class Channel:
         """Block until the peer sends a byte or closes (True: the next receive gets the byte,
         or raises ConnectionLost), or `idle_s` passes first (False; None waits for ever). The
         frame's own deadline starts with its first byte."""
+        if self._ahead:
+            return True
         try:
             self._wait(self._readable, None if idle_s is None else time.monotonic() + idle_s)
             return True
@@ -172,9 +186,19 @@ class Channel:
             return False
 
     def recv_header(self, deadline: float | None) -> wire.Header:
-        raw = bytearray(wire.HEADER_SIZE)
-        self.recv_into(memoryview(raw), deadline)
-        return wire.unpack_header(bytes(raw), self.max_payload)
+        """The next frame's header. Its receive takes whatever else has arrived, up to
+        AHEAD_BYTES, kept for what is received next: a small frame comes whole in one receive
+        (each a system call, dear on a gVisor host)."""
+        have = len(self._ahead)
+        if have < wire.HEADER_SIZE:
+            scratch = memoryview(self._scratch)
+            scratch[:have] = bytes(self._ahead)  # a header's first bytes, received before
+            while have < wire.HEADER_SIZE:
+                have += self._recv_some(scratch[have:], deadline, have, wire.HEADER_SIZE)
+            self._ahead = scratch[:have]
+        header = wire.unpack_header(bytes(self._ahead[:wire.HEADER_SIZE]), self.max_payload)
+        self._ahead = self._ahead[wire.HEADER_SIZE:]
+        return header
 
     def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
         """The payload, in a buffer at most twice the bytes received so far at any moment

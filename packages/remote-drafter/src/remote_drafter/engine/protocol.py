@@ -64,10 +64,24 @@ REPLY_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("kind", "<u2"),
 REPLY_ENTRY = np.dtype([("request_id", "<u8"), ("latency_us", "<u4"), ("n_drafts", "<u2"),
                         ("status", "u1"), ("cache", "u1"), ("has_probs", "u1"), ("pad", "u1"),
                         ("msg_len", "<u2"), ("pad2", "u1", (4,))])
-# ENTRY and REPLY_ENTRY as struct packs them: per entry, without numpy scalars
-ENTRY_FIELDS, REPLY_FIELDS = struct.Struct("<QQQfIIHBB"), struct.Struct("<QIHBBBxH4x")
-assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, ENTRY_FIELDS.size, REPLY_HEADER.itemsize,
-        REPLY_ENTRY.itemsize, REPLY_FIELDS.size) == (40, 40, 40, 16, 24, 24)
+
+
+def _fields(dtype: np.dtype) -> struct.Struct:
+    """`dtype`'s layout as struct packs it (fields named pad* as padding): a header or an
+    entry packed or read field by field in Python, without numpy's scalars."""
+    codes = {("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 4): "f"}
+    fmt = "<" + "".join(f"{dtype.fields[name][0].itemsize}x" if name.startswith("pad") else
+                        f"{dtype.fields[name][0].itemsize}s" if dtype.fields[name][0].kind == "S" else
+                        codes[dtype.fields[name][0].kind, dtype.fields[name][0].itemsize]
+                        for name in dtype.names)
+    packer = struct.Struct(fmt)
+    assert packer.size == dtype.itemsize, f"{dtype} packs to {packer.size} bytes"
+    return packer
+
+
+REQUEST_HEADER_FIELDS, ENTRY_FIELDS = _fields(REQUEST_HEADER), _fields(ENTRY)
+REPLY_HEADER_FIELDS, REPLY_FIELDS = _fields(REPLY_HEADER), _fields(REPLY_ENTRY)
+assert (REQUEST_HEADER.itemsize, ENTRY.itemsize, REPLY_HEADER.itemsize, REPLY_ENTRY.itemsize) == (40, 40, 16, 24)
 
 
 class ProtocolError(ValueError):
@@ -129,16 +143,14 @@ def request_parts(entries: list[Entry], fingerprint: bytes, row_dtype: str = "fl
     if len(widths) > 1:
         raise ValueError(f"one request carries rows of one width, these are {sorted(widths)} wide")
     feature = widths.pop() if widths else 0
-    head = np.zeros((), REQUEST_HEADER)
-    head["magic"], head["version"], head["kind"] = REQUEST_MAGIC, VERSION, kind
-    head["fingerprint"], head["n_entries"], head["client_id"] = fingerprint, len(entries), client_id
-    head["feature"], head["row_dtype"] = feature, ROW_DTYPES[row_dtype] if feature else ROW_NONE
+    head = REQUEST_HEADER_FIELDS.pack(REQUEST_MAGIC, VERSION, kind, fingerprint, len(entries), client_id,
+                                      feature, ROW_DTYPES[row_dtype] if feature else ROW_NONE)
     table = b"".join(ENTRY_FIELDS.pack(e.request_id, e.seed, e.length, e.temperature, len(t),
                                        0 if r is None else len(r), e.k, e.op,
                                        FLAG_WANT_PROBS if e.want_probs else 0)
                      for e, t, r in zip(entries, tokens, rows))
     dtype = rows_module.DTYPES[row_dtype]
-    return [head.tobytes(), table, *(t.view(np.uint8) for t in tokens if len(t)),
+    return [head, table, *(t.view(np.uint8) for t in tokens if len(t)),
             *(np.ascontiguousarray(rows_module.cast(r, dtype)).reshape(-1).view(np.uint8)
               for r in rows if r is not None)]
 
@@ -150,21 +162,17 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
     size, off = len(buf), REQUEST_HEADER.itemsize
     if size < off:
         raise ProtocolError(f"request of {size} bytes is shorter than its header")
-    head = np.frombuffer(buf, REQUEST_HEADER, 1)[0]
-    if bytes(head["magic"]) != REQUEST_MAGIC:
-        raise ProtocolError(f"bad magic {bytes(head['magic'])!r} (not a drafter request)")
-    if int(head["version"]) != VERSION:
-        raise ProtocolError(f"protocol version mismatch: request {int(head['version'])}, "
-                            f"worker {VERSION}")
-    kind = int(head["kind"])
+    magic, version, kind, got, n, client_id, feature, code = REQUEST_HEADER_FIELDS.unpack_from(buf)
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} (not a drafter request)")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version mismatch: request {version}, worker {VERSION}")
     if kind not in (KIND_ROUND, KIND_STATS):
         raise ProtocolError(f"unknown request kind {kind}")
-    got = head["fingerprint"].tobytes().ljust(16, b"\0")
     if fingerprint is not None and got != fingerprint:
         raise ProtocolError(f"identity mismatch: request fingerprint {got.hex()}, worker "
                             f"{fingerprint.hex()} (a client built for another target, "
                             "tokenizer or drafter)")
-    n, feature, code = int(head["n_entries"]), int(head["feature"]), int(head["row_dtype"])
     if n > max_entries:
         raise ProtocolError(f"{n} entries exceed the limit of {max_entries}")
     if code not in ROW_BYTES:
@@ -196,14 +204,11 @@ def parse_request(buf: bytes, fingerprint: bytes | None, max_entries: int = 4096
         entries.append(Entry(rid, op, tokens[t:t + n_tokens], rows[r:r + n_rows] if n_rows else None, k,
                              temperature, seed, bool(flags & FLAG_WANT_PROBS), feature, length))
         t, r = t + n_tokens, r + n_rows
-    return Request(kind, int(head["client_id"]), entries, tokens, rows)
+    return Request(kind, client_id, entries, tokens, rows)
 
 
 # -- replies -------------------------------------------------------------------------------
 def encode_reply(replies: list[Reply], vocab: int) -> bytes:
-    head = np.zeros((), REPLY_HEADER)
-    head["magic"], head["version"], head["kind"] = REPLY_MAGIC, VERSION, KIND_ROUND
-    head["n_entries"], head["vocab"] = len(replies), vocab
     tokens = [np.ascontiguousarray(r.tokens, np.int32).reshape(-1) for r in replies]
     messages = [r.message.encode()[:MAX_MESSAGE_BYTES] if r.message else b"" for r in replies]
     table = b"".join(REPLY_FIELDS.pack(r.request_id, min(r.latency_us, 2**32 - 1), len(t), r.status,
@@ -211,7 +216,8 @@ def encode_reply(replies: list[Reply], vocab: int) -> bytes:
                      for r, t, m in zip(replies, tokens, messages))
     probs = [np.ascontiguousarray(r.probs[:len(t)], np.float32).tobytes()
              for r, t in zip(replies, tokens) if r.probs is not None]
-    return b"".join([head.tobytes(), table, *(t.tobytes() for t in tokens), *probs, *messages])
+    return b"".join([REPLY_HEADER_FIELDS.pack(REPLY_MAGIC, VERSION, KIND_ROUND, len(replies), vocab), table,
+                     *(t.tobytes() for t in tokens), *probs, *messages])
 
 
 def ids_in_vocab(tokens: np.ndarray, vocab: int) -> bool:
@@ -231,10 +237,9 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
     size, off = len(buf), REPLY_HEADER.itemsize
     if size < off:
         raise ProtocolError(f"reply of {size} bytes is shorter than its header")
-    head = np.frombuffer(buf, REPLY_HEADER, 1)[0]
-    if bytes(head["magic"]) != REPLY_MAGIC or int(head["version"]) != VERSION:
+    magic, version, _, n, vocab = REPLY_HEADER_FIELDS.unpack_from(buf)
+    if magic != REPLY_MAGIC or version != VERSION:
         raise ProtocolError("not a drafter reply of protocol version %d" % VERSION)
-    vocab, n = int(head["vocab"]), int(head["n_entries"])
     if vocab > max_vocab:
         raise ProtocolError(f"reply vocabulary {vocab} is implausible")
     if off + n * REPLY_ENTRY.itemsize > size:
@@ -265,14 +270,12 @@ def parse_reply(buf: bytes, max_vocab: int = 1 << 22) -> list[Reply]:
 
 
 def encode_stats_reply(stats: dict) -> bytes:
-    head = np.zeros((), REPLY_HEADER)
-    head["magic"], head["version"], head["kind"] = REPLY_MAGIC, VERSION, KIND_STATS
-    return head.tobytes() + json.dumps(stats).encode()
+    return REPLY_HEADER_FIELDS.pack(REPLY_MAGIC, VERSION, KIND_STATS, 0, 0) + json.dumps(stats).encode()
 
 
 def parse_stats_reply(buf: bytes) -> dict:
-    head = np.frombuffer(buf, REPLY_HEADER, 1)[0] if len(buf) >= REPLY_HEADER.itemsize else None
-    if head is None or bytes(head["magic"]) != REPLY_MAGIC or int(head["kind"]) != KIND_STATS:
+    head = REPLY_HEADER_FIELDS.unpack_from(buf) if len(buf) >= REPLY_HEADER.itemsize else None
+    if head is None or head[0] != REPLY_MAGIC or head[2] != KIND_STATS:
         raise ProtocolError("not a drafter stats reply")
     try:
         return decode_json(buf[REPLY_HEADER.itemsize:], "drafter stats reply")  # size and depth bounded
