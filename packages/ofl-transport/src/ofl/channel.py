@@ -6,7 +6,9 @@ waits, in a poll bounded by the deadline. (A Python socket timeout costs a mode 
 (ioctl) each time it is set and a poll before every call, ready or not: calls that cost on a
 host where system calls are dear, such as a gVisor sandbox.) Sends are
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
-caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
+caller's buffer (`recv_into`), so a read is never copied through a Python bytes object,
+except what a header's receive takes with it: up to AHEAD_BYTES more, so a small frame
+(a reply, a control frame) comes whole in one receive; the next read starts with those.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
 declared length reserves no more memory than the peer has already sent in one payload. The
 last payload's buffer is received into again once nothing holds it: memory already touched,
