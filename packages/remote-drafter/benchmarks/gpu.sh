@@ -24,7 +24,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
   # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
-  # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below)
+  # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below),
+  # =link-before-after the worker's own cost around the stub drafter before and after (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -77,6 +78,27 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       --profile "$OUT/exl3-moe-layer-profile.txt"
     [[ $ONLY_DRAFTER_ROUND == moe ]] && exit
   fi
+  if [[ $ONLY_DRAFTER_ROUND == *before-after ]]; then
+    if [[ ! -f ${BEFORE:-}/packages/remote-drafter/src/remote_drafter/__init__.py ]]; then
+      echo "BEFORE=${BEFORE:-} holds no packages/remote-drafter/src: the earlier sources (see below)"; exit 2
+    fi
+    for so in packages/*/src/*/_*_cffi*.so; do
+      [[ -d $BEFORE/$(dirname "$so") ]] && cp "$so" "$BEFORE/$so"
+    done
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own
+    # cost at batch 16 around the stub drafter (no GPU work: this host's Python and system calls
+    # alone), by BEFORE's sources (below) and this tree's, each twice, alternated (worker_cost.py)
+    for pass in 1 2; do
+      for side in before after; do
+        path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+        PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
+          --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "in_service" | sed "s/^/$side, pass $pass: /" \
+          || echo "== the $side run failed"
+      done
+    done
+    exit
+  fi
   if [[ $ONLY_DRAFTER_ROUND == before-after ]]; then  # =before-after: a change to the round timed
     # against the code before it in one call. BEFORE: a folder holding the earlier commit's
     # package sources (mkdir -p .before && git archive <commit> packages/remote-drafter/src
@@ -87,12 +109,6 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # the worker over tcp) by the code after the change and before it, each in a process of its
     # own, --compare; then, while the call's 10 minutes allow, one MoE layer against
     # BlockSparseMLP and the round's GPU tests
-    if [[ ! -f ${BEFORE:-}/packages/remote-drafter/src/remote_drafter/__init__.py ]]; then
-      echo "BEFORE=${BEFORE:-} holds no packages/remote-drafter/src: the earlier sources (see gpu.sh)"; exit 2
-    fi
-    for so in packages/*/src/*/_*_cffi*.so; do
-      [[ -d $BEFORE/$(dirname "$so") ]] && cp "$so" "$BEFORE/$so"
-    done
     python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1 \
       || echo "== exllamav3 did not load (above)"
     for side in after before; do
