@@ -197,6 +197,31 @@ def test_idle_requests_are_released(models):
     assert svc.stats()["open_requests"] == 0 and svc.stats()["idle_releases"] == 1
 
 
+def test_rounds_look_for_idle_requests_once_an_interval(models, monkeypatch):
+    """A round looks for idle requests (a pass over every request held) only once the expiry
+    interval has passed since the last look, and an idle request still goes then."""
+    from remote_drafter.worker import service as service_module
+    now = [1000.0]
+    monkeypatch.setattr(service_module.time, "monotonic", lambda: now[0])
+    d = load_drafter("ngram", models["target"])
+    svc = DraftService(d, ServiceConfig(idle_timeout_s=100.0))
+    fp, looks, expire = d.manifest().fingerprint, [], svc._expire_idle
+    monkeypatch.setattr(svc, "_expire_idle", lambda: looks.append(now[0]) or expire())
+
+    def open_request(rid):
+        svc.handle(P.encode_request([P.Entry(rid, P.OP_OPEN, np.array([1, 2], np.int32), None, 0, length=2)], fp))
+
+    open_request(1)
+    for rid in range(2, 12):
+        now[0] += 1.0
+        open_request(rid)
+    assert looks == [1000.0]  # the first round's look; the interval (25 s) has not passed since
+    now[0] = 1100.5  # request 1 (last used at 1000) idle past its timeout, the others not
+    open_request(12)
+    assert looks[1:] == [now[0]] and svc.stats()["idle_releases"] == 1
+    assert svc.config.expiry_interval_s == 25.0
+
+
 def test_the_cache_refuses_a_hidden_state_drafter(models):
     with pytest.raises(ValueError, match="tokens alone"):
         DraftService(load_drafter(models["dspark"], models["target"]), ServiceConfig(spec_cache=True))

@@ -50,8 +50,7 @@ class Worker:
         return self
 
     def _sweep(self) -> None:
-        interval = max(min(self.service.config.idle_timeout_s / 4, 30.0), 0.05)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self.service.config.expiry_interval_s):
             self.service.expire_idle()
 
     def stop(self) -> None:

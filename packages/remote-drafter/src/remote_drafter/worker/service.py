@@ -114,6 +114,12 @@ class ServiceConfig:
     gate_depth: int | None = None
     gate_spacing: int = 256        # positions between two rounds of one request
 
+    @property
+    def expiry_interval_s(self) -> float:
+        """How often idle requests are looked for: often enough that one goes within a
+        quarter of its timeout past it, rarely enough that the look costs nothing a round."""
+        return max(min(self.idle_timeout_s / 4, 30.0), 0.05)
+
 
 class DraftService:
     def __init__(self, drafter: Drafter, config: ServiceConfig | None = None):
@@ -131,6 +137,7 @@ class DraftService:
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
         self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
+        self._expiry_due = 0.0  # when a round next looks for idle requests (time.monotonic)
         self.metrics = Metrics("remote_drafter_worker", COUNTERS, HISTOGRAMS)
         self.cache = None
         if self.config.spec_cache:
@@ -231,7 +238,8 @@ class DraftService:
         screened = P.ids_in_vocab(request.tokens, self.drafter.vocab_size) and \
             (request.rows is None or all_finite(request.rows))
         with self.state_lock:
-            self._expire_idle()
+            if time.monotonic() >= self._expiry_due:  # not every round: the look is over every request held
+                self._expire_idle()
             room = self.max_reply_bytes - P.REPLY_HEADER.itemsize
             for e in entries:
                 size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
@@ -460,7 +468,9 @@ class DraftService:
             self.cache.forget(key)
 
     def _expire_idle(self) -> None:
-        cutoff = time.monotonic() - self.config.idle_timeout_s
+        now = time.monotonic()
+        self._expiry_due = now + self.config.expiry_interval_s
+        cutoff = now - self.config.idle_timeout_s
         for key in [k for k, s in self.sessions.items() if s.last_used < cutoff]:
             self._release(key)
             self.metrics.inc("idle_releases")
