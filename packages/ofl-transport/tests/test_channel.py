@@ -13,7 +13,7 @@ import pytest
 from ofl import channel as channel_module
 from ofl import wire
 from ofl.channel import Channel
-from ofl.errors import ConnectionLost, DeadlineExceeded
+from ofl.errors import ConnectionLost, DeadlineExceeded, ProtocolError
 
 
 class CountingSocket(socket.socket):
@@ -182,13 +182,15 @@ def test_a_header_split_across_receives(pair):
     a.sock.sendall(frame[:10])
     assert b.wait_readable(5.0)
     done = []
-    reader = threading.Thread(target=lambda: done.append((b.recv_header(time.monotonic() + 30),)))
+    reader = threading.Thread(target=lambda: done.append(b.recv_header(time.monotonic() + 30)))
     reader.start()
-    while CountingPoll.waits < 2:  # the reader waits for the rest (observed, not slept on)
+    bound = time.monotonic() + 30
+    while CountingPoll.waits < 2 and time.monotonic() < bound:  # the reader waits for the rest
         time.sleep(0.001)
+    assert CountingPoll.waits == 2
     a.sock.sendall(frame[10:])
     reader.join(30)
-    header = done[0][0]
+    header = done[0]
     assert (header.request_id, header.length) == (3, 4)
     assert bytes(b.recv_payload(header, time.monotonic() + 30)) == b"abcd"
 
@@ -204,3 +206,18 @@ def test_bytes_received_ahead_land_in_a_caller_buffer(pair):
     dest = np.zeros(header.length, np.uint8)
     b.recv_into(memoryview(dest), time.monotonic() + 30)
     assert np.array_equal(dest, data)
+
+
+def test_a_bad_header_is_consumed_and_a_passed_deadline_refused(pair):
+    """A header that fails its checks is taken off the stream all the same, and a receive
+    whose deadline has passed is refused even when its bytes were received ahead."""
+    a, b = pair
+    a.sock.sendall(b"JUNK" * 6 + wire.pack_header(wire.Kind.MESSAGE, 4, 2) + b"ok"
+                   + wire.pack_header(wire.Kind.MESSAGE, 5, 0))
+    assert b.wait_readable(5.0)
+    with pytest.raises(ProtocolError, match="magic"):
+        b.recv_header(time.monotonic() + 30)
+    header = b.recv_header(time.monotonic() + 30)  # the next frame's, from the bytes taken ahead
+    assert header.request_id == 4 and bytes(b.recv_payload(header, time.monotonic() + 30)) == b"ok"
+    with pytest.raises(DeadlineExceeded):
+        b.recv_header(time.monotonic() - 1)  # frame 5 is here, the deadline is not

@@ -88,7 +88,9 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   fi
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own
     # cost at batch 16 around the stub drafter (no GPU work: this host's Python and system calls
-    # alone), by BEFORE's sources (below) and this tree's, each twice, alternated (worker_cost.py)
+    # alone), by BEFORE's sources (below) and this tree's, each twice, alternated (worker_cost.py;
+    # compare the own cost: its "receive messages" phase times recv_payload alone, and a small
+    # frame's bytes now come with its header's receive)
     for pass in 1 2; do
       for side in before after; do
         path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"

@@ -6,9 +6,10 @@ waits, in a poll bounded by the deadline. (A Python socket timeout costs a mode 
 (ioctl) each time it is set and a poll before every call, ready or not: calls that cost on a
 host where system calls are dear, such as a gVisor sandbox.) Sends are
 scatter-gather (`sendmsg` straight from registered memory); receives land directly in the
-caller's buffer (`recv_into`), so a read is never copied through a Python bytes object,
-except what a header's receive takes with it: up to AHEAD_BYTES more, so a small frame
-(a reply, a control frame) comes whole in one receive; the next read starts with those.
+caller's buffer (`recv_into`), so a read is never copied through a Python bytes object.
+A header's receive takes up to AHEAD_BYTES more into a small scratch buffer, so a small
+frame (a reply, a control frame) that has fully arrived comes in one receive; the next read
+copies those bytes out first.
 A payload whose size only the peer's header vouches for grows as its bytes arrive, so a
 declared length reserves no more memory than the peer has already sent in one payload. The
 last payload's buffer is received into again once nothing holds it: memory already touched,
@@ -146,7 +147,11 @@ class Channel:
 
     # -- receive -------------------------------------------------------------------------
     def recv_into(self, view: memoryview, deadline: float | None) -> None:
-        """Fill `view` (bytes) completely or raise."""
+        """Fill `view` completely or raise (bytes already received ahead count as
+        arrived: the deadline is checked before them); nothing to fill is done at once."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if len(view):
+            self._check(deadline)  # a clock read, no system call
         got = min(len(self._ahead), len(view))
         if got:
             view[:got] = self._ahead[:got]
@@ -177,8 +182,9 @@ class Channel:
 
     def wait_readable(self, idle_s: float | None = None) -> bool:
         """Block until the peer sends a byte or closes (True: the next receive gets the byte,
-        or raises ConnectionLost), or `idle_s` passes first (False; None waits for ever). The
-        frame's own deadline starts with its first byte."""
+        or raises ConnectionLost), or `idle_s` passes first (False; None waits for ever); True
+        at once while bytes received ahead wait to be read. The frame's own deadline starts
+        with its first byte."""
         if self._ahead:
             return True
         try:
@@ -191,16 +197,18 @@ class Channel:
         """The next frame's header. Its receive takes whatever else has arrived, up to
         AHEAD_BYTES, kept for what is received next: a small frame comes whole in one receive
         (each a system call, dear on a gVisor host)."""
+        self._check(deadline)  # a clock read, no system call
         have = len(self._ahead)
         if have < wire.HEADER_SIZE:
             scratch = memoryview(self._scratch)
             scratch[:have] = bytes(self._ahead)  # a header's first bytes, received before
+            self._ahead = scratch[:have]
             while have < wire.HEADER_SIZE:
                 have += self._recv_some(scratch[have:], deadline, have, wire.HEADER_SIZE)
-            self._ahead = scratch[:have]
-        header = wire.unpack_header(bytes(self._ahead[:wire.HEADER_SIZE]), self.max_payload)
-        self._ahead = self._ahead[wire.HEADER_SIZE:]
-        return header
+                self._ahead = scratch[:have]  # what has come, should the next receive fail
+        raw = bytes(self._ahead[:wire.HEADER_SIZE])
+        self._ahead = self._ahead[wire.HEADER_SIZE:]  # consumed, valid or not
+        return wire.unpack_header(raw, self.max_payload)
 
     def recv_payload(self, header: wire.Header, deadline: float | None) -> bytearray:
         """The payload, in a buffer at most twice the bytes received so far at any moment

@@ -377,7 +377,7 @@ class Connection:
         # The reply takes the server's whole turn: wait for it, where a receive tried at once
         # would find nothing (a system call for naught: dear where system calls are)
         if not self._channel.wait_readable(max(deadline - time.monotonic(), 0.0)):
-            raise DeadlineExceeded(f"no reply from {self.where()} within the deadline")
+            raise DeadlineExceeded("no reply within the deadline")
         header = self._expect(rid, wire.Kind.MESSAGE_REPLY, deadline)
         if header.length > self.max_message_bytes:
             raise ProtocolError(f"reply of {header.length} bytes exceeds the limit")

@@ -70,6 +70,9 @@ def _fields(dtype: np.dtype) -> struct.Struct:
     """`dtype`'s layout as struct packs it (fields named pad* as padding): a header or an
     entry packed or read field by field in Python, without numpy's scalars."""
     codes = {("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 4): "f"}
+    offsets = [dtype.fields[name][1] for name in dtype.names]
+    assert offsets == sorted(offsets) and all(dtype.fields[name][0].byteorder in "<|=" for name in dtype.names), \
+        f"{dtype}: fields in offset order, little-endian"
     fmt = "<" + "".join(f"{dtype.fields[name][0].itemsize}x" if name.startswith("pad") else
                         f"{dtype.fields[name][0].itemsize}s" if dtype.fields[name][0].kind == "S" else
                         codes[dtype.fields[name][0].kind, dtype.fields[name][0].itemsize]
@@ -143,8 +146,11 @@ def request_parts(entries: list[Entry], fingerprint: bytes, row_dtype: str = "fl
     if len(widths) > 1:
         raise ValueError(f"one request carries rows of one width, these are {sorted(widths)} wide")
     feature = widths.pop() if widths else 0
-    head = REQUEST_HEADER_FIELDS.pack(REQUEST_MAGIC, VERSION, kind, fingerprint, len(entries), client_id,
-                                      feature, ROW_DTYPES[row_dtype] if feature else ROW_NONE)
+    try:
+        head = REQUEST_HEADER_FIELDS.pack(REQUEST_MAGIC, VERSION, kind, fingerprint, len(entries), client_id,
+                                          feature, ROW_DTYPES[row_dtype] if feature else ROW_NONE)
+    except struct.error as exc:
+        raise ValueError(f"request header out of range (client id {client_id}, {len(entries)} entries): {exc}") from None
     table = b"".join(ENTRY_FIELDS.pack(e.request_id, e.seed, e.length, e.temperature, len(t),
                                        0 if r is None else len(r), e.k, e.op,
                                        FLAG_WANT_PROBS if e.want_probs else 0)
