@@ -45,6 +45,21 @@ def test_a_snapshot_reads_its_items_through_appends_and_moves():
     assert h._tokens.buf is kept() and h.rows[:, 0].tolist() == [217.0, 218.0, 219.0]
 
 
+def test_a_deep_copy_reads_its_own_appends_and_hands_out_read_only_views():
+    """Tokens and rows are handed out as slices of one read-only view per buffer: a deep copy
+    gets that view remade over its own buffers, so what it appends is what it reads."""
+    h = History(max_tokens=6, window=3, feature=2)
+    h.reset(np.arange(4, dtype=np.int32), np.arange(6, dtype=np.float32).reshape(3, 2))
+    deep = copy.deepcopy(h)
+    for i in range(10):  # within the buffers, then past them (moves, new blocks)
+        deep.extend(np.array([50 + i], np.int32), np.full((1, 2), 50.0 + i, np.float32))
+        assert deep.tokens[-1] == 50 + i and deep.newest_rows(1)[0, 0] == 50.0 + i
+    assert deep.tokens.tolist() == list(range(54, 60)) and deep.rows[:, 0].tolist() == [57.0, 58.0, 59.0]
+    assert h.tokens.tolist() == [0, 1, 2, 3] and h.rows[:, 0].tolist() == [0.0, 2.0, 4.0]
+    for view in (h.tokens, h.rows, h.newest_rows(1), deep.tokens, deep.rows, deep.newest_rows(2)):
+        assert not view.flags.writeable
+
+
 def test_rows_are_copied_once_into_blocks_and_bounded_by_the_window():
     c = Chunks(5, (2,), np.dtype(np.float32))
     sent = np.arange(6, dtype=np.float32).reshape(3, 2)

@@ -12,6 +12,7 @@ it last looked (`newest_rows`)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 
@@ -31,19 +32,29 @@ class Tail:
 
     def __init__(self, keep: int, shape: tuple, dtype: np.dtype):
         self.keep = keep
-        self.buf = np.empty((0, *shape), dtype)
+        self._use(np.empty((0, *shape), dtype))
         self.start = self.end = 0
         self.written = [0]  # the furthest end written in buf, shared by the copies sharing buf
+
+    def _use(self, buf: np.ndarray) -> None:
+        """Hold `buf`, and a read-only view of it made once: what is handed out is sliced
+        from that view (a flag set on every slice costs more than the slice)."""
+        self.buf, self.readable = buf, buf.view()
+        self.readable.flags.writeable = False
 
     def __copy__(self) -> Tail:
         shared = object.__new__(Tail)
         shared.__dict__ = self.__dict__.copy()
         return shared
 
+    def __deepcopy__(self, memo) -> Tail:
+        own = object.__new__(Tail)  # its read-only view remade over its own buffer
+        own.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "readable"}, memo)
+        own._use(own.buf)
+        return own
+
     def view(self) -> np.ndarray:
-        view = self.buf[self.start:self.end]
-        view.flags.writeable = False
-        return view
+        return self.readable[self.start:self.end]
 
     def append(self, items: np.ndarray) -> None:
         k, n, buf = len(items), self.keep, self.buf
@@ -56,11 +67,14 @@ class Tail:
         kept = min(self.end - self.start, max(n - k, 0))
         items = items[max(k - n, 0):]
         size = min(2 * n, 2 * (kept + len(items)))
-        if len(buf) < size or sys.getrefcount(buf) > HELD_ONCE + 1:  # held by self.buf and `buf` alone
+        # held by self.buf, `buf` and the read-only view alone: nothing handed out shares it
+        if len(buf) < size or sys.getrefcount(buf) > HELD_ONCE + 2:
             buf, self.written = np.empty((size, *buf.shape[1:]), buf.dtype), [0]
         buf[:kept] = self.buf[self.end - kept:self.end]  # overlapping in place: numpy copies safely
         buf[kept:kept + len(items)] = items
-        self.buf, self.start, self.end = buf, 0, kept + len(items)
+        if buf is not self.buf:
+            self._use(buf)
+        self.start, self.end = 0, kept + len(items)
         self.written[0] = self.end
 
 
@@ -127,6 +141,7 @@ class Chunks:
         self.empty.flags.writeable = False
         self.chunks: list[np.ndarray] = []
         self.block, self.at, self.written = None, 0, [0]  # the newest block, our end in it
+        self.readable = None  # a read-only view of the newest block: chunks are sliced from it
         self.count = 0  # rows the chunks hold: the oldest may reach back past those kept
         self.kept = 0   # the newest rows kept: at most `keep` as of the last append
 
@@ -135,6 +150,14 @@ class Chunks:
         shared.__dict__ = self.__dict__.copy()
         shared.chunks = self.chunks.copy()
         return shared
+
+    def __deepcopy__(self, memo) -> Chunks:
+        own = object.__new__(Chunks)  # its read-only view remade over its own newest block
+        own.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "readable"}, memo)
+        own.readable = None if own.block is None else own.block.view()
+        if own.readable is not None:
+            own.readable.flags.writeable = False
+        return own
 
     def __len__(self) -> int:
         return self.kept
@@ -149,13 +172,13 @@ class Chunks:
             self.chunks.pop()
         else:
             block = self.block = self.pool.take(max(self.keep, k), self.empty.shape[1:], self.empty.dtype)
+            self.readable = block.view()  # made once a block (a flag set on every chunk costs)
+            self.readable.flags.writeable = False
             start = at = 0
             self.written = [0]
         block[at:at + k] = items
         self.at = self.written[0] = at + k
-        chunk = block[start:at + k]
-        chunk.flags.writeable = False
-        self.chunks.append(chunk)
+        self.chunks.append(self.readable[start:at + k])  # its base: the block (numpy's owner)
         self.count += k
         self.kept = min(self.kept + k, self.keep)
         while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept
@@ -171,7 +194,7 @@ class Chunks:
         full = {id(c.base): c.base for c in self.chunks if c.base is not None and c.base is not self.block}
         if self.block is not None and self.at == len(self.block):
             full[id(self.block)] = self.block
-        self.chunks, self.block, self.count, self.kept = [], None, 0, 0
+        self.chunks, self.block, self.readable, self.count, self.kept = [], None, None, 0, 0
         for block in full.values():
             self.pool.give(block)
 
