@@ -118,12 +118,20 @@ class Channel:
     # -- send ----------------------------------------------------------------------------
     def send_frame(self, kind: wire.Kind, request_id: int, parts=(), deadline: float | None = None,
                    version: int = wire.PROTOCOL_VERSION) -> None:
-        parts = [memoryview(p).cast("B") for p in parts]
-        length = sum(len(p) for p in parts)
-        self.send_all([wire.pack_header(kind, request_id, length, version), *parts], deadline)
+        views = self._bytes_of(parts)
+        length = sum(map(len, views))
+        self._send([memoryview(wire.pack_header(kind, request_id, length, version)), *views], deadline)
 
     def send_all(self, parts: list, deadline: float | None) -> None:
-        pending = [memoryview(p).cast("B") for p in parts if len(p)]
+        self._send(self._bytes_of(parts), deadline)
+
+    @staticmethod
+    def _bytes_of(parts) -> list[memoryview]:
+        """Each part as a memoryview of its bytes, empty ones left out (made once a frame,
+        not once to size the frame and again to send it: a round sends dozens of parts)."""
+        return [view for view in (memoryview(p).cast("B") for p in parts) if len(view)]
+
+    def _send(self, pending: list[memoryview], deadline: float | None) -> None:
         try:
             while pending:
                 self._check(deadline)  # a clock read, no system call
