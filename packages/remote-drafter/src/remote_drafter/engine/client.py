@@ -220,9 +220,11 @@ class DrafterClient:
         entries = [P.Entry(rid, P.OP_RELEASE) for rid in self.releases]
         self.releases = []
         limit = self.transport.max_round_bytes
-        room = limit - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
-        reply_room = limit - P.REPLY_HEADER.itemsize - self._reply_bytes(0, info) * len(entries)
         k = min(k, info.max_depth)
+        # every entry's reply has k drafts or none: its size is one of two, worked out once
+        with_drafts, status_only = self._reply_bytes(k, info), self._reply_bytes(0, info)
+        room = limit - P.REQUEST_HEADER.itemsize - P.ENTRY.itemsize * len(entries)
+        reply_room = limit - P.REPLY_HEADER.itemsize - status_only * len(entries)
         waiting = sorted((r.deferred, rid) for rid, r in self.requests.items() if r.deferred)
         order = [rid for _, rid in waiting]
         order += [rid for rid, r in self.requests.items() if not r.deferred and not r.needs_open and r.pending_tokens]
@@ -243,11 +245,11 @@ class DrafterClient:
                               "raise OFL_MAX_MESSAGE_BYTES (both sides) / ASYNC_HANDOFF_SLOT_BYTES",
                               rid, size, limit)
                 continue
-            if e.k and self._reply_bytes(e.k, info) > reply_room:
+            if e.k and with_drafts > reply_room:
                 e.k = 0
                 self.metrics.inc("drafts_skipped_reply_size")
             room -= size
-            reply_room -= self._reply_bytes(e.k, info)
+            reply_room -= with_drafts if e.k else status_only
             entries.append(e)
             r.needs_open, r.pending_tokens, r.pending_rows, r.deferred = False, 0, 0, 0
         return entries

@@ -418,11 +418,11 @@ class DraftService:
                                                     P.CACHE_NONE, started)
                 served.append(len(draft.tokens[:e.k]))
                 waits.append(time.perf_counter() - started)
-                key = (peer, client, e.request_id)
-                session = self.sessions.get(key)
-                if cached and session is not None \
-                        and session.history.length == request.history.length:
-                    self.cache.plan(key, session, draft, e.k, request, e.want_probs)
+                if cached:
+                    key = (peer, client, e.request_id)
+                    session = self.sessions.get(key)
+                    if session is not None and session.history.length == request.history.length:
+                        self.cache.plan(key, session, draft, e.k, request, e.want_probs)
         self.metrics.add({"entries_drafted": len(served), "drafts": sum(served)})
         self.metrics.observe_all("entry_fresh", waits)
 
