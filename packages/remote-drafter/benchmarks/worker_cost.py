@@ -14,7 +14,9 @@ windows of rounds, their row blocks recycled ones, as in a worker serving long r
 dsv41_gpu.in_service), both in the same run; per phase the p50 over the timed rounds (the
 worker's phases where it runs in this process); over tcp, beside it, the same payload's
 round trip over a plain socket to a process of its own (the link's own time, ofl.bench's
-baseline).
+baseline). Beside each own cost, the CPU time the client's thread spent in the round: in local
+mode the whole round's (the service runs in that thread), a figure the machine's other work
+does not move, where a wall-clock p50 on a small shared machine moves by tenths of it.
 
     python packages/remote-drafter/benchmarks/worker_cost.py --out worker-cost.json
 
@@ -196,6 +198,11 @@ def main(argv=None) -> int:
                              "inside_draft_from": "this row" if INSIDE_DRAFT in phases
                              else "the worker thread's row of the same batch and age",
                              "own_p50_ms": round(r["drafting"]["p50_ms"] - inside[batch, age], 3),
+                             # this thread's CPU time in the round: local, the whole own cost
+                             # (the stub drafts in no time), steady whatever else the machine runs
+                             # (None: sources from before drive_rounds timed it, gpu.sh's BEFORE)
+                             "client_thread_cpu_p50_ms": round(r["drafting_cpu"]["p50_ms"], 3)
+                             if "drafting_cpu" in r else None,
                              "request_bytes_per_round": int(r["request_bytes_per_round"]),
                              "phases_p50_ms": phases,
                              "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
                     wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
                         protocol.REPLY_ENTRY.itemsize + 4 * d.max_depth), args.rounds)["p50_ms"]
                     rows[-1].update(wire_p50_ms=round(wire, 3), own_beyond_wire_ms=round(rows[-1]["own_p50_ms"] - wire, 3))
-                print(f"{row_dtype} rows, batch {batch:2d}, {age:10s} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms, "
+                print(f"{row_dtype} rows, batch {batch:2d}, {age:10s} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms "
+                      f"(this thread's CPU {rows[-1]['client_thread_cpu_p50_ms'] or float('nan'):.3f}), "
                       f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
                       + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:

@@ -372,6 +372,9 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     for r in result["rows"]:
         labels = {label for _, _, label in script.PHASES} | {script.INSIDE_DRAFT}
         assert r["own_p50_ms"] == round(r["round_p50_ms"] - r["inside_draft_p50_ms"], 3)
+        # the thread's CPU time within the same calls: never past their wall time (each round's
+        # is not, so no percentile of them is)
+        assert 0 < r["client_thread_cpu_p50_ms"] <= r["round_p50_ms"] + 0.002
         if r["via"] == "tcp_process":  # drafts as long as the worker thread did (same batch, age)
             [thread] = [t for t in result["rows"] if t["via"] == "tcp" and (t["rows"], t["requests"])
                         == (r["rows"], r["requests"])]
