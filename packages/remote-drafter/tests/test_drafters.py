@@ -197,6 +197,29 @@ def test_idle_requests_are_released(models):
     assert svc.stats()["open_requests"] == 0 and svc.stats()["idle_releases"] == 1
 
 
+def test_committed_tokens_count_what_the_histories_took(models):
+    """The worker counts, once a round, the tokens of the entries its histories took: opens,
+    continues (drafted or just recorded); not releases, refusals or unknown requests."""
+    d = load_drafter("ngram", models["target"])
+    svc = DraftService(d)
+    fp = d.manifest().fingerprint
+
+    def round_(*entries):
+        return P.parse_reply(svc.handle(P.encode_request(list(entries), fp)))
+
+    round_(P.Entry(1, P.OP_OPEN, np.array([1, 2, 3], np.int32), None, 2, length=3),
+           P.Entry(2, P.OP_OPEN, np.array([4, 5], np.int32), None, 0, length=2))
+    assert svc.stats()["committed_tokens"] == 5
+    replies = round_(P.Entry(1, P.OP_CONTINUE, np.array([7], np.int32), None, 0, length=4),  # recorded
+                     P.Entry(2, P.OP_CONTINUE, np.array([8, 9], np.int32), None, 2, length=4),  # drafted
+                     P.Entry(3, P.OP_CONTINUE, np.array([1], np.int32), None, 2, length=9),  # unknown
+                     P.Entry(4, P.OP_OPEN, np.array([d.vocab_size], np.int32), None, 2, length=1))  # invalid id
+    assert [r.status for r in replies] == [P.STATUS_OK, P.STATUS_OK, P.STATUS_UNKNOWN, P.STATUS_INVALID]
+    assert svc.stats()["committed_tokens"] == 5 + 3
+    round_(P.Entry(1, P.OP_RELEASE))
+    assert svc.stats()["committed_tokens"] == 8
+
+
 def test_rounds_look_for_idle_requests_once_an_interval(models, monkeypatch):
     """A round looks for idle requests (a pass over every request held) only once the expiry
     interval has passed since the last look, and an idle request still goes then."""

@@ -269,12 +269,11 @@ class DrafterClient:
     def _encode(self, entries: list[P.Entry], info: WorkerInfo) -> list:
         """The round's request as its parts (protocol.request_parts)."""
         payload = P.request_parts(entries, info.fingerprint, self.row_dtype, client_id=self.client_id)
-        self.metrics.inc("rounds")
-        self.metrics.inc("request_bytes", sum(len(p) for p in payload))
-        self.metrics.inc("committed_tokens", sum(len(e.tokens) for e in entries))
         sent = [e.rows for e in entries if e.rows is not None]
-        self.metrics.inc("rows_sent", sum(map(len, sent)))
-        self.metrics.inc("row_bytes_sent", sum(r.size for r in sent) * P.ROW_BYTES[P.ROW_DTYPES[self.row_dtype]])
+        self.metrics.add({"rounds": 1, "request_bytes": sum(len(p) for p in payload),
+                          "committed_tokens": sum(len(e.tokens) for e in entries),
+                          "rows_sent": sum(map(len, sent)),
+                          "row_bytes_sent": sum(r.size for r in sent) * P.ROW_BYTES[P.ROW_DTYPES[self.row_dtype]]})
         return payload
 
     def _warn(self, message: str, *args) -> None:

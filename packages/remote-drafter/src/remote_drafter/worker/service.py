@@ -211,10 +211,10 @@ class DraftService:
         except P.ProtocolError:
             self.metrics.inc("rounds_refused")
             raise  # the ofl server turns it into an error reply and keeps serving
-        self.metrics.inc("request_bytes", len(payload))
         if request.kind == P.KIND_STATS:
+            self.metrics.inc("request_bytes", len(payload))
             return P.encode_stats_reply(self.stats())
-        self.metrics.inc("rounds")
+        self.metrics.add({"request_bytes": len(payload), "rounds": 1})
         started = time.perf_counter()
         reply = self._round(request, peer, started)
         self.metrics.observe("round", time.perf_counter() - started)
@@ -240,7 +240,7 @@ class DraftService:
         with self.state_lock:
             if time.monotonic() >= self._expiry_due:  # not every round: the look is over every request held
                 self._expire_idle()
-            room = self.max_reply_bytes - P.REPLY_HEADER.itemsize
+            room, committed = self.max_reply_bytes - P.REPLY_HEADER.itemsize, 0
             for e in entries:
                 size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
                 fits = size <= room
@@ -250,6 +250,9 @@ class DraftService:
                     replies[e.request_id] = reply
                 elif draft_request is not None:
                     batch.append((e, draft_request))
+                if draft_request is not None or reply.ok:  # its tokens are in its history now
+                    committed += len(e.tokens)
+            self.metrics.add({"committed_tokens": committed})  # once a round, not per entry
         if batch:
             self._draft(peer, client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
@@ -270,7 +273,6 @@ class DraftService:
             return session, None
         if self.recorder is not None:
             self.recorder.seen(key, session.history, session.temperature)
-        self.metrics.inc("committed_tokens", len(e.tokens))
         if e.k == 0:
             if self.cache is not None:
                 self.cache.forget(key)
