@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                                           warm_rounds=3 if age == "young" else in_service(d.window))
                 try:  # the same requests twice, timed the second time (a worker in service has served)
                     drive()
-                    r = drive(timing_starts=lambda: (timer.start(), cpu.clear()))
+                    r = drive(timing_starts=lambda timer=timer, cpu=cpu: (timer.start(), cpu.clear()))
                 finally:
                     timer.close()
                     client.close()
