@@ -221,3 +221,13 @@ def test_a_bad_header_is_consumed_and_a_passed_deadline_refused(pair):
     assert header.request_id == 4 and bytes(b.recv_payload(header, time.monotonic() + 30)) == b"ok"
     with pytest.raises(DeadlineExceeded):
         b.recv_header(time.monotonic() - 1)  # frame 5 is here, the deadline is not
+
+
+def test_empty_parts_of_any_shape_are_left_out(pair):
+    """A part with no bytes, whatever its shape, adds nothing to a frame and is not sent."""
+    a, b = pair
+    parts = [np.empty((0, 4), np.float32), b"ab", np.empty((3, 0), np.uint8), b""]
+    a.send_frame(wire.Kind.MESSAGE, 2, parts, deadline=time.monotonic() + 30)
+    a.send_all([np.empty((0, 4), np.float32)], deadline=time.monotonic() + 30)
+    header = b.recv_header(time.monotonic() + 30)
+    assert header.length == 2 and bytes(b.recv_payload(header, time.monotonic() + 30)) == b"ab"

@@ -220,29 +220,34 @@ def test_committed_tokens_count_what_the_histories_took(models):
     assert svc.stats()["committed_tokens"] == 8
 
 
-def test_rounds_look_for_idle_requests_once_an_interval(models, monkeypatch):
-    """A round looks for idle requests (a pass over every request held) only once the expiry
-    interval has passed since the last look, and an idle request still goes then."""
+def test_rounds_look_for_idle_requests_only_once_one_may_have_timed_out(models, monkeypatch):
+    """A round looks for idle requests (a pass over every request held) only once the least
+    recently used request's timeout has passed, so every request still goes at the first
+    round after its timeout, and its slot serves an open at once."""
     from remote_drafter.worker import service as service_module
     now = [1000.0]
     monkeypatch.setattr(service_module.time, "monotonic", lambda: now[0])
     d = load_drafter("ngram", models["target"])
-    svc = DraftService(d, ServiceConfig(idle_timeout_s=100.0))
+    svc = DraftService(d, ServiceConfig(idle_timeout_s=100.0, max_requests=11))
     fp, looks, expire = d.manifest().fingerprint, [], svc._expire_idle
     monkeypatch.setattr(svc, "_expire_idle", lambda: looks.append(now[0]) or expire())
 
     def open_request(rid):
-        svc.handle(P.encode_request([P.Entry(rid, P.OP_OPEN, np.array([1, 2], np.int32), None, 0, length=2)], fp))
+        [reply] = P.parse_reply(svc.handle(P.encode_request(
+            [P.Entry(rid, P.OP_OPEN, np.array([1, 2], np.int32), None, 0, length=2)], fp)))
+        return reply.status
 
-    open_request(1)
+    assert open_request(1) == P.STATUS_OK
     for rid in range(2, 12):
         now[0] += 1.0
-        open_request(rid)
-    assert looks == [1000.0]  # the first round's look; the interval (25 s) has not passed since
+        assert open_request(rid) == P.STATUS_OK
+    assert looks == [1000.0]  # the first round's; no request held could time out since
     now[0] = 1100.5  # request 1 (last used at 1000) idle past its timeout, the others not
-    open_request(12)
+    assert open_request(12) == P.STATUS_OK  # the worker is full: request 1's slot serves it
     assert looks[1:] == [now[0]] and svc.stats()["idle_releases"] == 1
-    assert svc.config.expiry_interval_s == 25.0
+    assert open_request(13) == P.STATUS_CAPACITY  # request 2 times out at 1101, not before
+    now[0] = 1101.5
+    assert open_request(13) == P.STATUS_OK and svc.stats()["idle_releases"] == 2
 
 
 def test_the_cache_refuses_a_hidden_state_drafter(models):

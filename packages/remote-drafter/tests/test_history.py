@@ -51,6 +51,7 @@ def test_a_deep_copy_reads_its_own_appends_and_hands_out_read_only_views():
     h = History(max_tokens=6, window=3, feature=2)
     h.reset(np.arange(4, dtype=np.int32), np.arange(6, dtype=np.float32).reshape(3, 2))
     deep = copy.deepcopy(h)
+    assert not deep.tokens.flags.writeable and not deep.rows.flags.writeable  # before any append
     for i in range(10):  # within the buffers, then past them (moves, new blocks)
         deep.extend(np.array([50 + i], np.int32), np.full((1, 2), 50.0 + i, np.float32))
         assert deep.tokens[-1] == 50 + i and deep.newest_rows(1)[0, 0] == 50.0 + i

@@ -129,7 +129,7 @@ class Channel:
     def _bytes_of(parts) -> list[memoryview]:
         """Each part as a memoryview of its bytes, empty ones left out (made once a frame,
         not once to size the frame and again to send it: a round sends dozens of parts)."""
-        return [view for view in (memoryview(p).cast("B") for p in parts) if len(view)]
+        return [view.cast("B") for view in map(memoryview, parts) if view.nbytes]
 
     def _send(self, pending: list[memoryview], deadline: float | None) -> None:
         try:

@@ -155,8 +155,8 @@ class Chunks:
         own = object.__new__(Chunks)  # its read-only view remade over its own newest block
         own.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "readable"}, memo)
         own.readable = None if own.block is None else own.block.view()
-        if own.readable is not None:
-            own.readable.flags.writeable = False
+        for view in ([own.readable] if own.readable is not None else []) + own.chunks:
+            view.flags.writeable = False  # its chunks are arrays of their own: read-only too
         return own
 
     def __len__(self) -> int:
@@ -178,7 +178,9 @@ class Chunks:
             self.written = [0]
         block[at:at + k] = items
         self.at = self.written[0] = at + k
-        self.chunks.append(self.readable[start:at + k])  # its base: the block (numpy's owner)
+        # its base is the block: a block owns its memory (np.empty, or a deep copy's), and numpy
+        # gives a view of a view the owner as its base
+        self.chunks.append(self.readable[start:at + k])
         self.count += k
         self.kept = min(self.kept + k, self.keep)
         while self.count - len(self.chunks[0]) >= self.kept:  # a chunk wholly before those kept

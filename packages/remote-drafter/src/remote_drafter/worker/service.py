@@ -116,8 +116,8 @@ class ServiceConfig:
 
     @property
     def expiry_interval_s(self) -> float:
-        """How often idle requests are looked for: often enough that one goes within a
-        quarter of its timeout past it, rarely enough that the look costs nothing a round."""
+        """How often the worker's sweeper looks for idle requests, for a worker no round
+        reaches (rounds look when the oldest request's timeout has passed)."""
         return max(min(self.idle_timeout_s / 4, 30.0), 0.05)
 
 
@@ -137,7 +137,7 @@ class DraftService:
         self.state_lock = threading.Lock()
         self.device_lock = threading.Lock()
         self.fresh_waiting = 0  # rounds drafting now: pre-drafts wait for them
-        self._expiry_due = 0.0  # when a round next looks for idle requests (time.monotonic)
+        self._expiry_due = 0.0  # when the least recently used request times out (time.monotonic)
         self.metrics = Metrics("remote_drafter_worker", COUNTERS, HISTOGRAMS)
         self.cache = None
         if self.config.spec_cache:
@@ -238,21 +238,24 @@ class DraftService:
         screened = P.ids_in_vocab(request.tokens, self.drafter.vocab_size) and \
             (request.rows is None or all_finite(request.rows))
         with self.state_lock:
-            if time.monotonic() >= self._expiry_due:  # not every round: the look is over every request held
+            # the look passes over every request held: only once one may have timed out
+            if time.monotonic() >= self._expiry_due:
                 self._expire_idle()
             room, committed = self.max_reply_bytes - P.REPLY_HEADER.itemsize, 0
-            for e in entries:
-                size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
-                fits = size <= room
-                reply, draft_request = self._apply((peer, client, e.request_id), e, cached, fits, screened)
-                room -= size if fits else P.reply_entry_bytes(0)  # refused: status only (as the client counts)
-                if reply is not None:
-                    replies[e.request_id] = reply
-                elif draft_request is not None:
-                    batch.append((e, draft_request))
-                if draft_request is not None or reply.ok:  # its tokens are in its history now
-                    committed += len(e.tokens)
-            self.metrics.add({"committed_tokens": committed})  # once a round, not per entry
+            try:
+                for e in entries:
+                    size = P.reply_entry_bytes(e.k if e.op != P.OP_RELEASE else 0, vocab)
+                    fits = size <= room
+                    reply, draft_request = self._apply((peer, client, e.request_id), e, cached, fits, screened)
+                    room -= size if fits else P.reply_entry_bytes(0)  # refused: status only (as the client counts)
+                    if reply is not None:
+                        replies[e.request_id] = reply
+                    elif draft_request is not None:
+                        batch.append((e, draft_request))
+                    if draft_request is not None or reply.ok:  # its tokens are in its history now
+                        committed += len(e.tokens)
+            finally:
+                self.metrics.add({"committed_tokens": committed})  # once a round, not per entry
         if batch:
             self._draft(peer, client, batch, replies, started, cached)
         return P.encode_reply([replies[e.request_id] for e in entries], self.drafter.vocab_size)
@@ -471,11 +474,14 @@ class DraftService:
 
     def _expire_idle(self) -> None:
         now = time.monotonic()
-        self._expiry_due = now + self.config.expiry_interval_s
         cutoff = now - self.config.idle_timeout_s
         for key in [k for k, s in self.sessions.items() if s.last_used < cutoff]:
             self._release(key)
             self.metrics.inc("idle_releases")
+        # no request held can time out before the least recently used one does (a request
+        # used since, or opened since, times out later)
+        self._expiry_due = min((s.last_used for s in self.sessions.values()), default=now) \
+            + self.config.idle_timeout_s
 
     def expire_idle(self) -> None:
         with self.state_lock:
