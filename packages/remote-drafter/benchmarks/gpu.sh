@@ -95,7 +95,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       for side in before after; do
         path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
         PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
-          --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "in_service" | sed "s/^/$side, pass $pass: /" \
+          --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "^bfloat16 rows.*in_service" | sed "s/^/$side, pass $pass: /" \
           || echo "== the $side run failed"
       done
     done
