@@ -23,6 +23,14 @@ from ofl.channel import HELD_ONCE  # sys.getrefcount of what one local name hold
 from .rows import all_finite, cast
 
 
+def _read_only_view(array: np.ndarray) -> np.ndarray:
+    """A read-only view of `array`, made once per buffer: what is handed out is sliced from
+    it (a flag set on every slice costs more than the slice)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 class Tail:
     """The newest `keep` items of an append-only sequence: a buffer of up to 2 x keep items,
     written past its newest item and moved to the front only when full, so a move costs at
@@ -37,10 +45,7 @@ class Tail:
         self.written = [0]  # the furthest end written in buf, shared by the copies sharing buf
 
     def _use(self, buf: np.ndarray) -> None:
-        """Hold `buf`, and a read-only view of it made once: what is handed out is sliced
-        from that view (a flag set on every slice costs more than the slice)."""
-        self.buf, self.readable = buf, buf.view()
-        self.readable.flags.writeable = False
+        self.buf, self.readable = buf, _read_only_view(buf)
 
     def __copy__(self) -> Tail:
         shared = object.__new__(Tail)
@@ -154,9 +159,9 @@ class Chunks:
     def __deepcopy__(self, memo) -> Chunks:
         own = object.__new__(Chunks)  # its read-only view remade over its own newest block
         own.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "readable"}, memo)
-        own.readable = None if own.block is None else own.block.view()
-        for view in ([own.readable] if own.readable is not None else []) + own.chunks:
-            view.flags.writeable = False  # its chunks are arrays of their own: read-only too
+        own.readable = None if own.block is None else _read_only_view(own.block)
+        for chunk in own.chunks:
+            chunk.flags.writeable = False  # arrays of their own: read-only too
         return own
 
     def __len__(self) -> int:
@@ -172,8 +177,7 @@ class Chunks:
             self.chunks.pop()
         else:
             block = self.block = self.pool.take(max(self.keep, k), self.empty.shape[1:], self.empty.dtype)
-            self.readable = block.view()  # made once a block (a flag set on every chunk costs)
-            self.readable.flags.writeable = False
+            self.readable = _read_only_view(block)
             start = at = 0
             self.written = [0]
         block[at:at + k] = items
