@@ -46,6 +46,7 @@ import torch
 
 from ofl.bench import raw_message_round_trip
 from ofl.channel import Channel
+from ofl.server import Server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsv41_gpu import in_service, random_drafter, random_rounds, round_options, worker_process  # noqa: E402
@@ -63,18 +64,32 @@ from remote_drafter.worker.server import Worker  # noqa: E402
 from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
 
 FLASH_FEATURE = 3 * 4096  # three tapped layers of a 4,096-wide stream
+TURN = "worker: its whole turn (parse to encoded reply)"
 PHASES = [  # (module or class, function, label): where a round's own time goes
     (client_module.DrafterClient, "_entries", "client: entries"),
     (protocol, "request_parts", "client: encode request"),
     (protocol, "parse_request", "worker: parse request"),
+    (service_module, "all_finite", "worker: the round's rows checked finite"),
     (service_module.DraftService, "_apply", "worker: apply entries (histories)"),
     (service_module.DraftService, "_draft", "worker: draft and its replies (the time inside draft too)"),
     (protocol, "encode_reply", "worker: encode reply"),
     (protocol, "parse_reply", "client: parse reply"),
     (client_module.DrafterClient, "_absorb", "client: absorb replies"),
     (Channel, "recv_payload", "both: receive messages (waiting for their bytes too)"),
+    (Channel, "send_all", "both: send messages"),
+    (Server, "answer", TURN),
 ]
 INSIDE_DRAFT = "worker: inside drafter.draft"  # not the worker's own cost: subtracted from the round
+
+
+def outside_phases(phases: dict[str, float], own: float) -> float:
+    """ms of the own cost no timed phase covers: over a link, the wake-ups and the server
+    loop's and transport's Python (with the worker in its own process, its whole turn too)."""
+    worker = phases[TURN] if TURN in phases else sum(
+        v for k, v in phases.items() if k.startswith("worker: ") and k != INSIDE_DRAFT)
+    timed = worker - phases.get(INSIDE_DRAFT, 0.0) + sum(
+        v for k, v in phases.items() if k.startswith(("client: ", "both: ")))
+    return round(own - timed, 3)
 
 
 class PhaseTimer:
@@ -215,6 +230,7 @@ def main(argv=None) -> int:
                              "client_thread_cpu_p50_ms": round(float(np.median(cpu)) * 1e3, 3),
                              "request_bytes_per_round": int(r["request_bytes_per_round"]),
                              "phases_p50_ms": phases,
+                             "outside_phases_ms": outside_phases(phases, r["drafting"]["p50_ms"] - inside[batch, age]),
                              "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
                 if via != "local":  # the same payload over a plain socket: the link's own time
                     wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
@@ -222,7 +238,8 @@ def main(argv=None) -> int:
                     rows[-1].update(wire_p50_ms=round(wire, 3), own_beyond_wire_ms=round(rows[-1]["own_p50_ms"] - wire, 3))
                 print(f"{row_dtype} rows, batch {batch:2d}, {age:10s} {via:11s}: own p50 {rows[-1]['own_p50_ms']:.3f} ms "
                       f"(this thread's CPU {rows[-1]['client_thread_cpu_p50_ms']:.3f}), "
-                      f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round"
+                      f"{rows[-1]['request_bytes_per_round'] / 1e3:.0f} KB a round, "
+                      f"outside the timed phases {rows[-1]['outside_phases_ms']:.3f} ms"
                       + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:
         json.dump({"drafter": args.drafter, "feature": FLASH_FEATURE, "rounds": args.rounds,
