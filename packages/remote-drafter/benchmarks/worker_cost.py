@@ -37,6 +37,7 @@ import functools
 import itertools
 import json
 import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ PHASES = [  # (module or class, function, label): where a round's own time goes
     (protocol, "parse_reply", "client: parse reply"),
     (client_module.DrafterClient, "_absorb", "client: absorb replies"),
     (Channel, "recv_payload", "both: receive messages (waiting for their bytes too)"),
-    (Channel, "send_all", "both: send messages"),
+    (socket.socket, "sendmsg", "both: send system calls"),  # ofl's channels send with it
     (Server, "answer", TURN),
 ]
 INSIDE_DRAFT = "worker: inside drafter.draft"  # not the worker's own cost: subtracted from the round
@@ -94,13 +95,14 @@ def outside_phases(phases: dict[str, float], own: float) -> float:
 
 class PhaseTimer:
     """Wraps each phase's function with a timer; once started, times[label] lists the seconds
-    per call, faults[label] counts the minor page faults the process took meanwhile (fresh
-    memory's first touches: a count no CPU's speed changes)."""
+    per call; with `faults`, faults[label] counts the minor page faults the process took
+    meanwhile (fresh memory's first touches: a count no CPU's speed changes). Counting them
+    is two system calls a phase, dear where system calls are (gVisor): off by default."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, faults: bool = False):
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.faults: collections.Counter[str] = collections.Counter()
-        self.on = False
+        self.on, self._count_faults = False, faults
         self._saved = []
         self._drafter, self._draft_was_own = drafter, "draft" in vars(drafter)  # the stub's is
         for owner, name, label in [*PHASES, (drafter, "draft", INSIDE_DRAFT)]:
@@ -112,12 +114,14 @@ class PhaseTimer:
         def timed(*args, **kwargs):
             if not self.on:
                 return f(*args, **kwargs)
-            faults, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if self._count_faults else 0
+            t0 = time.perf_counter()
             try:
                 return f(*args, **kwargs)
             finally:
                 self.times[label].append(time.perf_counter() - t0)
-                self.faults[label] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                if self._count_faults:
+                    self.faults[label] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         return timed
 
     def start(self) -> None:
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="stub", choices=["stub", "flash"],
                     help="stub: fixed drafts at once, no GPU; flash: the random Flash-width drafter "
                          "in bf16 on the GPU, in CUDA graphs (default: %(default)s)")
+    ap.add_argument("--faults", action="store_true",
+                    help="count each phase's minor page faults too (two system calls a phase)")
     args = ap.parse_args(argv)
     if args.drafter == "flash" and not torch.cuda.is_available():
         ap.error("--drafter flash needs a CUDA GPU")
@@ -203,7 +209,7 @@ def main(argv=None) -> int:
                 transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
                              else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
                 client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
-                timer, cpu = PhaseTimer(d), []
+                timer, cpu = PhaseTimer(d, args.faults), []
                 client.propose = thread_cpu(client.propose, cpu)
                 drive = functools.partial(drive_rounds, client, batch, args.rounds, d.max_depth, d.vocab_size,
                                           d.feature, "sync", 0.0, seed=batch, row_dtype=row_dtype,
@@ -231,7 +237,8 @@ def main(argv=None) -> int:
                              "request_bytes_per_round": int(r["request_bytes_per_round"]),
                              "phases_p50_ms": phases,
                              "outside_phases_ms": outside_phases(phases, r["drafting"]["p50_ms"] - inside[batch, age]),
-                             "phases_page_faults_per_round": timer.faults_per_round(args.rounds)})
+                             **({"phases_page_faults_per_round": timer.faults_per_round(args.rounds)}
+                                if args.faults else {})})
                 if via != "local":  # the same payload over a plain socket: the link's own time
                     wire = raw_message_round_trip(r["request_bytes_per_round"], protocol.REPLY_HEADER.itemsize + batch * (
                         protocol.REPLY_ENTRY.itemsize + 4 * d.max_depth), args.rounds)["p50_ms"]
@@ -249,7 +256,8 @@ def main(argv=None) -> int:
         if r["via"] == "tcp":
             print(f"{r['rows']}, batch {r['batch']}, {r['requests']}, tcp: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_p50_ms"].items()))
-            print("    page faults a round: " + ", ".join(f"{k} {v:g}" for k, v in r["phases_page_faults_per_round"].items()))
+            if args.faults:
+                print("    page faults a round: " + ", ".join(f"{k} {v:g}" for k, v in r["phases_page_faults_per_round"].items()))
     return 0
 
 

@@ -347,7 +347,8 @@ def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):
 
 def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     """benchmarks/worker_cost.py: a stub drafter at the Flash payload, every phase of a round
-    timed and its page faults counted, local (no link: no messages received), over tcp to a
+    timed and (asked for) its page faults counted, local (no link: no messages received or
+    sent, no server's turn), over tcp to a
     worker thread and to a worker process (there the client's phases only, and its receives),
     with the same payload over a plain socket beside each; young requests and requests in
     service; rows bf16 end to end then float32 on the hosts (bf16 on the wire both ways: the
@@ -360,7 +361,7 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     script = benchmark_scripts.load("worker_cost")
     apply, receive = DraftService._apply, Channel.recv_payload
     out = tmp_path / "w.json"
-    assert script.main(["--batches", "2", "--rounds", "3", "--out", str(out)]) == 0
+    assert script.main(["--batches", "2", "--rounds", "3", "--faults", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(r["rows"], r["requests"], r["via"]) for r in result["rows"]] == [
         (rows, age, via) for rows in ("bfloat16", "float32") for age in ("young", "in_service")
@@ -384,8 +385,12 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
         else:
             assert r["inside_draft_from"] == "this row"
         if r["via"] == "local":
-            labels = {label for label in labels if not label.startswith("both")}
+            labels = {label for label in labels if not label.startswith("both") and label != script.TURN}
         assert set(r["phases_p50_ms"]) == set(r["phases_page_faults_per_round"]) == labels
+        phases = r["phases_p50_ms"]
+        if r["via"] == "tcp":  # the server's turn holds the service's phases
+            assert phases[script.TURN] >= phases["worker: parse request"] + phases["worker: encode reply"]
+        assert r["outside_phases_ms"] == script.outside_phases(phases, r["own_p50_ms"]) < r["own_p50_ms"]
         assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
         assert ("wire_p50_ms" in r) == ("own_beyond_wire_ms" in r) == (r["via"] != "local")
         if "wire_p50_ms" in r:
