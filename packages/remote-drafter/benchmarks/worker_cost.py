@@ -36,6 +36,7 @@ import collections
 import functools
 import itertools
 import json
+import os
 import resource
 import socket
 import sys
@@ -143,6 +144,29 @@ class PhaseTimer:
             del self._drafter.draft  # its class's method again
 
 
+SPIN_ENV = "WORKER_COST_SPIN_US"  # set by --spin-us; the worker process inherits it
+
+
+def spin_before_waits() -> None:
+    """With SPIN_ENV set, every wait of ofl's channels in this process polls without blocking
+    for up to that many microseconds before it blocks: a thread that never sleeps, against
+    one woken from sleep (an experiment: does the wake-up, not the work, cost on this host?)."""
+    spin_s = int(os.environ.get(SPIN_ENV, "0")) * 1e-6
+    if not spin_s:
+        return
+    if not hasattr(Channel, "_ready"):
+        raise SystemExit(f"{SPIN_ENV}: this ofl's channel has no _ready wait to spin before")
+    blocking = Channel._ready
+
+    def spinning(poller, seconds):
+        end = time.perf_counter() + (spin_s if seconds is None else min(spin_s, seconds))
+        while time.perf_counter() < end:
+            if poller.poll(0):
+                return True
+        return blocking(poller, None if seconds is None else max(seconds - spin_s, 0.0))
+    Channel._ready = staticmethod(spinning)
+
+
 def thread_cpu(propose, samples: list):
     """`propose`, the CPU time this thread spends in each call appended to `samples`."""
     def timed(*args, **kwargs):
@@ -176,6 +200,7 @@ def make_drafter(kind: str, row_dtype: str):
 def serve(kind: str, row_dtype: str) -> None:
     """The worker in this process until stdin closes (the worker process of `main`)."""
     torch.set_num_threads(1)
+    spin_before_waits()
     with Worker(make_drafter(kind, row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         print(worker.address, flush=True)
         sys.stdin.read()
@@ -191,7 +216,13 @@ def main(argv=None) -> int:
                          "in bf16 on the GPU, in CUDA graphs (default: %(default)s)")
     ap.add_argument("--faults", action="store_true",
                     help="count each phase's minor page faults too (two system calls a phase)")
+    ap.add_argument("--spin-us", type=int, default=0,
+                    help="every wait of the link, in both processes, polls without blocking for up to "
+                         "this long before it blocks (an experiment; over tcp with the worker in a thread "
+                         "the two threads' spins contend for the GIL: read tcp_process) (default: 0)")
     args = ap.parse_args(argv)
+    os.environ[SPIN_ENV] = str(args.spin_us)
+    spin_before_waits()
     if args.drafter == "flash" and not torch.cuda.is_available():
         ap.error("--drafter flash needs a CUDA GPU")
     torch.set_num_threads(1)
@@ -249,7 +280,7 @@ def main(argv=None) -> int:
                       f"outside the timed phases {rows[-1]['outside_phases_ms']:.3f} ms"
                       + (f", over a plain socket {wire:.3f} ms" if via != "local" else ""), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"drafter": args.drafter, "feature": FLASH_FEATURE, "rounds": args.rounds,
+        json.dump({"drafter": args.drafter, "feature": FLASH_FEATURE, "rounds": args.rounds, "spin_us": args.spin_us,
                    "device": torch.cuda.get_device_name() if args.drafter == "flash" else "cpu",
                    "rows": rows}, f, indent=1)
     for r in rows:
