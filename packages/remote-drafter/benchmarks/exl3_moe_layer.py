@@ -8,7 +8,8 @@ Rows 5 / 20 / 80 (a block of W = 5 rows at batch 1 / 4 / 16), each row choosing 
 experts among the number a Flash-width round chose at that batch (16 / 40 / 92, the floors of
 drafter_round.py). Per row count: ours tuned as a worker tunes it (TritonExl3Experts.tune: the
 fastest of its CONFIGS, each one's time kept, and the seconds the tuning took: the first row
-count's include compiling the kernels) and timed again, and its three grouped products
+count's include compiling the kernels; its plan's kernel and torch's sort each timed alone)
+and timed again, the whole layer with each plan too, and its three grouped products
 alone (as the layer splits the input, and split 1 to 16 ways);
 exllamav3's (when it loads); their relative difference; and the bytes of trellis the call must
 read (each chosen expert once and the shared one) over each time.
@@ -158,7 +159,14 @@ def main(argv=None) -> int:
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "products_ms_by_splits": {n: in_graph(products_only(ours, *call, n), args.replays, calls=1) / 1e3
                                           for n in SPLITS},
-               "trials": trials}
+               "trials": trials, "plan_ms": tuned.get("plan_ms"), "plan_refusal": ours.plan_refusal}
+        if ours.plan_refusal is None:  # the whole layer with each plan, the kernel's and torch's sort
+            chosen_plans = ours.plan_kernel_at
+            row["ours_ms_by_plan"] = {}
+            for name, kernel in (("kernel", True), ("torch", False)):
+                ours.plan_kernel_at = {rows: kernel}
+                row["ours_ms_by_plan"][name] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
+            ours.plan_kernel_at = chosen_plans
         if theirs is not None:
             mine = ours(x, weights, picks)
             theirs_out = theirs(x, weights, picks).clone()

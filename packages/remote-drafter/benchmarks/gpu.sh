@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-source tools/gpu-env.sh .whl
+source tools/gpu-env.sh "${GPU_WHEELS:-.whl}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
@@ -24,7 +24,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # rate, =gemv an EXL3 linear through our own kernel, =moe an EXL3 MoE layer through our own kernel,
   # =ab the EXL3 round on exllamav3's experts against the kernels chosen at start-up, =kernels
   # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
-  # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below),
+  # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below), =plan
+  # the experts' plan kernel against torch's sort (below),
   # =link-before-after the worker's own cost around the stub drafter before and after (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
@@ -63,6 +64,16 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_gemv.py \
       packages/remote-drafter/tests/test_exl3_format.py 2>&1 | tail -3 | tee "$OUT/exl3-gemv-pytest.txt"
     python3 packages/remote-drafter/benchmarks/exl3_gemv.py --out "$OUT/exl3-gemv.json"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == plan ]]; then  # =plan: the experts' and the round kernels' GPU
+    # tests, then our EXL3 MoE layer with its plan's kernel against torch's sort (exl3_moe_layer.py;
+    # no exllamav3: carry a wheel folder without it, GPU_WHEELS=<it>, and none is built)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
+      packages/remote-drafter/tests/test_dsv41_kernels.py 2>&1 | tail -8 | tee "$OUT/plan-pytest.txt" \
+      || echo "== tests failed (above); the timing goes on"
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json" 2>&1 \
+      | grep -v "^wrote" | cut -c1-600
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =moe: an EXL3 MoE

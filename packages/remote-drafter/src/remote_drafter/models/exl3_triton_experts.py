@@ -200,7 +200,7 @@ class TritonExl3Experts:
         try:
             for rows, k in ((1, 1), (5, 3), (37, 8)):
                 experts = torch.randint(0, self.experts, (rows, k), generator=gen).to(dev)
-                experts[-1] = experts[0, 0]  # a row choosing one expert k times (a slice's, a padding row's)
+                experts[-1] = experts[0, 0].clone()  # a row choosing one expert k times (a slice's, a padding row's); one row: its own first
                 bound = exl3_triton.max_items(rows * (k + self.has_shared), total)
                 got, want = (plan(experts, total, self.has_shared, bound) for plan in (_device_plan, _torch_plan))
                 for name, a, b in zip(PLAN_PARTS, _flat(got), _flat(want)):
