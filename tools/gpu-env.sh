@@ -6,6 +6,10 @@
 # Installed once per machine (a warm machine keeps /tmp/site): reinstalling rewrites every
 # file, and exllamav3's JIT-built CUDA extension then rebuilds (~5 min) on its sources' new
 # modification times, though nothing changed (seen on the H200).
+if ! compgen -G "${1:-.whl}/*.whl" > /dev/null; then
+  echo "gpu-env.sh: no wheels in ${1:-.whl}/ (carry the folder: see the package's benchmarks/gpu.sh)" >&2
+  return 1
+fi
 stamp=$(sha256sum "${1:-.whl}"/*.whl | sha256sum | cut -c1-16)
 if [[ "$(cat /tmp/site/.wheels-stamp 2>/dev/null)" != "$stamp" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -161,12 +161,16 @@ def main(argv=None) -> int:
                                           for n in SPLITS},
                "trials": trials, "plan_ms": tuned.get("plan_ms"), "plan_refusal": ours.plan_refusal}
         if ours.plan_refusal is None:  # the whole layer with each plan, the kernel's and torch's sort
-            chosen_plans = ours.plan_kernel_at
-            row["ours_ms_by_plan"] = {}
-            for name, kernel in (("kernel", True), ("torch", False)):
-                ours.plan_kernel_at = {rows: kernel}
-                row["ours_ms_by_plan"][name] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
-            ours.plan_kernel_at = chosen_plans
+            chosen_plans, row["ours_ms_by_plan"] = ours.plan_kernel_at, {}
+            try:
+                for name, kernel in (("kernel", True), ("torch", False)):
+                    ours.plan_kernel_at = {rows: kernel}
+                    try:
+                        row["ours_ms_by_plan"][name] = in_graph(lambda a=call: ours(*a), args.replays, calls=1) / 1e3
+                    except Exception as exc:  # noqa: BLE001 - recorded; the other plan and the rest go on
+                        row["ours_ms_by_plan"][name] = f"{type(exc).__name__}: {exc}"
+            finally:
+                ours.plan_kernel_at = chosen_plans
         if theirs is not None:
             mine = ours(x, weights, picks)
             theirs_out = theirs(x, weights, picks).clone()

@@ -68,12 +68,15 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   fi
   if [[ $ONLY_DRAFTER_ROUND == plan ]]; then  # =plan: the experts' and the round kernels' GPU
     # tests, then our EXL3 MoE layer with its plan's kernel against torch's sort (exl3_moe_layer.py;
-    # no exllamav3: carry a wheel folder without it, GPU_WHEELS=<it>, and none is built)
+    # no exllamav3 wanted: on a fresh machine carry a wheel folder without it, GPU_WHEELS=<it>;
+    # a warm machine keeps what an earlier call installed, exllamav3 too, and then builds it)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_dsv41_kernels.py 2>&1 | tail -8 | tee "$OUT/plan-pytest.txt" \
       || echo "== tests failed (above); the timing goes on"
-    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json" 2>&1 \
-      | grep -v "^wrote" | cut -c1-600
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json" > /dev/null
+    python3 -c "import json, sys; [print(r['rows'], 'rows: ours', round(r['ours_ms'], 4), 'ms; by plan',
+      r.get('ours_ms_by_plan'), '; plans alone', r.get('plan_ms'), '; refused:', r.get('plan_refusal'))
+      for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/exl3-moe-layer-plan.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =moe: an EXL3 MoE

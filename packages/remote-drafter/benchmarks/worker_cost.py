@@ -32,7 +32,9 @@ a cost the GPU brings."""
 
 from __future__ import annotations
 
+import argparse
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -86,7 +88,9 @@ INSIDE_DRAFT = "worker: inside drafter.draft"  # not the worker's own cost: subt
 
 def outside_phases(phases: dict[str, float], own: float) -> float:
     """ms of the own cost no timed phase covers: over a link, the wake-ups and the server
-    loop's and transport's Python (with the worker in its own process, its whole turn too)."""
+    loop's and transport's Python (with the worker in its own process, its whole turn too).
+    With the worker a thread of this process, phases of the two threads can overlap (the
+    worker waits for bytes while the client sends them): there it is a lower bound."""
     worker = phases[TURN] if TURN in phases else sum(
         v for k, v in phases.items() if k.startswith("worker: ") and k != INSIDE_DRAFT)
     timed = worker - phases.get(INSIDE_DRAFT, 0.0) + sum(
@@ -104,12 +108,10 @@ class PhaseTimer:
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.faults: collections.Counter[str] = collections.Counter()
         self.on, self._count_faults = False, faults
-        self._saved = []
-        self._drafter, self._draft_was_own = drafter, "draft" in vars(drafter)  # the stub's is
+        self._saved = []  # (owner, name, its own attribute before, or None: it inherited one)
         for owner, name, label in [*PHASES, (drafter, "draft", INSIDE_DRAFT)]:
-            f = getattr(owner, name)
-            self._saved.append((owner, name, f))
-            setattr(owner, name, self._wrap(f, label))  # client and service call protocol.<f>
+            self._saved.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._wrap(getattr(owner, name), label))  # client and service call protocol.<f>
 
     def _wrap(self, f, label):
         def timed(*args, **kwargs):
@@ -138,33 +140,49 @@ class PhaseTimer:
         return {label: round(n / rounds, 1) for label, n in self.faults.items()}
 
     def close(self) -> None:
-        for owner, name, f in self._saved:
-            setattr(owner, name, f)
-        if not self._draft_was_own:
-            del self._drafter.draft  # its class's method again
+        for owner, name, own in self._saved:
+            if own is None:
+                delattr(owner, name)  # what it inherits again (a class's method, _socket's sendmsg)
+            else:
+                setattr(owner, name, own)
 
 
-SPIN_ENV = "WORKER_COST_SPIN_US"  # set by --spin-us; the worker process inherits it
+SPIN_ENV = "WORKER_COST_SPIN_US"  # set by --spin-us while main runs; the worker process inherits it
 
 
-def spin_before_waits() -> None:
-    """With SPIN_ENV set, every wait of ofl's channels in this process polls without blocking
-    for up to that many microseconds before it blocks: a thread that never sleeps, against
-    one woken from sleep (an experiment: does the wake-up, not the work, cost on this host?)."""
-    spin_s = int(os.environ.get(SPIN_ENV, "0")) * 1e-6
-    if not spin_s:
-        return
-    if not hasattr(Channel, "_ready"):
-        raise SystemExit(f"{SPIN_ENV}: this ofl's channel has no _ready wait to spin before")
-    blocking = Channel._ready
-
-    def spinning(poller, seconds):
+def spinning(blocking, spin_s: float):
+    """Channel._ready's wait (`blocking`, its function), after polls that do not block for up
+    to `spin_s` of the wait: a thread that never sleeps, against one woken from sleep."""
+    def ready(poller, seconds):
         end = time.perf_counter() + (spin_s if seconds is None else min(spin_s, seconds))
         while time.perf_counter() < end:
             if poller.poll(0):
                 return True
         return blocking(poller, None if seconds is None else max(seconds - spin_s, 0.0))
-    Channel._ready = staticmethod(spinning)
+    return ready
+
+
+@contextlib.contextmanager
+def spin_before_waits(spin_us: int):
+    """Within it, every wait of ofl's channels in this process, and in the worker processes
+    started meanwhile (SPIN_ENV), spins for up to `spin_us` µs before it blocks (an experiment:
+    does the wake-up, not the work, cost on this host?); 0: as ofl waits."""
+    if not spin_us:
+        yield
+        return
+    if "_ready" not in vars(Channel):
+        raise SystemExit("--spin-us: this ofl's channel has no _ready wait to spin before")
+    blocking, env = vars(Channel)["_ready"], os.environ.get(SPIN_ENV)
+    Channel._ready = staticmethod(spinning(blocking.__func__, spin_us * 1e-6))
+    os.environ[SPIN_ENV] = str(spin_us)
+    try:
+        yield
+    finally:
+        Channel._ready = blocking
+        if env is None:
+            del os.environ[SPIN_ENV]
+        else:
+            os.environ[SPIN_ENV] = env
 
 
 def thread_cpu(propose, samples: list):
@@ -200,8 +218,8 @@ def make_drafter(kind: str, row_dtype: str):
 def serve(kind: str, row_dtype: str) -> None:
     """The worker in this process until stdin closes (the worker process of `main`)."""
     torch.set_num_threads(1)
-    spin_before_waits()
-    with Worker(make_drafter(kind, row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
+    with spin_before_waits(int(os.environ.get(SPIN_ENV, "0"))), \
+            Worker(make_drafter(kind, row_dtype), "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker:
         print(worker.address, flush=True)
         sys.stdin.read()
 
@@ -216,15 +234,26 @@ def main(argv=None) -> int:
                          "in bf16 on the GPU, in CUDA graphs (default: %(default)s)")
     ap.add_argument("--faults", action="store_true",
                     help="count each phase's minor page faults too (two system calls a phase)")
-    ap.add_argument("--spin-us", type=int, default=0,
+    ap.add_argument("--spin-us", type=non_negative, default=0,
                     help="every wait of the link, in both processes, polls without blocking for up to "
                          "this long before it blocks (an experiment; over tcp with the worker in a thread "
-                         "the two threads' spins contend for the GIL: read tcp_process) (default: 0)")
+                         "the two threads' spins contend for the GIL: read tcp_process; the plain socket "
+                         "beside it still blocks) (default: 0)")
     args = ap.parse_args(argv)
-    os.environ[SPIN_ENV] = str(args.spin_us)
-    spin_before_waits()
     if args.drafter == "flash" and not torch.cuda.is_available():
         ap.error("--drafter flash needs a CUDA GPU")
+    with spin_before_waits(args.spin_us):
+        return measure(args)
+
+
+def non_negative(text: str) -> int:
+    if (n := int(text)) < 0:
+        raise argparse.ArgumentTypeError(f"{n} is below 0")
+    return n
+
+
+def measure(args) -> int:
+    """Every row (the module's doc says which), printed and written to args.out."""
     torch.set_num_threads(1)
     rows = []
     # bf16 rows from the engine to the histories (a bf16 target and drafter), then float32 rows

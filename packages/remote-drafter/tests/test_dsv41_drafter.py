@@ -355,8 +355,10 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
     same bytes); the own cost is the round less the time inside `draft`; the phases restored
     afterwards (the service times nothing)."""
     import json
+    import socket
 
     from ofl.channel import Channel
+    from ofl.server import Server
     from remote_drafter.worker.service import DraftService
     script = benchmark_scripts.load("worker_cost")
     apply, receive = DraftService._apply, Channel.recv_payload
@@ -390,12 +392,20 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
         phases = r["phases_p50_ms"]
         if r["via"] == "tcp":  # the server's turn holds the service's phases
             assert phases[script.TURN] >= phases["worker: parse request"] + phases["worker: encode reply"]
-        assert r["outside_phases_ms"] == script.outside_phases(phases, r["own_p50_ms"]) < r["own_p50_ms"]
+        # what no phase covers: the own cost less the client's and both sides' phases and the
+        # worker's (its whole turn over tcp, its phases summed in process, none from the process
+        # apart), the time inside `draft` not counted
+        worker = {"tcp": phases.get(script.TURN, 0.0),
+                  "local": sum(v for k, v in phases.items() if k.startswith("worker: ") and k != script.INSIDE_DRAFT),
+                  "tcp_process": 0.0}[r["via"]] - phases.get(script.INSIDE_DRAFT, 0.0)
+        timed = worker + sum(v for k, v in phases.items() if k.startswith(("client: ", "both: ")))
+        assert abs(r["outside_phases_ms"] - (r["own_p50_ms"] - timed)) < 2e-3
         assert r["own_p50_ms"] > 0 and r["request_bytes_per_round"] > 2 * script.FLASH_FEATURE * 2
         assert ("wire_p50_ms" in r) == ("own_beyond_wire_ms" in r) == (r["via"] != "local")
         if "wire_p50_ms" in r:
             assert r["wire_p50_ms"] > 0 and abs(r["own_beyond_wire_ms"] - (r["own_p50_ms"] - r["wire_p50_ms"])) < 2e-3
     assert DraftService._apply is apply and Channel.recv_payload is receive
+    assert "sendmsg" not in vars(socket.socket) and "answer" in vars(Server)  # as they were
 
     class Drafter:  # a drafter whose draft is its class's method (the Flash drafter's is)
         def draft(self, requests, want_probs):
@@ -409,6 +419,45 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
         timer.close()
     assert "draft" not in vars(d) and d.draft([], False) == ["drafts"]
     assert DraftService._apply is apply and Channel.recv_payload is receive
+
+
+def test_the_worker_cost_script_spins_before_waits_only_while_asked(tmp_path, monkeypatch):
+    """--spin-us: every wait of ofl's channels polls without blocking first, for up to that
+    long, then blocks for what is left of it (none is left: one look); a poll that finds the
+    socket ready ends it. The run measures as usual, and afterwards the channel waits as
+    before and the worker processes' variable is gone."""
+    import json
+    import os
+
+    from ofl.channel import Channel
+    script = benchmark_scripts.load("worker_cost")
+    monkeypatch.delenv(script.SPIN_ENV, raising=False)
+
+    class Poller:
+        def __init__(self, ready_after: int):
+            self.polls, self.ready_after = 0, ready_after
+
+        def poll(self, timeout_ms):
+            assert timeout_ms == 0  # the spin never blocks
+            self.polls += 1
+            return [(3, 1)] if self.polls > self.ready_after else []
+
+    blocked = []
+    wait = script.spinning(lambda poller, seconds: blocked.append(seconds) or False, 0.002)
+    assert wait(Poller(ready_after=3), 10.0) and not blocked  # ready on the fourth look
+    assert not wait(Poller(ready_after=10**9), 10.0) and blocked[-1] == pytest.approx(10.0 - 0.002)
+    assert not wait(Poller(ready_after=10**9), None) and blocked[-1] is None
+    poller = Poller(ready_after=10**9)
+    assert not wait(poller, 0.0) and blocked[-1] == 0.0 and poller.polls == 0  # no time: the wait's one look
+    assert not wait(Poller(ready_after=10**9), 0.001) and blocked[-1] == 0.0  # shorter than the spin
+
+    ready = vars(Channel)["_ready"]
+    out = tmp_path / "spin.json"
+    assert script.main(["--batches", "1", "--rounds", "2", "--spin-us", "500", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["spin_us"] == 500
+    assert vars(Channel)["_ready"] is ready and script.SPIN_ENV not in os.environ
+    with pytest.raises(SystemExit):
+        script.main(["--spin-us", "-1"])
 
 
 def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(folders):
