@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU tier of remote-drafter, in one call on an H200 machine (see the README):
 #   device run: bash packages/remote-drafter/benchmarks/gpu.sh   (carry: .whl)
-# No registry there: tools/gpu-env.sh installs the carried wheels (.whl/, python 3.12) and
-# builds the C helpers. Writes JSON under $OUT.
+# No registry there: tools/gpu-env.sh installs the carried wheels (.whl/, python 3.12; another
+# folder: GPU_WHEELS=<it>) and builds the C helpers. Writes JSON under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
