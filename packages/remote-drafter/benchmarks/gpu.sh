@@ -103,15 +103,16 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own
     # cost at batch 16 around the stub drafter (no GPU work: this host's Python and system calls
     # alone), by BEFORE's sources (below) and this tree's, and this tree's with every wait of the
-    # link spinning first (--spin-us: is it the wake-ups that cost here?), each twice, alternated
-    # (worker_cost.py; compare the own cost: its "receive messages" phase times recv_payload
-    # alone, and a small frame's bytes now come with its header's receive)
-    for pass in 1 2; do
+    # link spinning first (--spin-us: is it the wake-ups that cost here?), each three times,
+    # alternated (worker_cost.py, bf16 rows and requests in service only; compare the own cost:
+    # its "receive messages" phase times recv_payload alone, and a small frame's bytes now come
+    # with its header's receive)
+    for pass in 1 2 3; do
       for side in before after spin; do
         path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
         spin=0; [[ $side == spin ]] && spin=20000
         PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
-          --spin-us $spin --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "^bfloat16 rows.*in_service" \
+          --row-dtypes bfloat16 --ages in_service --spin-us $spin --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "^bfloat16 rows.*in_service" \
           | sed "s/^/$side, pass $pass: /" || echo "== the $side run failed"
       done
     done

@@ -424,8 +424,9 @@ def test_the_worker_cost_script_splits_a_round_by_phase(tmp_path):
 def test_the_worker_cost_script_spins_before_waits_only_while_asked(tmp_path, monkeypatch):
     """--spin-us: every wait of ofl's channels polls without blocking first, for up to that
     long, then blocks for what is left of it (none is left: one look); a poll that finds the
-    socket ready ends it. The run measures as usual, and afterwards the channel waits as
-    before and the worker processes' variable is gone."""
+    socket ready ends it. The run measures as usual (the row types and ages asked for only),
+    and afterwards the channel waits as before and the worker processes' variable is gone.
+    Values it cannot run are refused."""
     import json
     import os
 
@@ -453,11 +454,16 @@ def test_the_worker_cost_script_spins_before_waits_only_while_asked(tmp_path, mo
 
     ready = vars(Channel)["_ready"]
     out = tmp_path / "spin.json"
-    assert script.main(["--batches", "1", "--rounds", "2", "--spin-us", "500", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["spin_us"] == 500
+    assert script.main(["--batches", "1", "--rounds", "2", "--spin-us", "500", "--row-dtypes", "bfloat16",
+                        "--ages", "in_service", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["spin_us"] == 500  # and only the rows asked for
+    assert [(r["rows"], r["requests"], r["via"]) for r in result["rows"]] == [
+        ("bfloat16", "in_service", via) for via in ("local", "tcp", "tcp_process")]
     assert vars(Channel)["_ready"] is ready and script.SPIN_ENV not in os.environ
-    with pytest.raises(SystemExit):
-        script.main(["--spin-us", "-1"])
+    for bad in (["--spin-us", "-1"], ["--row-dtypes", "float16"], ["--ages", "old"]):
+        with pytest.raises(SystemExit):
+            script.main(bad)
 
 
 def test_the_exllamav3_check_compares_drafts_and_logits_position_by_position(folders):
