@@ -73,10 +73,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_dsv41_kernels.py 2>&1 | tail -8 | tee "$OUT/plan-pytest.txt" \
       || echo "== tests failed (above); the timing goes on"
-    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json" > /dev/null
-    python3 -c "import json, sys; [print(r['rows'], 'rows: ours', round(r['ours_ms'], 4), 'ms; by plan',
-      r.get('ours_ms_by_plan'), '; plans alone', r.get('plan_ms'), '; refused:', r.get('plan_refusal'))
-      for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/exl3-moe-layer-plan.json"
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =moe: an EXL3 MoE

@@ -232,10 +232,10 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="stub", choices=["stub", "flash"],
                     help="stub: fixed drafts at once, no GPU; flash: the random Flash-width drafter "
                          "in bf16 on the GPU, in CUDA graphs (default: %(default)s)")
-    ap.add_argument("--row-dtypes", default="bfloat16,float32",
+    ap.add_argument("--row-dtypes", default="bfloat16,float32", type=some_of("bfloat16", "float32"),
                     help="the hosts' row types to run: bfloat16 (end to end), float32 (cast for the wire "
                          "and back, the baseline); the Flash drafter keeps bfloat16 only (default: %(default)s)")
-    ap.add_argument("--ages", default="young,in_service",
+    ap.add_argument("--ages", default="young,in_service", type=some_of("young", "in_service"),
                     help="requests young (three rounds old) and/or in service (default: %(default)s)")
     ap.add_argument("--faults", action="store_true",
                     help="count each phase's minor page faults too (two system calls a phase)")
@@ -245,14 +245,19 @@ def main(argv=None) -> int:
                          "the two threads' spins contend for the GIL: read tcp_process; the plain socket "
                          "beside it still blocks) (default: 0)")
     args = ap.parse_args(argv)
-    if not set(args.row_dtypes.split(",")) <= {"bfloat16", "float32"}:
-        ap.error(f"--row-dtypes {args.row_dtypes}: bfloat16 and/or float32")
-    if not set(args.ages.split(",")) <= {"young", "in_service"}:
-        ap.error(f"--ages {args.ages}: young and/or in_service")
     if args.drafter == "flash" and not torch.cuda.is_available():
         ap.error("--drafter flash needs a CUDA GPU")
     with spin_before_waits(args.spin_us):
         return measure(args)
+
+
+def some_of(*choices: str):
+    """An option's type: a comma-separated list of `choices`, in their order."""
+    def parse(text: str) -> list[str]:
+        if not text or not set(picked := text.split(",")) <= set(choices):
+            raise argparse.ArgumentTypeError(f"{text!r}: one or more of {', '.join(choices)}")
+        return [c for c in choices if c in picked]
+    return parse
 
 
 def non_negative(text: str) -> int:
@@ -268,13 +273,13 @@ def measure(args) -> int:
     # bf16 rows from the engine to the histories (a bf16 target and drafter), then float32 rows
     # on both hosts (cast for the wire and back), the same bf16 on the wire both ways; the
     # Flash drafter keeps bf16 rows only
-    for row_dtype in ("bfloat16",) if args.drafter == "flash" else args.row_dtypes.split(","):
+    for row_dtype in ("bfloat16",) if args.drafter == "flash" else args.row_dtypes:
         d = make_drafter(args.drafter, row_dtype)
         proc, apart = worker_process(__file__, args.drafter, row_dtype)
         inside = {}
         with Worker(d, "tcp", "127.0.0.1", 0, ServiceConfig(max_requests=64)) as worker, proc:
             for batch, age, via in itertools.product([int(b) for b in args.batches.split(",")],
-                                                     args.ages.split(","), ("local", "tcp", "tcp_process")):
+                                                     args.ages, ("local", "tcp", "tcp_process")):
                 transport = (LocalTransport(DraftService(d, ServiceConfig(max_requests=64))) if via == "local"
                              else RemoteTransport(worker.address if via == "tcp" else apart, "tcp", Manifest()))
                 client = DrafterClient(transport, f"64:{d.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
