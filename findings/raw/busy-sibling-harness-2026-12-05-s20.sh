@@ -7,6 +7,8 @@
 set -euo pipefail
 OUT=${OUT:-/tmp/busy-sibling}; mkdir -p "$OUT"
 source tools/gpu-env.sh "${GPU_WHEELS:-.whl-small}" > /dev/null 2>&1
+pid=
+trap '[[ -n $pid ]] && kill "$pid"' EXIT  # a failed run must not leave a sibling spinning
 for pass in 1 2; do
   for sibling in none python select; do
     case $sibling in
@@ -19,5 +21,6 @@ while True: select.select([], [], [], 0)" & pid=$! ;;
       --ages in_service --out "$OUT/worker-cost-sibling-$sibling-$pass.json" 2>&1 | grep "^bfloat16 rows.*in_service" \
       | sed "s/^/$sibling, pass $pass: /"
     [[ -n $pid ]] && kill "$pid"
+    pid=
   done
 done

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Session 20's trial: with --spin-us, worker_cost.py's in-process figure (no link at all) ran
-# up to 2x faster on an H100 machine's host. Which part of the spin does that: worker_cost.py
+# up to 1.8x faster on an H100 machine's host. Which part of the spin does that: worker_cost.py
 # with --spin-us 20000, against a thread of the same process looping on zero-timeout select()
 # (system calls, the GIL released in each), against neither; in turn, a line each as it ends.
+# The thread runs in the client's process only: worker_cost.py's own worker process (its
+# tcp_process row) is a fresh interpreter without it.
 # From the repository root on the device: bash findings/raw/spin-local-harness-2026-12-05-s20.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/spin-local}; mkdir -p "$OUT"
