@@ -1,7 +1,7 @@
 """Session 20's trial (VM, CPU): one side of a round as served against a form of it that does
 only what a round must, the stub drafter at batch 16, requests in service, in process; p50s
 over 1,500 rounds. From the repository root:
-    python findings/raw/round-floor-harness-cpu-2026-12-05-s20.py service|client full|floor
+    python findings/raw/round-floor-harness-cpu-2026-12-05-s20.py service|client full|floor|no-snapshot [on|off|freeze]
 
 service: DraftService._round; its essential form looks each session up, extends and
 snapshots its history, drafts the batch and encodes the replies (no checks, counters,
@@ -9,9 +9,14 @@ quotas, reply budget, locks, idle-expiry time stamps or per-reply server time).
 client: the client's share of the round (DrafterClient.propose less the service's handle);
 its essential form makes each continue entry from its history's views, encodes the request,
 parses the reply and maps the drafts (no budget, ordering, counters or reply checks).
+no-snapshot: as served, but the service drafts from each live history instead of a
+snapshot of it (copy.copy made the identity: unsafe, a trial of what the snapshots cost).
+on|off|freeze: the cyclic garbage collector as it is, disabled, or with every object made
+before the first timed round frozen out of its collections (default: on).
 """
 
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -27,6 +32,7 @@ from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.worker.service import DraftService, ServiceConfig  # noqa: E402
 
 side, mode = sys.argv[1], sys.argv[2]
+collector = sys.argv[3] if len(sys.argv) > 3 else "on"
 drafter = worker_cost.stub_drafter("bfloat16")
 service = DraftService(drafter, ServiceConfig(max_requests=64))
 client = DrafterClient(LocalTransport(service), f"64:{drafter.max_depth}", deadline_s=30.0, row_dtype="bfloat16")
@@ -77,6 +83,18 @@ def timed(owner, name: str, essential=None):
     setattr(owner, name, call)
 
 
+def start_timing() -> None:
+    timing[0] = True
+    if collector == "off":
+        gc.disable()
+    elif collector == "freeze":
+        gc.freeze()
+
+
+collections = [0]
+gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0] + (phase == "start")))
+if mode == "no-snapshot":
+    copy.copy = lambda history: history
 if side == "service":
     timed(service, "_round", essential_round)
 else:
@@ -84,10 +102,11 @@ else:
     timed(service, "handle")
 drive_rounds(client, 16, 1500, drafter.max_depth, drafter.vocab_size, drafter.feature, "sync", 0.0, seed=16,
              row_dtype="bfloat16", warm_rounds=worker_cost.in_service(drafter.window),
-             timing_starts=lambda: timing.__setitem__(0, True))
+             timing_starts=start_timing)
+head = f"{side} {mode} gc={collector} ({collections[0]} collections in the run)"
 if side == "service":
-    print(side, mode, f"_round p50 {statistics.median(times['_round']) * 1e3:.4f} ms")
+    print(head, f"_round p50 {statistics.median(times['_round']) * 1e3:.4f} ms")
 else:
     propose, handle = statistics.median(times["propose"]), statistics.median(times["handle"])
-    print(side, mode, f"propose p50 {propose * 1e3:.4f} ms, handle p50 {handle * 1e3:.4f} ms, "
+    print(head, f"propose p50 {propose * 1e3:.4f} ms, handle p50 {handle * 1e3:.4f} ms, "
           f"the client's share {(propose - handle) * 1e3:.4f} ms")
