@@ -40,10 +40,6 @@ from remote_drafter.models.exl3_triton_experts import Stored, TritonExl3Experts 
 CHOSEN = {slots // FLASH["dspark_num_experts_per_tok"]: chosen for chosen, slots in CHOSEN_SLOTS.values()}
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 SPLITS = (1, 2, 4, 8, 16)  # the products' input splits timed beside the layer's own choice
-# --configs wide: more than a worker's start-up times, to choose what it should (CONFIGS' form)
-WIDE = [{"nt": nt, "num_warps": warps, "ahead": ahead, "copies": copies, "fill": fill}
-        for nt, warps in ((4, 2), (8, 4), (16, 4), (16, 8), (32, 8))
-        for ahead, copies in ((1, False), (2, False), (1, True), (2, True), (3, True)) for fill in (32, 128)]
 
 
 def random_stored(n_in: int, n_out: int, gen, bits: int = exl3_triton.BITS, device: str = "cuda") -> Stored:
@@ -125,9 +121,6 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="5,20,80", help="row counts (default %(default)s)")
     parser.add_argument("--replays", type=int, default=50, help="graph replays a figure (default %(default)s)")
     parser.add_argument("--out", default="exl3-moe-layer.json", help="JSON results (default %(default)s)")
-    parser.add_argument("--configs", choices=("served", "wide"), default="served",
-                        help="the product's configurations tuned per row count: those a worker times at "
-                        f"start-up, or a wider grid of {len(WIDE)} (default %(default)s)")
     parser.add_argument("--profile", metavar="FILE", help="also write our layer's kernels by device time (torch "
                         "profiler, 5 eager calls a row count, the best configuration) to FILE")
     args = parser.parse_args(argv)
@@ -140,8 +133,6 @@ def main(argv=None) -> int:
               for _ in range(experts)]
     shared = (random_stored(hidden, inter, gen), random_stored(hidden, inter, gen), random_stored(inter, hidden, gen))
     ours = TritonExl3Experts(routed, shared, LIMIT)
-    if args.configs == "wide":
-        ours.CONFIGS = WIDE
     theirs, why = None, None
     if (why := exl3.refusal("cuda:0")) is None:
         try:
@@ -168,8 +159,7 @@ def main(argv=None) -> int:
                "ours_products_ms": in_graph(products_only(ours, *call), args.replays, calls=1) / 1e3,
                "products_ms_by_splits": {n: in_graph(products_only(ours, *call, n), args.replays, calls=1) / 1e3
                                           for n in SPLITS},
-               "trials": trials, "fastest": sorted(trials, key=lambda t: t["ms"])[:5],
-               "plan_ms": tuned.get("plan_ms"), "plan_refusal": ours.plan_refusal}
+               "trials": trials, "plan_ms": tuned.get("plan_ms"), "plan_refusal": ours.plan_refusal}
         if ours.plan_refusal is None:  # the whole layer with each plan, the kernel's and torch's sort
             chosen_plans, row["ours_ms_by_plan"] = ours.plan_kernel_at, {}
             try:
@@ -194,7 +184,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": hidden,
                    "intermediate": inter, "experts": experts, "top_k": top_k, "bits": exl3_triton.BITS,
-                   "exllamav3": "compared" if theirs is not None else f"not compared ({why})", "configs": args.configs,
+                   "exllamav3": "compared" if theirs is not None else f"not compared ({why})",
                    "rows": results, "compiled": compiled_kernels()}, f, indent=1)
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))

@@ -69,13 +69,11 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   if [[ $ONLY_DRAFTER_ROUND == plan ]]; then  # =plan: the experts' and the round kernels' GPU
     # tests, then our EXL3 MoE layer with its plan's kernel against torch's sort (exl3_moe_layer.py;
     # no exllamav3 wanted: on a fresh machine carry a wheel folder without it, GPU_WHEELS=<it>;
-    # a warm machine keeps what an earlier call installed, exllamav3 too, and then builds it;
-    # MOE_CONFIGS=wide tunes the product over a wider grid than a worker's start-up)
+    # a warm machine keeps what an earlier call installed, exllamav3 too, and then builds it)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
       packages/remote-drafter/tests/test_dsv41_kernels.py 2>&1 | tail -8 | tee "$OUT/plan-pytest.txt" \
       || echo "== tests failed (above); the timing goes on"
-    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --configs "${MOE_CONFIGS:-served}" \
-      --out "$OUT/exl3-moe-layer-plan.json"
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out "$OUT/exl3-moe-layer-plan.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe || $ONLY_DRAFTER_ROUND == kernels ]]; then  # =moe: an EXL3 MoE

@@ -28,8 +28,7 @@ from . import exl3_format
 
 BITS = 4
 ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor cores' M: 16 or more)
-NT_DEFAULT, WARPS_DEFAULT, AHEAD_DEFAULT = 8, 4, 1  # the product's defaults: tile columns a program,
-# warps, steps whose words are in flight during a step (in registers: copies=False)
+NT_DEFAULT, WARPS_DEFAULT = 8, 4  # the product's defaults: tile columns a program, warps
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
 _MUL1 = tl.constexpr(MUL1)  # a kernel reads a global only as a constexpr
@@ -131,31 +130,18 @@ def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
 
 
 @triton.jit
-def _step_words(trellis, step, out_tiles, here, there):
-    """One step's words: its input tile's row of tiles (`here`) and each word's neighbour
-    (`there`), as tile_offsets gives them."""
-    at = trellis + step * out_tiles * 32
-    return tl.load(at + here).to(tl.uint32, bitcast=True), tl.load(at + there).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
 def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots,
                          in_tiles, out_tiles, tiles_per_split, M: tl.constexpr, NT: tl.constexpr,
-                         AHEAD: tl.constexpr, COPIES: tl.constexpr, DECODE: tl.constexpr):
+                         DECODE: tl.constexpr):
     """Program (column block, item j, split): out[split, slot, 16 n + c] for the item's slots
     (those of expert experts[j] from its first_rows[j]-th, up to M) and the block's NT tile
-    columns n, over the split's input tiles; rows past the expert's are zeros in the product.
-    The words of the AHEAD steps after a step are in flight while it works, as a program's
-    reads in flight are what bound its rate when few programs fit a multiprocessor: under
-    COPIES, Triton's pipeliner copies them into shared memory; else they are loaded into
-    registers (AHEAD 1 or 2; past the split's last step a step requests the last again)."""
+    columns n, over the split's input tiles; rows past the expert's are zeros in the product."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
     r0 = tl.load(first_rows_ptr + j)
     count = tl.load(counts_ptr + e)
     if r0 < count:  # else a padding item
         start = tl.load(starts_ptr + e)
-        # an expert's trellis is far under 2**31 words
         trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
         in_features, out_features = in_tiles * 16, out_tiles * 16
         here, there = tile_offsets(NT, 31)
@@ -165,23 +151,18 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
         first = split * tiles_per_split
         last = first + tiles_per_split - 1
         acc = tl.zeros([M, NT * 16], tl.float32)
-        if COPIES:
-            for kt in tl.range(first, last + 1, num_stages=AHEAD + 1):
-                cur, prev = _step_words(trellis, kt, out_tiles, here, there)
-                rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
-                acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
-        else:
-            cur, prev = _step_words(trellis, first, out_tiles, here, there)
-            if AHEAD == 2:
-                cur1, prev1 = _step_words(trellis, tl.minimum(first + 1, last), out_tiles, here, there)
-            for kt in range(first, last + 1):
-                cur_next, prev_next = _step_words(trellis, tl.minimum(kt + AHEAD, last), out_tiles, here, there)
-                rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
-                acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
-                if AHEAD == 2:
-                    cur, prev, cur1, prev1 = cur1, prev1, cur_next, prev_next
-                else:
-                    cur, prev = cur_next, prev_next
+        cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
+        prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
+        for kt in range(first, last + 1):
+            # the next step's words requested before this step's work, so that their latency
+            # overlaps it (the last step requests its own again); an expert's trellis is far
+            # under 2**31 words
+            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32
+            cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
+            prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
+            rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
+            acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
+            cur, prev = cur_next, prev_next
         cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
         tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, acc,
                  mask=live & (cols >= 0))
@@ -207,8 +188,7 @@ def max_items(slots: int, experts: int) -> int:
 
 def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
                     counts: torch.Tensor, starts: torch.Tensor, in_features: int, out_features: int,
-                    splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT,
-                    ahead: int = AHEAD_DEFAULT, copies: bool = False) -> torch.Tensor:
+                    splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
     """fp32 [splits, slots, out_features]: each slot's row of x (fp16 [slots, in_features],
     rotated, sorted by expert) times its expert's decoded weight, a partial product per split of
     the input (their sum is the product). items: work_items' (experts, first rows); table:
@@ -219,9 +199,6 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
         raise ValueError(f"x must be contiguous fp16 [slots, {in_features}], not {x.dtype} {tuple(x.shape)}")
     if not len(table) == len(counts) == len(starts):
         raise ValueError(f"table, counts and starts cover {len(table)}, {len(counts)} and {len(starts)} experts")
-    if ahead not in ((1, 2, 3) if copies else (1, 2)):
-        raise ValueError(f"{ahead} steps ahead {'copied' if copies else 'in registers'}: 1 or 2 in registers, "
-                         "1 to 3 copied")
     if in_features % 16 or out_tiles % nt or in_tiles % splits:
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
                          f"and {nt}-tile column blocks")
@@ -230,7 +207,7 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
     experts, first_rows = items
     _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
         x, experts, first_rows, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
-        M=ITEM_ROWS, NT=nt, AHEAD=ahead, COPIES=copies, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
+        M=ITEM_ROWS, NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
     return out
 
 
