@@ -26,7 +26,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # both =moe and =ab in one call, =worker the worker's own cost by phase, =upstream one MoE
   # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below), =plan
   # the experts' plan kernel against torch's sort (below),
-  # =link-before-after the worker's own cost around the stub drafter before and after (below)
+  # =link-before-after the worker's own cost around the stub drafter before and after (below),
+  # =moe-before-after one MoE layer on our expert kernels before and after (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -96,6 +97,23 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     for so in packages/*/src/*/_*_cffi*.so; do
       [[ -d $BEFORE/$(dirname "$so") ]] && cp "$so" "$BEFORE/$so"
     done
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == moe-before-after ]]; then  # =moe-before-after: a change to our
+    # expert kernels: their GPU tests, then one MoE layer on them (exl3_moe_layer.py, tuned as a
+    # worker tunes it) by BEFORE's sources (below) and this tree's, each twice, alternated, each in a
+    # process of its own (no exllamav3 wanted: GPU_WHEELS=.whl-small, as for =plan)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_exl3_triton_experts.py \
+      packages/remote-drafter/tests/test_exl3_gemv.py packages/remote-drafter/tests/test_dsv41_kernels.py \
+      2>&1 | tail -8 | tee "$OUT/moe-pytest.txt" || echo "== tests failed (above); the timing goes on"
+    for pass in 1 2; do
+      for side in before after; do
+        path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+        PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py \
+          --out "$OUT/exl3-moe-layer-$side-$pass.json" 2>&1 | grep '^{' | cut -c1-300 | sed "s/^/$side, pass $pass: /" \
+          || echo "== the $side run failed"
+      done
+    done
+    exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own
     # cost at batch 16 around the stub drafter (no GPU work: this host's Python and system calls

@@ -110,7 +110,7 @@ def _tiles_as_rows(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
     high = tl.join(tl.join(_weight(cur, prev, 4, DECODE), _weight(cur, prev, 5, DECODE)),
                    tl.join(_weight(cur, prev, 6, DECODE), _weight(cur, prev, 7, DECODE)))
     w = tl.reshape(tl.join(low, high), [NT, 8, 4, 2, 2, 2])  # [tile, column % 8, row // 2 % 4, row % 2, row // 8, column // 8]
-    return tl.reshape(tl.permute(w, [4, 2, 3, 0, 5, 1]), [16, NT * 16])
+    return tl.reshape(tl.permute(w, [0, 5, 1, 4, 2, 3]), [NT * 16, 16])
 
 
 @triton.jit
@@ -147,10 +147,11 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
         here, there = tile_offsets(NT, 31)
         m = tl.arange(0, M)[:, None]
         live = m + r0 < count
-        x_at = x_ptr + (start + r0 + m).to(tl.int64) * in_features + tl.arange(0, 16)[None, :]
+        mt = tl.arange(0, M)[None, :]
+        x_at = x_ptr + (start + r0 + mt).to(tl.int64) * in_features + tl.arange(0, 16)[:, None]
         first = split * tiles_per_split
         last = first + tiles_per_split - 1
-        acc = tl.zeros([M, NT * 16], tl.float32)
+        acc = tl.zeros([NT * 16, M], tl.float32)
         cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
         prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
         for kt in range(first, last + 1):
@@ -160,11 +161,11 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
             ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32
             cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
             prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
-            rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
-            acc = tl.dot(rows, _tiles_as_rows(cur, prev, NT, DECODE), acc)
+            rows = tl.load(x_at + kt * 16, mask=mt + r0 < count, other=0.0)
+            acc = tl.dot(_tiles_as_rows(cur, prev, NT, DECODE), rows, acc)
             cur, prev = cur_next, prev_next
         cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
-        tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, acc,
+        tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, tl.trans(acc),
                  mask=live & (cols >= 0))
 
 
