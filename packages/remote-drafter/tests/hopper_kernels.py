@@ -87,13 +87,12 @@ def variants():
            {"D": 512, "DIMS": 64, "G": 64, "SIGN": -1, "KEEP": 512}, 4)
     yield ("rms norm", kernels._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
            {"D": 4096, "BLOCK": 4096, "WEIGHT": True}, 4)
-    for nt, warps, step in sorted({(c["nt"], c["num_warps"], c["step"])
-                                   for c in exl3_triton_experts.TritonExl3Experts.CONFIGS}):
-        yield (f"expert products nt={nt} warps={warps} step={step}", exl3_triton._expert_tiles_kernel,
+    for nt, warps in sorted({(c["nt"], c["num_warps"]) for c in exl3_triton_experts.TritonExl3Experts.CONFIGS}):
+        yield (f"expert products nt={nt} warps={warps}", exl3_triton._expert_tiles_kernel,
                {"x_ptr": "*fp16", "experts_ptr": "*i64", "first_rows_ptr": "*i32", "table_ptr": "*i64",
                 "counts_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*fp32", "slots": "i32", "in_tiles": "i32",
                 "out_tiles": "i32", "tiles_per_split": "i32"},
-               {"M": exl3_triton.ITEM_ROWS, "NT": nt, "STEP": step, "DECODE": exl3_triton.ASM_VABSDIFF}, warps)
+               {"M": exl3_triton.ITEM_ROWS, "NT": nt, "DECODE": exl3_triton.ASM_VABSDIFF}, warps)
     common = {"expert_of_slot_ptr": "*i64", "signs_ptr": "*fp16", "out_ptr": "*fp16", "slots": "i32", "features": "i32"}
     yield ("experts rows in", exl3_triton_experts._rows_in_kernel,
            {**common, "x_ptr": "*bf16", "row_of_slot_ptr": "*i64", "suh_ptr": "*fp16"},

@@ -43,8 +43,8 @@ def swiglu(x: np.ndarray, three: tuple[Stored, Stored, Stored]) -> np.ndarray:
     return (np.minimum(g / (1 + np.exp(-g)), LIMIT) * np.clip(u, -LIMIT, LIMIT)) @ weight(three[2])
 
 
-@pytest.mark.parametrize("splits, step", [(1, 1), (2, 1), (1, 2), (8, 2)])  # 8: one step a split
-def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits, step):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
     rng = np.random.default_rng(splits)
     trellis = [random_linear(rng, 256, 256).trellis for _ in range(4)]
     # expert 1 has no rows; expert 2 more than one work item's; expert 3 exactly one's; then
@@ -59,16 +59,13 @@ def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits, 
     assert items[0].tolist() == [0, 2, 2, 3, 4, 4] and items[1].tolist()[:4] == [0, 0, n, 0]
     got = exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), items, table, counts_on,
                                       torch.tensor(starts, dtype=torch.int32, device=DEVICE), 256, 256,
-                                      splits, step=step)
+                                      splits)
     assert got.shape[0] == splits
     got = got.sum(0).cpu().numpy()
     want = np.concatenate([x[s:s + c].astype(np.float64) @ exl3_format.decoded(t.cpu().numpy(), 4).astype(np.float64)
                            for t, c, s in zip(trellis, counts, starts)])
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    with pytest.raises(ValueError, match="does not divide into 16 splits of 2-tile steps"):
-        exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), items, table, counts_on, counts_on, 256, 256,
-                                    16, step=2)
 
 
 def layer(seed: int, experts: int = 4, shared: bool = True):
@@ -273,7 +270,7 @@ def test_tuning_times_the_plans_kernel_against_torchs_sort_and_keeps_the_faster(
     assert [moe.plan_kernel_serves(n) for n in (1, 5, 80)] == [serves] * 3
 
 
-def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_tiles_of_whole_steps():
+def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_tiles():
     _, _, moe = layer(9, experts=2, shared=False)
     moe.sms = 1  # one multiprocessor, as on a CPU
     experts = torch.zeros((3, 2), dtype=torch.int64, device=DEVICE)
@@ -281,10 +278,7 @@ def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_
     for fill in (1, 8, 1 << 20):
         moe.kernel = {**moe.kernel, "fill": fill}
         config = moe.plan(experts).config(H, INTER)
-        assert set(config) == {"nt", "num_warps", "step", "splits"} and INTER // 16 % config["nt"] == 0
+        assert set(config) == {"nt", "num_warps", "splits"} and INTER // 16 % config["nt"] == 0
         splits[fill] = config["splits"]
     assert splits[1] == 1  # one multiprocessor's worth of programs is there without a split
     assert splits[1] <= splits[8] <= splits[1 << 20] == H // 16 // 8  # then at most down to 8 input tiles
-    moe.kernel = {**moe.kernel, "step": 2}
-    assert moe.plan(experts).config(H, INTER)["step"] == 2
-    assert moe.plan(experts).config(9 * 16, INTER)["step"] == 1  # nine input tiles: a step of one

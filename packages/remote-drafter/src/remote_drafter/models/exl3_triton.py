@@ -12,10 +12,8 @@ caller's next kernel in a fixed order, the same result every run). A step decode
 tile's row of NT tiles: a tile's 32 words are its 32 lanes, and lane t's word holds the ends
 of weights 8t .. 8t + 7, whose 16-bit states reach back into word t - 1 (most significant bit
 first); weight 8t + i sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4)
-of its tile (a step may take two input tiles: STEP). The decoded weights are laid out as the
-weight's transpose, [NT·16, 16], the first operand of a product with the item's rows on the
-tensor cores (tl.dot): that operand stays in registers on Hopper, where the second would
-pass through shared memory every step.
+of its tile. The decoded weights are laid out as the weight's [16, NT·16] and multiplied with
+the item's rows on the tensor cores (tl.dot).
 
 On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
 is imported: Triton decides between interpreter and compiler when a kernel is defined)."""
@@ -103,10 +101,10 @@ def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _tiles_as_columns(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
-    """fp16 [NT·16, 16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
-    weight's NT·16 columns by 16 rows (the weight transposed). Lane t = 4·(column % 8) + row // 2
-    % 4 holds weights 8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
+def _tiles_as_rows(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
+    """fp16 [16, NT·16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
+    weight's 16 rows by NT·16 columns. Lane t = 4·(column % 8) + row // 2 % 4 holds weights
+    8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
     low = tl.join(tl.join(_weight(cur, prev, 0, DECODE), _weight(cur, prev, 1, DECODE)),
                   tl.join(_weight(cur, prev, 2, DECODE), _weight(cur, prev, 3, DECODE)))
     high = tl.join(tl.join(_weight(cur, prev, 4, DECODE), _weight(cur, prev, 5, DECODE)),
@@ -132,60 +130,43 @@ def tile_offsets(TILES: tl.constexpr, NEIGHBOUR: tl.constexpr):
 
 
 @triton.jit
-def _step_words(trellis, step, out_tiles, here, there):
-    """Input tile `step`'s row of tiles: its words (`here`) and each word's neighbour (`there`),
-    as tile_offsets gives them."""
-    at = trellis + step * out_tiles * 32
-    return tl.load(at + here).to(tl.uint32, bitcast=True), tl.load(at + there).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
 def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_ptr, starts_ptr, out_ptr, slots,
                          in_tiles, out_tiles, tiles_per_split, M: tl.constexpr, NT: tl.constexpr,
-                         STEP: tl.constexpr, DECODE: tl.constexpr):
+                         DECODE: tl.constexpr):
     """Program (column block, item j, split): out[split, slot, 16 n + c] for the item's slots
     (those of expert experts[j] from its first_rows[j]-th, up to M) and the block's NT tile
-    columns n, over the split's input tiles (a multiple of STEP, 1 or 2: the input tiles a
-    step takes); rows past the expert's are zeros in the product. The decoded weights are
-    the product's first operand (the output transposed), so that they stay in registers on
-    the tensor cores (Hopper's wgmma takes its first operand from them); the rows, the
-    second, pass through shared memory, STEP tiles of them at a time."""
+    columns n, over the split's input tiles; rows past the expert's are zeros in the product."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
     r0 = tl.load(first_rows_ptr + j)
     count = tl.load(counts_ptr + e)
     if r0 < count:  # else a padding item
         start = tl.load(starts_ptr + e)
-        # an expert's trellis is far under 2**31 words
         trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
         in_features, out_features = in_tiles * 16, out_tiles * 16
         here, there = tile_offsets(NT, 31)
-        m = tl.arange(0, M)
-        live = (m + r0 < count)[None, :]
-        x_at = x_ptr + (start + r0 + m[None, :]).to(tl.int64) * in_features + tl.arange(0, 16)[:, None]
+        m = tl.arange(0, M)[:, None]
+        live = m + r0 < count
+        mt = tl.arange(0, M)[None, :]
+        x_at = x_ptr + (start + r0 + mt).to(tl.int64) * in_features + tl.arange(0, 16)[:, None]
         first = split * tiles_per_split
-        last = first + tiles_per_split - STEP  # the last step's first tile
+        last = first + tiles_per_split - 1
         acc = tl.zeros([NT * 16, M], tl.float32)
-        cur, prev = _step_words(trellis, first, out_tiles, here, there)
-        if STEP == 2:
-            cur2, prev2 = _step_words(trellis, first + 1, out_tiles, here, there)
-        for kt in range(first, last + 1, STEP):
+        cur = tl.load(trellis + first * out_tiles * 32 + here).to(tl.uint32, bitcast=True)
+        prev = tl.load(trellis + first * out_tiles * 32 + there).to(tl.uint32, bitcast=True)
+        for kt in range(first, last + 1):
             # the next step's words requested before this step's work, so that their latency
-            # overlaps it (the last step requests its own again)
-            ahead = tl.minimum(kt + STEP, last)
-            cur_next, prev_next = _step_words(trellis, ahead, out_tiles, here, there)
-            rows = tl.load(x_at + kt * 16, mask=live, other=0.0)
-            if STEP == 2:
-                cur_next2, prev_next2 = _step_words(trellis, ahead + 1, out_tiles, here, there)
-                rows2 = tl.load(x_at + kt * 16 + 16, mask=live, other=0.0)
-            acc = tl.dot(_tiles_as_columns(cur, prev, NT, DECODE), rows, acc)
-            if STEP == 2:
-                acc = tl.dot(_tiles_as_columns(cur2, prev2, NT, DECODE), rows2, acc)
-                cur2, prev2 = cur_next2, prev_next2
+            # overlaps it (the last step requests its own again); an expert's trellis is far
+            # under 2**31 words
+            ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32
+            cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
+            prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
+            rows = tl.load(x_at + kt * 16, mask=mt + r0 < count, other=0.0)
+            acc = tl.dot(_tiles_as_rows(cur, prev, NT, DECODE), rows, acc)
             cur, prev = cur_next, prev_next
-        cols = block * NT * 16 + tl.arange(0, NT * 16)
-        tl.store(out_ptr + (split * slots + start + r0 + m[:, None]).to(tl.int64) * out_features + cols[None, :],
-                 tl.trans(acc), mask=tl.trans(live) & (cols[None, :] >= 0))
+        cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
+        tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, tl.trans(acc),
+                 mask=live & (cols >= 0))
 
 
 def work_items(counts: torch.Tensor, max_items: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +189,7 @@ def max_items(slots: int, experts: int) -> int:
 
 def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
                     counts: torch.Tensor, starts: torch.Tensor, in_features: int, out_features: int,
-                    splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT, step: int = 1) -> torch.Tensor:
+                    splits: int = 1, nt: int = NT_DEFAULT, num_warps: int = WARPS_DEFAULT) -> torch.Tensor:
     """fp32 [splits, slots, out_features]: each slot's row of x (fp16 [slots, in_features],
     rotated, sorted by expert) times its expert's decoded weight, a partial product per split of
     the input (their sum is the product). items: work_items' (experts, first rows); table:
@@ -219,15 +200,15 @@ def expert_products(x: torch.Tensor, items: tuple[torch.Tensor, torch.Tensor], t
         raise ValueError(f"x must be contiguous fp16 [slots, {in_features}], not {x.dtype} {tuple(x.shape)}")
     if not len(table) == len(counts) == len(starts):
         raise ValueError(f"table, counts and starts cover {len(table)}, {len(counts)} and {len(starts)} experts")
-    if in_features % 16 or out_tiles % nt or in_tiles % splits or (in_tiles // splits) % step:
+    if in_features % 16 or out_tiles % nt or in_tiles % splits:
         raise ValueError(f"a {in_features} x {out_features} weight does not divide into {splits} splits "
-                         f"of {step}-tile steps and {nt}-tile column blocks")
+                         f"and {nt}-tile column blocks")
     slots = x.shape[0]
     out = torch.empty((splits, slots, out_features), dtype=torch.float32, device=x.device)
     experts, first_rows = items
     _expert_tiles_kernel[(out_tiles // nt, len(experts), splits)](
         x, experts, first_rows, table, counts, starts, out, slots, in_tiles, out_tiles, in_tiles // splits,
-        M=ITEM_ROWS, NT=nt, STEP=step, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
+        M=ITEM_ROWS, NT=nt, DECODE=ASM_VABSDIFF if x.is_cuda else PURE, num_warps=num_warps)
     return out
 
 

@@ -111,7 +111,7 @@ class _Plan(NamedTuple):
 
     def config(self, in_features: int, out_features: int) -> dict:
         """exl3_triton.expert_products' configuration for one projection: the plan's tile
-        columns a program, warps and input tiles a step (one where a split's tiles are odd), and a split of the input into enough programs to reach
+        columns a program and warps, and a split of the input into enough programs to reach
         `fill` a multiprocessor, counting every work item the call may have (the bound, as the
         routing is not read on the host; an item without slots returns at once), each split at
         least 8 input tiles (the partials are summed afterwards)."""
@@ -123,8 +123,7 @@ class _Plan(NamedTuple):
         while programs * splits < self.kernel["fill"] * self.sms and (in_features // 16) % (2 * splits) == 0 \
                 and in_features // 16 // (2 * splits) >= 8:
             splits *= 2
-        step = self.kernel["step"] if in_features // 16 // splits % self.kernel["step"] == 0 else 1
-        return {"nt": nt, "num_warps": self.kernel["num_warps"], "step": step, "splits": splits}
+        return {"nt": nt, "num_warps": self.kernel["num_warps"], "splits": splits}
 
 
 class TritonExl3Experts:
@@ -136,10 +135,10 @@ class TritonExl3Experts:
     and so the order of the sums, so another tuning (a restart) may differ in the last bits."""
 
     # what a worker times at start-up per row count (tune, from Dsv41Model.choose_expert_kernels):
-    # tile columns a program, warps and input tiles a step, and `fill`, the programs a
-    # multiprocessor the input's split aims at
-    CONFIGS = [{"nt": nt, "num_warps": warps, "step": step, "fill": fill}
-               for nt, warps, step in ((4, 2, 1), (8, 4, 1), (8, 4, 2), (16, 4, 1), (16, 4, 2)) for fill in (8, 32, 128)]
+    # tile columns a program and warps, and `fill`, the programs a multiprocessor the input's
+    # split aims at
+    CONFIGS = [{"nt": nt, "num_warps": warps, "fill": fill} for nt, warps in ((4, 2), (8, 4), (16, 4))
+               for fill in (8, 32, 128)]
 
     def __init__(self, routed: list[tuple[Stored, Stored, Stored]], shared: tuple[Stored, Stored, Stored] | None,
                  limit: float | None):
@@ -149,8 +148,7 @@ class TritonExl3Experts:
             raise ValueError("EXL3 experts cannot run on our kernel: gate, up and down shapes do not chain")
         self.experts, self.has_shared = len(routed), shared is not None
         self.limit = float(limit or 0.0)
-        self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT, "step": 1,
-                       "fill": 8}  # untuned
+        self.kernel = {"nt": exl3_triton.NT_DEFAULT, "num_warps": exl3_triton.WARPS_DEFAULT, "fill": 8}  # untuned
         self.tuned: dict[int, dict] = {}  # row count -> the product's configuration timed fastest there
         self.plan_kernel_at: dict[int, bool] = {}  # row count -> the plan's kernel timed faster than torch's sort
         device = self.gate.table.device
