@@ -12,8 +12,10 @@ caller's next kernel in a fixed order, the same result every run). A step decode
 tile's row of NT tiles: a tile's 32 words are its 32 lanes, and lane t's word holds the ends
 of weights 8t .. 8t + 7, whose 16-bit states reach back into word t - 1 (most significant bit
 first); weight 8t + i sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t // 4 + 8·(i // 4)
-of its tile. The decoded weights are laid out as the weight's [16, NT·16] and multiplied with
-the item's rows on the tensor cores (tl.dot).
+of its tile. The decoded weights are laid out as the weight's transpose, [NT·16, 16], the
+first operand of a product with the item's rows on the tensor cores (tl.dot): that operand
+stays in registers on Hopper (wgmma), where the second passes through shared memory every
+step, so the rows take that trip and the weights, 16 times as many, do not.
 
 On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
 is imported: Triton decides between interpreter and compiler when a kernel is defined)."""
@@ -101,10 +103,10 @@ def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _tiles_as_rows(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
-    """fp16 [16, NT·16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
-    weight's 16 rows by NT·16 columns. Lane t = 4·(column % 8) + row // 2 % 4 holds weights
-    8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
+def _tiles_as_columns(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
+    """fp16 [NT·16, 16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
+    weight's NT·16 columns by 16 rows (the weight transposed). Lane t = 4·(column % 8) + row // 2
+    % 4 holds weights 8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
     low = tl.join(tl.join(_weight(cur, prev, 0, DECODE), _weight(cur, prev, 1, DECODE)),
                   tl.join(_weight(cur, prev, 2, DECODE), _weight(cur, prev, 3, DECODE)))
     high = tl.join(tl.join(_weight(cur, prev, 4, DECODE), _weight(cur, prev, 5, DECODE)),
@@ -135,7 +137,8 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
                          DECODE: tl.constexpr):
     """Program (column block, item j, split): out[split, slot, 16 n + c] for the item's slots
     (those of expert experts[j] from its first_rows[j]-th, up to M) and the block's NT tile
-    columns n, over the split's input tiles; rows past the expert's are zeros in the product."""
+    columns n, over the split's input tiles; rows past the expert's are zeros in the product.
+    The product is accumulated transposed ([NT·16, M]: the weights its first operand)."""
     block, j, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(experts_ptr + j)
     r0 = tl.load(first_rows_ptr + j)
@@ -145,10 +148,9 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
         trellis = tl.load(table_ptr + e).to(tl.pointer_type(tl.int32)) + block * NT * 32
         in_features, out_features = in_tiles * 16, out_tiles * 16
         here, there = tile_offsets(NT, 31)
-        m = tl.arange(0, M)[:, None]
+        m = tl.arange(0, M)
         live = m + r0 < count
-        mt = tl.arange(0, M)[None, :]
-        x_at = x_ptr + (start + r0 + mt).to(tl.int64) * in_features + tl.arange(0, 16)[:, None]
+        x_at = x_ptr + (start + r0 + m[None, :]).to(tl.int64) * in_features + tl.arange(0, 16)[:, None]  # rows transposed
         first = split * tiles_per_split
         last = first + tiles_per_split - 1
         acc = tl.zeros([NT * 16, M], tl.float32)
@@ -161,12 +163,12 @@ def _expert_tiles_kernel(x_ptr, experts_ptr, first_rows_ptr, table_ptr, counts_p
             ahead = trellis + tl.minimum(kt + 1, last) * out_tiles * 32
             cur_next = tl.load(ahead + here).to(tl.uint32, bitcast=True)
             prev_next = tl.load(ahead + there).to(tl.uint32, bitcast=True)
-            rows = tl.load(x_at + kt * 16, mask=mt + r0 < count, other=0.0)
-            acc = tl.dot(_tiles_as_rows(cur, prev, NT, DECODE), rows, acc)
+            rows = tl.load(x_at + kt * 16, mask=live[None, :], other=0.0)
+            acc = tl.dot(_tiles_as_columns(cur, prev, NT, DECODE), rows, acc)
             cur, prev = cur_next, prev_next
         cols = block * NT * 16 + tl.arange(0, NT * 16)[None, :]
-        tl.store(out_ptr + (split * slots + start + r0 + m).to(tl.int64) * out_features + cols, tl.trans(acc),
-                 mask=live & (cols >= 0))
+        tl.store(out_ptr + (split * slots + start + r0 + m[:, None]).to(tl.int64) * out_features + cols, tl.trans(acc),
+                 mask=live[:, None] & (cols >= 0))
 
 
 def work_items(counts: torch.Tensor, max_items: int) -> tuple[torch.Tensor, torch.Tensor]:
