@@ -44,7 +44,10 @@ def swiglu(x: np.ndarray, three: tuple[Stored, Stored, Stored]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
+@pytest.mark.parametrize("nt, warps", sorted({(c["nt"], c["num_warps"]) for c in TritonExl3Experts.CONFIGS}))
+def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits, nt, warps):
+    """Every configuration the start-up tuning may choose (tile columns a program, warps: on
+    Hopper 4 warps or more make wgmma, 2 mma.sync)."""
     rng = np.random.default_rng(splits)
     trellis = [random_linear(rng, 256, 256).trellis for _ in range(4)]
     # expert 1 has no rows; expert 2 more than one work item's; expert 3 exactly one's; then
@@ -59,7 +62,7 @@ def test_the_product_multiplies_each_experts_rows_by_its_decoded_weight(splits):
     assert items[0].tolist() == [0, 2, 2, 3, 4, 4] and items[1].tolist()[:4] == [0, 0, n, 0]
     got = exl3_triton.expert_products(torch.from_numpy(x).to(DEVICE), items, table, counts_on,
                                       torch.tensor(starts, dtype=torch.int32, device=DEVICE), 256, 256,
-                                      splits)
+                                      splits, nt=nt, num_warps=warps)
     assert got.shape[0] == splits
     got = got.sum(0).cpu().numpy()
     want = np.concatenate([x[s:s + c].astype(np.float64) @ exl3_format.decoded(t.cpu().numpy(), 4).astype(np.float64)
