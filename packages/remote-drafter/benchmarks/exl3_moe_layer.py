@@ -13,7 +13,8 @@ and timed again, the whole layer with each plan too, and its three grouped produ
 alone (as the layer splits the input, and split 1 to 16 ways);
 exllamav3's (when it loads); their relative difference; and the bytes of trellis the call must
 read (each chosen expert once and the shared one) over each time.
-Prints a line per row count and writes JSON (--out).
+Prints a line per row count and writes JSON (--out); `--compare` sets runs by the code
+before a change and after it side by side (gpu.sh ONLY_DRAFTER_ROUND=moe-before-after).
 
     source tools/gpu-env.sh .whl   # exllamav3 1.6.5 and its needs for its side (else ours alone)
     python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --out exl3-moe-layer.json
@@ -116,14 +117,55 @@ def profile(fn) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
 
 
+def compare(befores: list[str], afters: list[str], out: str) -> dict:
+    """Runs of this script by the code before a change and after it, alternated in one call
+    (gpu.sh ONLY_DRAFTER_ROUND=moe-before-after): per row count the mean over each side's runs
+    of the layer's time and of its products', after over before, the products' trellis rate,
+    and each side's spread across its runs (the largest time over the smallest)."""
+    sides = []
+    for paths in (befores, afters):
+        runs = []
+        for path in paths:
+            with open(path) as f:
+                runs.append(json.load(f))
+        sides.append(runs)
+    codes = [{r.get("remote_drafter") for r in runs} - {None} for runs in sides]  # runs before it recorded none
+    if codes[0] & codes[1]:
+        raise SystemExit(f"before and after ran the same code ({sorted(codes[0] & codes[1])}): nothing to compare")
+    res = {"before": befores, "after": afters, "device": sides[1][0]["device"], "rows": []}
+    for at, row in enumerate(sides[1][0]["rows"]):
+        entry = {"rows": row["rows"]}
+        for key, name in (("ours_ms", "layer_ms"), ("ours_products_ms", "products_ms")):
+            times = [[run["rows"][at][key] for run in runs] for runs in sides]
+            means = [sum(t) / len(t) for t in times]
+            entry[name] = [round(m, 4) for m in means]
+            entry[f"{name}_after_over_before"] = round(means[1] / means[0], 3)
+            entry[f"{name}_spread"] = [round(max(t) / min(t), 3) for t in times]
+        entry["products_tb_s"] = [round(row["trellis_bytes"] / m / 1e9, 2) for m in entry["products_ms"]]
+        entry["configs_after"] = [run["rows"][at]["ours_config"] for run in sides[1]]
+        res["rows"].append(entry)
+        print(f"{row['rows']} rows: layer {entry['layer_ms'][0]:.3f} -> {entry['layer_ms'][1]:.3f} ms "
+              f"({entry['layer_ms_after_over_before']}x), products {entry['products_ms'][0]:.3f} -> "
+              f"{entry['products_ms'][1]:.3f} ms ({entry['products_tb_s'][0]} -> {entry['products_tb_s'][1]} TB/s)")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="5,20,80", help="row counts (default %(default)s)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="instead: runs of this script "
+                        "by the code before a change and after it, each side's JSONs comma-separated, set side "
+                        "by side (--out)")
     parser.add_argument("--replays", type=int, default=50, help="graph replays a figure (default %(default)s)")
     parser.add_argument("--out", default="exl3-moe-layer.json", help="JSON results (default %(default)s)")
     parser.add_argument("--profile", metavar="FILE", help="also write our layer's kernels by device time (torch "
                         "profiler, 5 eager calls a row count, the best configuration) to FILE")
     args = parser.parse_args(argv)
+    if args.compare:
+        compare(*(side.split(",") for side in args.compare), args.out)
+        return 0
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     hidden, inter = FLASH["hidden_size"], FLASH["moe_intermediate_size"]
@@ -182,7 +224,8 @@ def main(argv=None) -> int:
             profiles.append(f"== {rows} rows\n" + profile(lambda a=call: ours(*a)))
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": hidden,
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "remote_drafter": str(Path(exl3_triton.__file__).parents[1]), "hidden": hidden,
                    "intermediate": inter, "experts": experts, "top_k": top_k, "bits": exl3_triton.BITS,
                    "exllamav3": "compared" if theirs is not None else f"not compared ({why})",
                    "rows": results, "compiled": compiled_kernels()}, f, indent=1)

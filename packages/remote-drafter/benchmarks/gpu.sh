@@ -113,6 +113,10 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
           || echo "== the $side run failed"
       done
     done
+    python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py --compare \
+      "$OUT/exl3-moe-layer-before-1.json,$OUT/exl3-moe-layer-before-2.json" \
+      "$OUT/exl3-moe-layer-after-1.json,$OUT/exl3-moe-layer-after-2.json" \
+      --out "$OUT/exl3-moe-layer-before-after.json" || echo "== no comparison (above)"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own

@@ -7,8 +7,10 @@ reference on exl3_format's weights. Without a GPU (CI) the kernel runs in Triton
 interpreter; benchmarks/gpu.sh ONLY_DRAFTER_ROUND=moe runs these compiled on an H200, and sets
 the layer against exllamav3's fused kernels there."""
 
+import json
 import os
 
+import benchmark_scripts
 import numpy as np
 import pytest
 
@@ -285,3 +287,27 @@ def test_the_input_is_split_until_the_programs_fill_the_gpu_or_a_split_is_eight_
         splits[fill] = config["splits"]
     assert splits[1] == 1  # one multiprocessor's worth of programs is there without a split
     assert splits[1] <= splits[8] <= splits[1 << 20] == H // 16 // 8  # then at most down to 8 input tiles
+
+
+def test_the_layer_benchmark_sets_runs_before_and_after_a_change_side_by_side(tmp_path):
+    """benchmarks/exl3_moe_layer.py --compare (gpu.sh ONLY_DRAFTER_ROUND=moe-before-after feeds
+    it two runs a side, alternated in one call): per row count each side's mean layer and
+    products time, after over before, the products' trellis rate and each side's spread; the
+    same tree on both sides refused."""
+    def run(path, code, layer_ms, products_ms):
+        rows = [{"rows": r, "ours_ms": ms, "ours_products_ms": p, "trellis_bytes": 10**9, "ours_config": {"nt": 16}}
+                for r, ms, p in zip((5, 80), layer_ms, products_ms)]
+        path.write_text(json.dumps({"device": "H100", "remote_drafter": code, "rows": rows}))
+        return str(path)
+    befores = [run(tmp_path / f"b{i}.json", "/before", (0.24, 1.1), (0.2, 1.0)) for i in (1, 2)]
+    afters = [run(tmp_path / "a1.json", "/after", (0.21, 0.9), (0.17, 0.8)),
+              run(tmp_path / "a2.json", "/after", (0.23, 0.9), (0.19, 0.8))]
+    out = tmp_path / "c.json"
+    script = benchmark_scripts.load("exl3_moe_layer")
+    assert script.main(["--compare", ",".join(befores), ",".join(afters), "--out", str(out)]) == 0
+    five, eighty = json.loads(out.read_text())["rows"]
+    assert five["layer_ms"] == [0.24, 0.22] and five["layer_ms_after_over_before"] == 0.917
+    assert five["layer_ms_spread"] == [1.0, round(0.23 / 0.21, 3)]
+    assert eighty["products_ms_after_over_before"] == 0.8 and eighty["products_tb_s"] == [1.0, 1.25]
+    with pytest.raises(SystemExit, match="same code"):
+        script.main(["--compare", ",".join(befores), ",".join(befores), "--out", str(out)])
