@@ -8,35 +8,21 @@ Apply a trial's patch first (git apply findings/raw/<patch>) to count its loop i
 
 import collections
 import re
-import subprocess
 import sys
-import tempfile
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, "packages/remote-drafter/tests")
 import hopper_kernels  # noqa: E402
 
-from remote_drafter.models import exl3_triton  # noqa: E402
-
-SIGNATURE = {"x_ptr": "*fp16", "experts_ptr": "*i64", "first_rows_ptr": "*i32", "table_ptr": "*i64",
-             "counts_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*fp32", "slots": "i32", "in_tiles": "i32",
-             "out_tiles": "i32", "tiles_per_split": "i32"}
-
 
 def main(nt: int, warps: int) -> None:
-    constexprs = {"M": exl3_triton.ITEM_ROWS, "NT": nt, "DECODE": exl3_triton.ASM_VABSDIFF}
-    source = ASTSource(fn=exl3_triton._expert_tiles_kernel,
-                       signature={**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([hopper_kernels.CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    print(hopper_kernels.usage(exl3_triton._expert_tiles_kernel, SIGNATURE, constexprs, warps))
+    """The product's variant as hopper_kernels lists it (the tuning's configurations)."""
+    name = f"expert products nt={nt} warps={warps}"
+    found = [v for v in hopper_kernels.variants() if v[0] == name]
+    if not found:
+        raise SystemExit(f"no variant {name!r}: the start-up tuning does not take it")
+    _, kernel, signature, constexprs, warps = found[0]
+    sass = hopper_kernels.cubin_dump(kernel, signature, constexprs, warps, "-sass")
+    print(hopper_kernels.usage(kernel, signature, constexprs, warps))
     ops, loop = [], None
     for line in sass.splitlines():
         if m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(\s+0x([0-9a-f]+))?", line):

@@ -97,6 +97,9 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     for so in packages/*/src/*/_*_cffi*.so; do
       [[ -d $BEFORE/$(dirname "$so") ]] && cp "$so" "$BEFORE/$so"
     done
+    side_path() {  # the PYTHONPATH of a side: BEFORE's package sources first for "before"
+      if [[ $1 == before ]]; then printf '%s:' "$BEFORE"/packages/*/src; fi; printf '%s' "$PYTHONPATH"
+    }
   fi
   if [[ $ONLY_DRAFTER_ROUND == moe-before-after ]]; then  # =moe-before-after: a change to our
     # expert kernels: their GPU tests, then one MoE layer on them (exl3_moe_layer.py, tuned as a
@@ -107,7 +110,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       2>&1 | tail -8 | tee "$OUT/moe-pytest.txt" || echo "== tests failed (above); the timing goes on"
     for pass in 1 2; do
       for side in before after; do
-        path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+        path=$(side_path "$side")
         PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/exl3_moe_layer.py \
           --out "$OUT/exl3-moe-layer-$side-$pass.json" 2>&1 | grep '^{' | cut -c1-300 | sed "s/^/$side, pass $pass: /" \
           || echo "== the $side run failed"
@@ -128,7 +131,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     # with its header's receive)
     for pass in 1 2 3; do
       for side in before after spin; do
-        path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+        path=$(side_path "$side")
         spin=0; [[ $side == spin ]] && spin=20000
         PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/worker_cost.py --batches 16 --rounds 60 \
           --row-dtypes bfloat16 --ages in_service --spin-us $spin --out "$OUT/worker-cost-stub-$side-$pass.json" 2>&1 | grep "^bfloat16 rows.*in_service" \
@@ -150,7 +153,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" 2>&1 | tail -1 \
       || echo "== exllamav3 did not load (above)"
     for side in after before; do
-      path=$PYTHONPATH; [[ $side == before ]] && path="$(printf '%s:' "$BEFORE"/packages/*/src)$PYTHONPATH"
+      path=$(side_path "$side")
       echo "== the round as served, $side, at $SECONDS s"
       PYTHONPATH="$path" python3 packages/remote-drafter/benchmarks/drafter_round.py --experts-ab \
         --modes auto --out "$OUT/served-$side.json" 2>&1 | tee "$OUT/served-$side.log" | grep -v "^  batch" \

@@ -25,9 +25,9 @@ EXPERTS, TOP_K, VOCAB = 192, 8, 129280  # the Flash drafter's routed experts, ch
 CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
 
 
-def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> str:
-    """fn compiled for sm_90 (its parameters' types in `signature`, constexprs by value): the
-    cubin's resource usage, as cuobjdump prints it."""
+def cubin_dump(fn, signature: dict, constexprs: dict, num_warps: int = 4, what: str = "--dump-resource-usage") -> str:
+    """fn compiled for sm_90 (its parameters' types in `signature`, constexprs by value), its
+    cubin as cuobjdump prints it (`what`: its resource usage, or -sass for the instructions)."""
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     if set(sig) != set(fn.arg_names):
         raise ValueError(f"name every parameter of {fn.__name__}")
@@ -36,8 +36,12 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([CUOBJDUMP, what, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> str:
+    """cubin_dump's resource usage line."""
+    out = cubin_dump(fn, signature, constexprs, num_warps)
     return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
 
 

@@ -15,7 +15,7 @@ first); weight 8t + i sits at row (t % 4)·2 + (0, 1, 8, 9)[i % 4] and column t 
 of its tile. The decoded weights are laid out as the weight's transpose, [NT·16, 16], the
 first operand of a product with the item's rows on the tensor cores (tl.dot): that operand
 stays in registers on Hopper (wgmma), where the second passes through shared memory every
-step, so the rows take that trip and the weights, 16 times as many, do not.
+step, so the rows take that trip and the weights, NT times as many, do not.
 
 On a CPU the kernels run under Triton's interpreter (set TRITON_INTERPRET=1 before this module
 is imported: Triton decides between interpreter and compiler when a kernel is defined)."""
