@@ -33,7 +33,7 @@ ITEM_ROWS = 16  # slots of one expert a program multiplies at once (the tensor c
 NT_DEFAULT, WARPS_DEFAULT = 8, 4  # the product's defaults: tile columns a program, warps
 MUL1, MCG = 0, 1  # codebooks (exllamav3's procedural ones; exl3_format.MUL1 / MCG)
 PURE, ASM, ASM_VABSDIFF = 0, 1, 2  # the decode's instructions: Triton ops, or inline PTX
-_MUL1 = tl.constexpr(MUL1)  # a kernel reads a global only as a constexpr
+_MUL1, _ASM_VABSDIFF = tl.constexpr(MUL1), tl.constexpr(ASM_VABSDIFF)  # a kernel reads a global only as a constexpr
 
 # Inline PTX, a state ($1) to its fp16 weight ($0). mul1: the byte sum plus 0x6400 (dp4a against
 # 0x01010101, or vabsdiff4 against 0) whose low half is fp16 1024 + sum, then one fp16 fma; mcg:
@@ -53,6 +53,23 @@ fma.rn.f16 $0, l, k, b;
 }}"""
 _MUL1_DP4A = tl.constexpr(_MUL1_PTX.format("dp4a.u32.u32", "one"))
 _MUL1_VABSDIFF4 = tl.constexpr(_MUL1_PTX.format("vabsdiff4.u32.u32.u32.add", "z"))
+# The same for a pair of states ($1, $2) into one register of two fp16 weights ($0, the first
+# in its low half), as the tensor cores take them: both byte sums, their low halves packed by
+# one multiply-add (it issues beside the integer pipe, which bounds the decode; a prmt would
+# not), then one fp16x2 fma for the two.
+_MUL1_PAIR_VABSDIFF4 = tl.constexpr("""{
+.reg .b32 x, y, z, acc, k, b;
+mov.b32 z, 0;
+mov.b32 acc, 0x6400;
+mov.b32 k, 0x1EEE1EEE;
+mov.b32 b, 0xC931C931;
+mul.lo.u32 x, $1, 0x83DCD12D;
+mul.lo.u32 y, $2, 0x83DCD12D;
+vabsdiff4.u32.u32.u32.add x, x, z, acc;
+vabsdiff4.u32.u32.u32.add y, y, z, acc;
+mad.lo.u32 x, y, 65536, x;
+fma.rn.f16x2 $0, x, k, b;
+}""")
 _MCG_LOP3 = tl.constexpr("""{
 .reg .b32 x, mask, flip;
 .reg .b16 l, h;
@@ -92,14 +109,27 @@ def decode(s, CB: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _weight(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
-    """fp16 weight 8t + J of each lane t's word `cur` (its predecessor in the tile `prev`)."""
+def _state(cur, prev, J: tl.constexpr):
+    """The 16-bit state of weight 8t + J of each lane t's word `cur` (its predecessor in the
+    tile `prev`)."""
     shift: tl.constexpr = 28 - 4 * J
     if shift == 0:
         state = cur & 0xFFFF
     else:
         state = ((cur >> shift) | (prev << (32 - shift))) & 0xFFFF
-    return decode(state, _MUL1, DECODE)
+    return state
+
+
+@triton.jit
+def _weights(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
+    """fp16 [..., 2]: weights 8t + J and 8t + J + 1 of each lane t's word (J even): rows r and r + 1
+    of one column, the pair a tensor-core register holds (with DECODE's inline PTX, made as
+    one: _MUL1_PAIR_VABSDIFF4)."""
+    a, b = _state(cur, prev, J), _state(cur, prev, J + 1)
+    if DECODE == _ASM_VABSDIFF:
+        return tl.inline_asm_elementwise(_MUL1_PAIR_VABSDIFF4, "=r,r,r", [tl.join(a, b)], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    return tl.join(decode(a, _MUL1, DECODE), decode(b, _MUL1, DECODE))
 
 
 @triton.jit
@@ -107,10 +137,8 @@ def _tiles_as_columns(cur, prev, NT: tl.constexpr, DECODE: tl.constexpr):
     """fp16 [NT·16, 16]: one input tile's row of NT tiles ([NT, 32] words, a lane a word) as the
     weight's NT·16 columns by 16 rows (the weight transposed). Lane t = 4·(column % 8) + row // 2
     % 4 holds weights 8t + 4·(column // 8) + 2·(row // 8) + row % 2 (exl3_format.TILE_ORDER)."""
-    low = tl.join(tl.join(_weight(cur, prev, 0, DECODE), _weight(cur, prev, 1, DECODE)),
-                  tl.join(_weight(cur, prev, 2, DECODE), _weight(cur, prev, 3, DECODE)))
-    high = tl.join(tl.join(_weight(cur, prev, 4, DECODE), _weight(cur, prev, 5, DECODE)),
-                   tl.join(_weight(cur, prev, 6, DECODE), _weight(cur, prev, 7, DECODE)))
+    low = tl.join(_weights(cur, prev, 0, DECODE), _weights(cur, prev, 2, DECODE))
+    high = tl.join(_weights(cur, prev, 4, DECODE), _weights(cur, prev, 6, DECODE))
     w = tl.reshape(tl.join(low, high), [NT, 8, 4, 2, 2, 2])  # [tile, column % 8, row // 2 % 4, row % 2, row // 8, column // 8]
     return tl.reshape(tl.permute(w, [0, 5, 1, 4, 2, 3]), [NT * 16, 16])
 
