@@ -9,7 +9,12 @@ OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source tools/gpu-env.sh "${GPU_WHEELS:-.whl}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [[ -z ${SKIP_TESTS:-} ]]; then  # SKIP_TESTS=1: only the measurements
+# The package's whole test suite (every tier: more than ten minutes on an H100 with exllamav3's
+# build) comes first in the full GPU tier alone: an ONLY_* mode below is one measurement and
+# runs the GPU tests of what it measures itself. SKIP_TESTS=1: not even in the full tier;
+# ALL_TESTS=1: before a mode too.
+only=${ONLY_DSV41:-}${ONLY_DRAFTER_ROUND:-}${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-}
+if [[ -z ${SKIP_TESTS:-} && ( -z $only || -n ${ALL_TESTS:-} ) ]]; then
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
   python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 fi
