@@ -91,6 +91,11 @@ def variants():
            {"D": 512, "DIMS": 64, "G": 64, "SIGN": -1, "KEEP": 512}, 4)
     yield ("rms norm", kernels._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
            {"D": 4096, "BLOCK": 4096, "WEIGHT": True}, 4)
+    yield ("attend", kernels._attend_kernel,
+           {"q_ptr": "*bf16", "ctx_ptr": "*bf16", "new_ptr": "*bf16", "unseen_ptr": "*u8", "sink_ptr": "*fp32",
+            "out_ptr": "*bf16", "C": "i32", "W": "i32", "CS_B": "i64", "CS_C": "i64", "scale": "fp32"},
+           {"H": 64, "D": 512, "DP": 512, "BM": kernels.ATTEND_ROWS, "BK": kernels.ATTEND_KEYS, "IEEE": False},
+           kernels.ATTEND_WARPS)
     for nt, warps in sorted({(c["nt"], c["num_warps"]) for c in exl3_triton_experts.TritonExl3Experts.CONFIGS}):
         yield (f"expert products nt={nt} warps={warps}", exl3_triton._expert_tiles_kernel,
                {"x_ptr": "*fp16", "experts_ptr": "*i64", "first_rows_ptr": "*i32", "table_ptr": "*i64",

@@ -20,6 +20,7 @@ from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, kernels, tiny  # noqa: E402
 from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
+from remote_drafter.models.dsv41.modules.attention import unseen_keys  # noqa: E402
 from remote_drafter.models.dsv41.modules.mix import HyperMix  # noqa: E402
 from remote_drafter.models.dsv41.modules.module import Weights  # noqa: E402
 from remote_drafter.models.dsv41.modules.numerics import Numerics  # noqa: E402
@@ -136,6 +137,32 @@ def test_rope_and_norm_kernels_are_torchs(loaded, dtype):
         assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item()), method
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernel_is_torchs(loaded, dtype):
+    """The window's attention: requests with a full context, some padding and none (the
+    block alone), a context spanning several of the kernel's key steps, its rows one layer's
+    of the windows (strided), query rows past the kernel's last full block, each head's sink."""
+    m, c = model(loaded, dtype), loaded.config
+    g = torch.Generator().manual_seed(3)
+    b, w, heads, d, ctx_rows = 3, c.block_size, c.num_attention_heads, c.head_dim, 37
+    q = torch.randn(b, w, heads, d, generator=g).to(DEVICE, dtype)
+    windows = torch.randn(b, ctx_rows, 2, d, generator=g).to(DEVICE, dtype)  # two layers' rows
+    new = torch.randn(b, w, d, generator=g).to(DEVICE, dtype)
+    kept = torch.tensor([ctx_rows, 5, 0], device=DEVICE)
+    unseen = unseen_keys(torch.arange(ctx_rows, device=DEVICE) >= ctx_rows - kept[:, None], w)
+    sink = m.layers[0].attention.sink
+    assert (w * heads) % kernels.ATTEND_ROWS and ctx_rows + w > 2 * kernels.ATTEND_KEYS
+    want, got = both(m, m.numerics.attend, q, windows[:, :, 1], new, unseen, sink)
+    assert got.shape == want.shape == q.shape and got.dtype == want.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item())
+    # the padding is left out: changing it changes nothing
+    windows[1, :ctx_rows - 5] = 100.0
+    m.numerics.kernels = kernels
+    assert torch.equal(m.numerics.attend(q, windows[:, :, 1], new, unseen, sink), got)
+    m.numerics.kernels = None
+
+
 def test_drafts_with_the_kernels_are_torchs(loaded):
     """A float32 drafter drafts the same greedy tokens with the kernels as without."""
     m = model(loaded)
@@ -153,7 +180,7 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
     if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
         assert m.use_kernels() is None
     fused = Dsv41Drafter(m, MANIFEST, DEVICE)
-    assert fused.describe()["round_kernels"] == "triton (mHC, RoPE, norms, routers, top two)"
+    assert fused.describe()["round_kernels"] == "triton (mHC, RoPE, norms, routers, top two, attention)"
     got = fused.draft(requests, False)
     assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in got]
     assert np.allclose([a.own_probs for a in want], [b.own_probs for b in got], atol=1e-4)
@@ -185,6 +212,31 @@ def test_kernels_serve_only_after_matching_torch(loaded, monkeypatch):
     right_route = kernels.route  # and a router that drops the gate's bias
     monkeypatch.setattr(kernels, "route", lambda x, bias, *a: right_route(x, None, *a))
     assert m.use_kernels().startswith(("the kernels' routing weights", "the kernels' routed experts")) and m.numerics.kernels is None
+
+
+def test_an_attention_kernel_that_fails_leaves_torch_attending_beside_the_other_kernels(loaded, monkeypatch):
+    """The attention kernel is checked apart: one that computes something else, or raises, is
+    refused by name, torch attends, the other kernels serve on, and status says so."""
+    m = model(loaded, torch.bfloat16)
+    assert m.use_kernels() is None and m.numerics.attention_refusal is None
+    right = kernels.attend
+    monkeypatch.setattr(kernels, "attend", lambda *a: right(*a) * 1.05)
+    assert m.use_kernels() is None and m.numerics.kernels is kernels
+    assert m.numerics.attention_refusal.startswith("it differs from torch's by")
+    calls = []
+    monkeypatch.setattr(kernels, "attend", lambda *a: calls.append(a) or 1 / 0)
+    d = Dsv41Drafter(m, MANIFEST, DEVICE)
+    if DEVICE == "cpu":  # the drafter takes the kernels on CUDA only
+        assert m.use_kernels() is None
+    assert m.numerics.attention_refusal == "ZeroDivisionError: division by zero" and len(calls) == 1
+    assert d.describe()["round_kernels"] == ("triton (mHC, RoPE, norms, routers, top two); torch attends "
+                                             "(ZeroDivisionError: division by zero)")
+    layer, g = m.layers[0], torch.Generator().manual_seed(4)
+    x = torch.randn(1, m.config.block_size, m.config.hidden_size, generator=g).to(DEVICE, m.dtype)
+    positions = torch.arange(m.config.block_size, device=DEVICE)[None]
+    ctx = torch.zeros(1, 0, m.config.head_dim, dtype=m.dtype, device=DEVICE)
+    layer.attention(x, positions, ctx, unseen_keys(torch.ones(1, 0, dtype=torch.bool, device=DEVICE), m.config.block_size))
+    assert len(calls) == 1  # the round attends in torch: the kernel is not called again
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])

@@ -39,7 +39,7 @@ def usage(tmp_path_factory):
                                       for b in (True, False)),
                                     "experts combine", "top two part, biased", "top two join",
                                     "mix products", "mix pre collapse=0", "mix pre collapse=1",
-                                    "mix pre collapse=2", "mix post", "rope", "rms norm",
+                                    "mix pre collapse=2", "mix post", "rope", "rms norm", "attend",
                                     "expert products nt=4 warps=2", "expert products nt=8 warps=4",
                                     "expert products nt=16 warps=4", "experts rows in", "experts activation"])
 def test_the_kernel_compiles_for_hopper_without_spilling(usage, kernel):
@@ -50,4 +50,4 @@ def test_the_kernel_compiles_for_hopper_without_spilling(usage, kernel):
 
 def test_every_variant_is_checked(usage):
     """The parametrisation above names every variant the script compiles (a new kernel joins it)."""
-    assert len(usage) == 25
+    assert len(usage) == 26

@@ -84,6 +84,9 @@ class Dsv41Drafter(Drafter):
             why = model.use_kernels(round_kernels)
             if why and round_kernels:
                 log.warning("the round's Triton kernels do not serve, torch does (slower rounds): %s", why)
+            elif model.numerics.attention_refusal:
+                log.warning("the attention kernel does not serve, torch attends (slower rounds): %s",
+                            model.numerics.attention_refusal)
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
             why = None if model.numerics.kernels else "cpu"
         self._kernels_why = why
@@ -213,10 +216,14 @@ class Dsv41Drafter(Drafter):
 
     @property
     def round_kernels(self) -> str:
-        """What runs the round's mixes, RoPE, norms and top two. The model's choice: a drafter
-        built later over the same model with another choice changes it for this one too."""
-        if self.model.numerics.kernels is not None:
-            return "triton (mHC, RoPE, norms, routers, top two)"
+        """What runs the round's mixes, RoPE, norms, routers, top two and attention. The model's
+        choice: a drafter built later over the same model with another choice changes it for
+        this one too."""
+        num = self.model.numerics
+        if num.kernels is not None:
+            if num.attention_refusal:
+                return f"triton (mHC, RoPE, norms, routers, top two); torch attends ({num.attention_refusal})"
+            return "triton (mHC, RoPE, norms, routers, top two, attention)"
         return f"torch ({self._kernels_why or 'another drafter of this model chose it'})"
 
     def manifest(self) -> Manifest:

@@ -16,6 +16,9 @@
 * top_two: the greedy chain's two likeliest tokens and their probabilities over the whole
   vocabulary, split over many programs per row then combined, for torch's single-row
   reductions (pick.top_two), which leave most of the GPU idle at batch 1.
+* attend: a layer's attention over the window (scores, padding, the heads' sinks, softmax,
+  the weighted keys), the softmax carried online over steps of keys, for a dozen launches in
+  torch (casts, two batched products, the mask, the sink's column, the softmax).
 
 The same arithmetic as the torch code in float32, in another order of summation: equal to
 it within float32 rounding (tests/test_dsv41_kernels.py, under Triton's CPU interpreter in
@@ -369,3 +372,69 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
                         KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(experts), SCORE=SCORES[scoring],
                         BIAS=bias is not None, NORM=norm)
     return weights, chosen
+
+
+ATTEND_ROWS, ATTEND_KEYS, ATTEND_WARPS = 16, 16, 8  # (position, head) rows and keys a step; warps
+
+
+@triton.jit
+def _attend_kernel(q_ptr, ctx_ptr, new_ptr, unseen_ptr, sink_ptr, out_ptr, C, W, CS_B, CS_C, scale,
+                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Program (request b, block of BM of its W·H query rows, (position, head) in q's order):
+    softmax over [the keys' scores ; the head's sink] times the keys (which are the values),
+    the keys its C context rows (row stride CS_C, request stride CS_B) then its W new ones,
+    those `unseen` left out; BK keys a step, the softmax carried online. The scores' products
+    are exact (bf16 values) and summed in float32 on the tensor cores (IEEE: in float32 without
+    them, for a float32 model's rows, where TF32 would round them, and in Triton's CPU
+    interpreter, whose bf16 products are wrong); the weighted sum is float32 throughout."""
+    b, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rows = blk * BM + tl.arange(0, BM)
+    live = rows < W * H
+    d = tl.arange(0, DP)
+    dm = d < D
+    q = tl.load(q_ptr + (b * W * H + rows[:, None]) * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+    top = tl.load(sink_ptr + rows % H, mask=live, other=0.0).to(tl.float32)  # a logit with no value
+    total = tl.full([BM], 1.0, tl.float32)  # the sink's exp(sink - top)
+    acc = tl.zeros([BM, DP], tl.float32)
+    n = C + W
+    for k0 in range(0, n, BK):
+        k = k0 + tl.arange(0, BK)
+        old, new = k < C, (k >= C) & (k < n)
+        keys = tl.where(old[:, None],
+                        tl.load(ctx_ptr + b * CS_B + k[:, None] * CS_C + d[None, :], mask=old[:, None] & dm[None, :],
+                                other=0.0),
+                        tl.load(new_ptr + (b * W + k[:, None] - C) * D + d[None, :], mask=new[:, None] & dm[None, :],
+                                other=0.0))
+        hidden = tl.load(unseen_ptr + b * n + k, mask=k < n, other=1) != 0
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(keys)) * scale
+        s = tl.where(hidden[None, :], float("-inf"), s)
+        top_next = tl.maximum(top, tl.max(s, 1))
+        kept = tl.exp(top - top_next)
+        p = tl.exp(s - top_next[:, None])
+        total = total * kept + tl.sum(p, 1)
+        acc = acc * kept[:, None] + tl.dot(p, keys.to(tl.float32), input_precision="ieee")
+        top = top_next
+    o = acc / total[:, None]
+    tl.store(out_ptr + (b * W * H + rows[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & dm[None, :])
+
+
+def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.Tensor,
+           sink: torch.Tensor) -> torch.Tensor:
+    """As Numerics.attend in float32, in one launch: q [B, W, H, D], keys ctx [B, C, D] (rows
+    may be strided: one layer's of the windows) and new [B, W, D], unseen [B, C + W] bool,
+    sink [H] -> [B, W, H, D] in q's dtype."""
+    b, w, h, d = q.shape
+    q, new = q.contiguous(), new.contiguous()
+    if ctx.stride(-1) != 1:
+        ctx = ctx.contiguous()
+    out = torch.empty_like(q)
+    _attend_kernel[(b, triton.cdiv(w * h, ATTEND_ROWS))](
+        q, ctx, new, unseen.contiguous().view(torch.uint8), sink, out, ctx.shape[1], w, ctx.stride(0), ctx.stride(1),
+        d ** -0.5, H=h, D=d, DP=triton.next_power_of_2(d), BM=ATTEND_ROWS, BK=ATTEND_KEYS,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=ATTEND_WARPS)
+    return out

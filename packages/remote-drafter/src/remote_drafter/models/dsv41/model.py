@@ -34,7 +34,7 @@ from .modules.inputs import BlockEmbedding, TapProjection
 from .modules.mix import HyperMix, OutputCollapse
 from .modules.module import Linear, Module, Weights
 from .modules.moe import FusedExperts, MoE
-from .modules.numerics import Numerics, relative_error
+from .modules.numerics import Numerics, attention, relative_error
 
 
 class DecoderLayer(Module):
@@ -141,9 +141,10 @@ class Dsv41Model(Module):
         over the vocabulary), or (on False) torch, for every module at once. The kernels serve only
         once they have matched torch on this model's own weights and shapes (_probes), on
         this device (a Triton or GPU they break on is refused here, not mid-round). None
-        when they serve, else why not."""
+        when they serve, else why not. The window's attention takes its kernel where that
+        matched torch too, else torch's, beside the others (numerics.attention_refusal says why)."""
         num = self.numerics
-        num.kernels = None
+        num.kernels, num.attention_refusal = None, None
         if not on:
             return "not asked to"
         if num.wide != torch.float32:
@@ -161,7 +162,24 @@ class Dsv41Model(Module):
             if not err <= (0 if name.endswith(("tokens", "experts")) else num.rounding):
                 num.kernels = None
                 return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
+        num.attention_refusal = self._attention_refusal(kernels)
         return None
+
+    @torch.inference_mode()
+    def _attention_refusal(self, kernels) -> str | None:
+        """Why the attention kernel may not serve (None: it may): layer 0's attention over a
+        context with and without padding, the kernel against torch."""
+        c, num = self.config, self.numerics
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(2, c.block_size, c.num_attention_heads, c.head_dim, generator=g).to(self.device, self.dtype)
+        ctx, new = (torch.randn(2, n, c.head_dim, generator=g).to(self.device, self.dtype) for n in (9, c.block_size))
+        padding = torch.arange(9, device=self.device) >= torch.tensor([[0], [5]], device=self.device)
+        args = (q, ctx, new, unseen_keys(padding, c.block_size), self.layers[0].attention.sink)
+        try:
+            err = relative_error(attention(*args, num.wide), kernels.attend(*args))
+        except Exception as exc:  # noqa: BLE001 - any failure to build or run it: torch attends
+            return f"{type(exc).__name__}: {exc}"
+        return None if err <= num.rounding else f"it differs from torch's by {err:.2e} (relative to its largest value)"
 
     @torch.inference_mode()
     def _probes(self) -> dict[str, torch.Tensor]:

@@ -38,18 +38,12 @@ class Attention(Module):
         """x [B, W, H] at positions [B, W] over ctx [B, C, D] and the block's own rows, less
         the keys `unseen` [B, C + W] (unseen_keys) -> [B, W, H]."""
         num = self.numerics
-        c, wide = num.config, num.wide
+        c = num.config
         b, w, _ = x.shape
-        heads, d = c.num_attention_heads, c.head_dim
-        q = self.wq_b(num.norm(self.wq_a(x), self.q_norm)).view(b, w, heads, d)
+        q = self.wq_b(num.norm(self.wq_a(x), self.q_norm)).view(b, w, c.num_attention_heads, c.head_dim)
         if c.q_head_norm:
             q = num.norm(q, None)
         q = num.rope(q, positions)
-        keys = torch.cat([ctx.to(x.dtype), self.context_rows(x, positions)], 1).to(wide)  # [B, C+W, D]
-        scores = torch.einsum("bwhd,bkd->bhwk", q.to(wide), keys) * d ** -0.5
-        scores = scores.masked_fill(unseen[:, None, None, :], float("-inf"))
-        sink = self.sink.view(1, heads, 1, 1).expand(b, heads, w, 1)
-        probs = torch.cat([scores, sink.to(wide)], -1).softmax(-1)[..., :-1]
-        o = torch.einsum("bhwk,bkd->bwhd", probs, keys).to(x.dtype)
+        o = num.attend(q, ctx, self.context_rows(x, positions), unseen, self.sink)
         o = num.rope(o, positions, inverse=True).reshape(b, w, c.o_groups, -1)
         return self.wo_b(self.wo_a(o).flatten(-2))

@@ -48,6 +48,19 @@ def swiglu(x: torch.Tensor, w1, w3, w2, limit: float | None) -> torch.Tensor:
     return w2(F.silu(gate) * up)
 
 
+def attention(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.Tensor,
+              sink: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """q [B, W, H, D] over the keys (which are the values) ctx [B, C, D] and new [B, W, D], less
+    those `unseen` [B, C + W], a sink logit per head [H] beside them -> [B, W, H, D] in q's dtype."""
+    b, w, heads, d = q.shape
+    keys = torch.cat([ctx.to(q.dtype), new], 1).to(wide)  # [B, C+W, D]
+    scores = torch.einsum("bwhd,bkd->bhwk", q.to(wide), keys) * d ** -0.5
+    scores = scores.masked_fill(unseen[:, None, None, :], float("-inf"))
+    sink = sink.view(1, heads, 1, 1).expand(b, heads, w, 1)
+    probs = torch.cat([scores, sink.to(wide)], -1).softmax(-1)[..., :-1]
+    return torch.einsum("bhwk,bkd->bwhd", probs, keys).to(q.dtype)
+
+
 def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
     """The largest difference relative to want's largest value."""
     return float((want.float() - got.float()).abs().max() / want.float().abs().max().clamp(min=1e-30))
@@ -55,12 +68,13 @@ def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
 
 class Numerics:
     """dtype, wide, eps, and `kernels` (the module kernels.py, or None: torch), which
-    Dsv41Model.use_kernels sets for every module at once."""
+    Dsv41Model.use_kernels sets for every module at once, the attention kernel apart."""
 
     def __init__(self, config: Dsv41DrafterConfig, dtype: torch.dtype, device: torch.device):
         self.config, self.dtype, self.device = config, dtype, device
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
         self.kernels = None
+        self.attention_refusal: str | None = None  # why the attention kernel does not serve beside the others
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
     @property
@@ -95,6 +109,13 @@ class Numerics:
         if self.kernels is not None:
             return self.kernels.top_two(logits, bias)
         return pick.top_two(logits if bias is None else logits + bias.to(self.wide))
+
+    def attend(self, q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.Tensor,
+               sink: torch.Tensor) -> torch.Tensor:
+        """attention() (a kernel where the kernels serve and it matched torch too)."""
+        if self.kernels is not None and self.attention_refusal is None:
+            return self.kernels.attend(q, ctx, new, unseen, sink)
+        return attention(q, ctx, new, unseen, sink, self.wide)
 
     def mixes(self, fn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """fn . x * rsqrt(mean(x^2) + eps) over the whole stream x [..., K*H], in `wide`."""
