@@ -2,7 +2,9 @@
 # Session 22's device call: the window's attention as one kernel (kernels.attend), its GPU
 # tests, then the bf16 Flash round (drafter_round.py --variants bf16: no exllamav3) by this
 # tree and by BEFORE's sources (2c8b2e5), each in a process of its own. From the repository
-# root, carry .whl-small and .before4:
+# root, carry .whl-small and .before4, made by
+#   mkdir -p .before4 && git archive 2c8b2e5 packages/remote-drafter/src packages/ofl-transport/src | tar -x -C .before4
+# then (about 3 minutes on the GPU machine, not yet run: session 22 had no device time left):
 #   BEFORE=.before4 bash findings/raw/round-attention-before-after-2026-12-05-s22.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/s22}; mkdir -p "$OUT"
