@@ -217,8 +217,9 @@ def test_small_arrays_arrive_whole_as_views_of_one_copy():
 
 def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
     """A greedy round reads the chain the block computed on the device (inside the CUDA graph
-    there): the same tokens, top-two probabilities and confidence as the Picker's loop over
-    the same block, bit for bit."""
+    there): the same tokens and top-two probabilities as the Picker's loop over the same
+    block, and the same confidences as every step's in one pass, bit for bit (each step's
+    alone agrees to float32 rounding)."""
     d = fresh(drafter)
     requests = [DraftRequest(history(d, 20 + 9 * i, i), d.max_depth) for i in range(3)]
     inputs = d._blank(3)
@@ -226,11 +227,14 @@ def test_the_greedy_chain_inside_the_block_is_the_pickers_chain(drafter):
     inputs[1][:] = torch.tensor([[30, 5, 40], [30, 9, 60], [30, 17, 80]])  # rows kept, seed, its position
     h, z, chain = d._block(*inputs)
     tokens, top_p, top_i, scores = unpack_chain(chain.numpy())
-    pick, previous = Picker(requests, want_probs=False), inputs[1][:, 1]
+    pick, previous, embedded = Picker(requests, want_probs=False), inputs[1][:, 1], []
     for i in range(d.max_depth):
         m = d.model.markov.embed(previous)
-        assert np.array_equal(d.model.confidence(h[:, i], m).float().numpy(), scores[:, i])
+        assert np.allclose(d.model.confidence(h[:, i], m).float().numpy(), scores[:, i], rtol=1e-6, atol=0)
+        embedded.append(m)
         previous = pick(d.model.markov.logits(z[:, i], m), [0] * 3)
+    # every step's confidence in one pass, as the block and a sampled round compute it
+    assert np.array_equal(d.model.confidence(h, torch.stack(embedded, 1)).float().numpy(), scores)
     want = pick.finish()
     got = chain_arrays(tokens, top_p, top_i, top_p[..., 0], None, [True] * 3)
     for a, b in zip(want, got):

@@ -252,18 +252,20 @@ class Dsv41Drafter(Drafter):
         valid = torch.arange(n, device=ctx.device) >= n - kept[:, None]  # padding rows: kept 0, none
         h = model.block_hidden(ctx, valid, seed, p0)
         z = model.head(h)
-        previous, probs, tokens, confidences = seed, [], [], []
+        previous, probs, tokens, embedded = seed, [], [], []
         for i in range(self.max_depth):
             m = markov.embed(previous)
             p2, i2 = model.numerics.top_two(z[:, i], markov.bias(m))  # = top_two(markov.logits(z[:, i], m))
             probs.append(p2)
             tokens.append(i2)
-            if confidence is not None:
-                confidences.append(confidence(h[:, i], m)[:, None])
+            embedded.append(m)
             previous = i2[:, 0]
-        # packed once for the whole chain: casting and joining each step's would launch a kernel each
-        parts = [probs, tokens] + ([confidences] if confidences else [])
-        return h, z, torch.cat([torch.stack(part, 1).double() for part in parts], -1)
+        # packed once for the whole chain (casting and joining each step's would launch a kernel
+        # each), and the confidence of every step in one pass
+        packed = [torch.stack(part, 1).double() for part in (probs, tokens)]
+        if confidence is not None:
+            packed.append(confidence(h, torch.stack(embedded, 1))[..., None].double())
+        return h, z, torch.cat(packed, -1)
 
     def _blank(self, b: int) -> tuple[torch.Tensor, ...]:
         c, dev = self.config, self.device
@@ -293,14 +295,14 @@ class Dsv41Drafter(Drafter):
             probs = np.zeros((b, depth, self.vocab_size), np.float32) if want_probs else None
             drafts = split(requests, *chain_arrays(tokens, top_p, top_i, top_p[..., 0], probs, [True] * b))
         else:
-            pick, previous, confidence = Picker(requests, want_probs), seed, []
+            pick, previous, embedded = Picker(requests, want_probs), seed, []
             for i in range(depth):
                 m = model.markov.embed(previous)
-                if model.confidence is not None:
-                    confidence.append(model.confidence(h[:, i], m))
+                embedded.append(m)
                 previous = pick(model.markov.logits(z[:, i], m), [r.history.length + i for r in requests])
             drafts = split(requests, *pick.finish())
-            scores = torch.stack(confidence, 1).float().cpu().numpy() if confidence else None
+            scores = None if model.confidence is None else \
+                model.confidence(h[:, :depth], torch.stack(embedded, 1)).float().cpu().numpy()
         if model.confidence is None:
             return drafts
         return [self._cut(replace(d, confidence=s[:len(d.tokens)])) for d, s in zip(drafts, scores)]

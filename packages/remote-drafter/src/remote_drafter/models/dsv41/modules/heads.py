@@ -43,7 +43,7 @@ class MarkovHead(Module):
 
 
 class ConfidenceHead(Module):
-    """h [B, H], m [B, r] -> [B] in (0, 1)."""
+    """h [..., H], m [..., r] -> [...] in (0, 1) (a round's every step at once: [B, W])."""
 
     def __init__(self, numerics: Numerics, weights: Weights, name: str):
         super().__init__(numerics)
