@@ -450,19 +450,19 @@ def profile(batches: list[int], out: str, variant: str) -> None:
             for _ in range(3):
                 drafter.draft(requests, want_probs=False)
             torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                               record_shapes=not graphs) as prof:
+            eager = name == "eager"  # a replayed graph records no operators: shapes come from eager rounds
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=eager) as prof:
                 for _ in range(5):
                     drafter.draft(requests, want_probs=False)
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
             lines += [f"== {variant}, {name}, batch {batch}, 5 rounds", table]
-            if not graphs:  # a replayed graph records no operators: their shapes come from eager rounds
+            say(lines[-2] + "\n" + "\n".join(table.splitlines()[:30]))
+            if eager:
                 lines += [f"== {variant}, {name}, batch {batch}, by operator and input shapes",
                           prof.key_averages(group_by_input_shape=True).table(
                               sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40,
                               max_shapes_column_width=90)]
-            say(lines[-2] + "\n" + "\n".join(table.splitlines()[:30]))
     with open(out, "w") as f:
         f.write("\n".join(lines))
 

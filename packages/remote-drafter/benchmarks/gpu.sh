@@ -9,16 +9,19 @@ OUT=${OUT:-/tmp/remote-drafter-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source tools/gpu-env.sh "${GPU_WHEELS:-.whl}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-# The package's whole test suite (every tier: more than ten minutes on an H100 with exllamav3's
-# build) comes first in the full GPU tier alone: an ONLY_* mode below is one measurement and
-# runs the GPU tests of what it measures itself. SKIP_TESTS=1: not even in the full tier;
-# ALL_TESTS=1: before a mode too.
+# The package's whole test suite (every tier, exllamav3's build included: longer than a device
+# call allows beside a measurement) comes first in the full GPU tier alone. An ONLY_* mode
+# below is one measurement; those that time our kernels run the kernels' GPU tests themselves
+# (ONLY_DSV41, =tests, =moe-before-after, =before-after, =plan). SKIP_TESTS=1: no suite even
+# in the full tier; ALL_TESTS=1: the suite before a mode too.
 only=${ONLY_DSV41:-}${ONLY_DRAFTER_ROUND:-}${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-}
 if [[ -z ${SKIP_TESTS:-} && ( -z $only || -n ${ALL_TESTS:-} ) ]]; then
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
   python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 fi
-if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter (below)
+if [[ -n ${ONLY_DSV41:-} ]]; then  # ONLY_DSV41=1: only DeepSeek-V4.1's drafter (below), after its kernels' tests
+  python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py 2>&1 | tail -3 \
+    | tee "$OUT/dsv41-kernels-pytest.txt"
   python3 packages/remote-drafter/benchmarks/dsv41_gpu.py --out "$OUT/dsv41-gpu.json"
   exit
 fi

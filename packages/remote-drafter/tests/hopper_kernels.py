@@ -93,7 +93,7 @@ def variants():
            {"D": 4096, "BLOCK": 4096, "WEIGHT": True}, 4)
     yield ("attend", kernels._attend_kernel,
            {"q_ptr": "*bf16", "ctx_ptr": "*bf16", "new_ptr": "*bf16", "unseen_ptr": "*u8", "sink_ptr": "*fp32",
-            "out_ptr": "*bf16", "C": "i32", "W": "i32", "CS_B": "i64", "CS_C": "i64", "scale": "fp32"},
+            "out_ptr": "*bf16", "C": "i32", "W": "i32", "CS_B": "i32", "CS_C": "i32", "scale": "fp32"},
            {"H": 64, "D": 512, "DP": 512, "BM": kernels.ATTEND_ROWS, "BK": kernels.ATTEND_KEYS, "IEEE": False},
            kernels.ATTEND_WARPS)
     for nt, warps in sorted({(c["nt"], c["num_warps"]) for c in exl3_triton_experts.TritonExl3Experts.CONFIGS}):

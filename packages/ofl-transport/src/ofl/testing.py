@@ -105,10 +105,12 @@ class TwoHosts:
         sh("ip", "-n", self.engine, "link", "set", self.engine_dev[i], "up" if up else "down")
 
     def rx_bytes(self, i: int) -> int:
-        """Bytes the engine side of link i received, read over netlink (`ip -n`): no process
-        entering the namespace, whose pipes once outlived a `cat` there."""
+        """Bytes the engine side of link i received, read over netlink by `ip -n` itself (once
+        read by a `cat` that `ip netns exec` ran in the namespace, whose pipes once stayed
+        open after it ended, for a reason not found)."""
         out = sh("ip", "-n", self.engine, "-s", "-j", "link", "show", "dev", self.engine_dev[i]).stdout
-        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+        link = json.loads(out)[0]
+        return int(link.get("stats64", link.get("stats"))["rx"]["bytes"])  # older iproute2: "stats"
 
 
 class ChildProcess:

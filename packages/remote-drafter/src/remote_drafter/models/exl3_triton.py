@@ -123,8 +123,8 @@ def _state(cur, prev, J: tl.constexpr):
 @triton.jit
 def _weights(cur, prev, J: tl.constexpr, DECODE: tl.constexpr):
     """fp16 [..., 2]: weights 8t + J and 8t + J + 1 of each lane t's word (J even): rows r and r + 1
-    of one column, the pair a tensor-core register holds (with DECODE's inline PTX, made as
-    one: _MUL1_PAIR_VABSDIFF4)."""
+    of one column, the pair a tensor-core register holds (with ASM_VABSDIFF made as one,
+    _MUL1_PAIR_VABSDIFF4; otherwise each alone)."""
     a, b = _state(cur, prev, J), _state(cur, prev, J + 1)
     if DECODE == _ASM_VABSDIFF:
         return tl.inline_asm_elementwise(_MUL1_PAIR_VABSDIFF4, "=r,r,r", [tl.join(a, b)], dtype=tl.float16,

@@ -62,8 +62,8 @@ class Dsv41Drafter(Drafter):
         """cuda_graphs None: capture unless EXL3 experts run per matrix (then every served
         expert would run on every row). fuse_experts False: EXL3 experts per matrix (the
         baseline the fused kernels are measured against). round_kernels False: the
-        hyper-connection mixes, RoPE, the norms and the greedy chain's top two in torch on
-        CUDA too (the baseline of kernels.py). dense_mib: the budget of EXL3 linears' dense
+        hyper-connection mixes, RoPE, the norms, the routers, the greedy chain's top two and the
+        attention in torch on CUDA too (the baseline of kernels.py). dense_mib: the budget of EXL3 linears' dense
         copies (default REMOTE_DRAFTER_EXL3_DENSE_MIB; 0: no new copies, those an earlier
         drafter of this model chose still serve)."""
         c = model.config
@@ -261,7 +261,8 @@ class Dsv41Drafter(Drafter):
             embedded.append(m)
             previous = i2[:, 0]
         # packed once for the whole chain (casting and joining each step's would launch a kernel
-        # each), and the confidence of every step in one pass
+        # each), and the confidence of every step in one pass (a sampled round's over its depth:
+        # a product over other rows may round another way in the last bit)
         packed = [torch.stack(part, 1).double() for part in (probs, tokens)]
         if confidence is not None:
             packed.append(confidence(h, torch.stack(embedded, 1))[..., None].double())

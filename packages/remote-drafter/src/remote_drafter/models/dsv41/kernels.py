@@ -429,7 +429,7 @@ def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.
     may be strided: one layer's of the windows) and new [B, W, D], unseen [B, C + W] bool,
     sink [H] -> [B, W, H, D] in q's dtype."""
     b, w, h, d = q.shape
-    q, new = q.contiguous(), new.contiguous()
+    q, new, ctx = q.contiguous(), new.to(q.dtype).contiguous(), ctx.to(q.dtype)  # casts as torch's
     if ctx.stride(-1) != 1:
         ctx = ctx.contiguous()
     out = torch.empty_like(q)

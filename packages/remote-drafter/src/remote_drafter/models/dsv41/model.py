@@ -167,14 +167,17 @@ class Dsv41Model(Module):
 
     @torch.inference_mode()
     def _attention_refusal(self, kernels) -> str | None:
-        """Why the attention kernel may not serve (None: it may): layer 0's attention over a
-        context with and without padding, the kernel against torch."""
+        """Why the attention kernel may not serve (None: it may): layer 0's attention as a round
+        calls it (a window's context rows, one layer's of the windows' strided rows), over a
+        whole context, one half padding and one all padding, the kernel against torch."""
         c, num = self.config, self.numerics
-        g = torch.Generator().manual_seed(1)
-        q = torch.randn(2, c.block_size, c.num_attention_heads, c.head_dim, generator=g).to(self.device, self.dtype)
-        ctx, new = (torch.randn(2, n, c.head_dim, generator=g).to(self.device, self.dtype) for n in (9, c.block_size))
-        padding = torch.arange(9, device=self.device) >= torch.tensor([[0], [5]], device=self.device)
-        args = (q, ctx, new, unseen_keys(padding, c.block_size), self.layers[0].attention.sink)
+        g, n = torch.Generator().manual_seed(1), c.sliding_window
+        q = torch.randn(3, c.block_size, c.num_attention_heads, c.head_dim, generator=g)
+        windows = torch.randn(3, n, c.n_mtp_layers, c.head_dim, generator=g).to(self.device, self.dtype)
+        new = torch.randn(3, c.block_size, c.head_dim, generator=g).to(self.device, self.dtype)
+        padding = torch.arange(n, device=self.device) >= torch.tensor([[0], [n // 2], [n]], device=self.device)
+        args = (q.to(self.device, self.dtype), windows[:, :, 0], new, unseen_keys(padding, c.block_size),
+                self.layers[0].attention.sink)
         try:
             err = relative_error(attention(*args, num.wide), kernels.attend(*args))
         except Exception as exc:  # noqa: BLE001 - any failure to build or run it: torch attends
