@@ -11,11 +11,22 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
 def sh(*cmd, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout, **kw)
+    """cmd run to its exit (within `timeout` s), its output (text) read from files, not pipes:
+    the wait is for the process alone, so a pipe another process still holds (one the
+    command started in a namespace, say) cannot keep it waiting."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        code = subprocess.run(cmd, stdout=out, stderr=err, timeout=timeout, **kw).returncode
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, code, out.read().decode(), err.read().decode())
+    if check:
+        done.check_returncode()
+    return done
 
 
 def netns_unavailable() -> str | None:
@@ -105,9 +116,8 @@ class TwoHosts:
         sh("ip", "-n", self.engine, "link", "set", self.engine_dev[i], "up" if up else "down")
 
     def rx_bytes(self, i: int) -> int:
-        """Bytes the engine side of link i received, read over netlink by `ip -n` itself (once
-        read by a `cat` that `ip netns exec` ran in the namespace, whose pipes once stayed
-        open after it ended, for a reason not found)."""
+        """Bytes the engine side of link i received, read over netlink by `ip -n` itself (no
+        second program in the namespace)."""
         out = sh("ip", "-n", self.engine, "-s", "-j", "link", "show", "dev", self.engine_dev[i]).stdout
         link = json.loads(out)[0]
         return int(link.get("stats64", link.get("stats"))["rx"]["bytes"])  # older iproute2: "stats"
