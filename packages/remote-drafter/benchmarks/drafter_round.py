@@ -191,6 +191,17 @@ def rounds_of(drafter, sizes, batches, rounds, bandwidth, floors=None) -> list[d
     return out
 
 
+def code_paths() -> dict[str, str]:
+    """Which tree's code this run timed (--compare refuses two runs of one tree)."""
+    return {"remote_drafter": str(Path(remote_drafter.__file__).parent), "ofl": str(Path(ofl.__file__).parent)}
+
+
+def kept(drafts: list) -> list[dict]:
+    """Greedy drafts as a run's JSON keeps them (--compare reads them back)."""
+    return [{"tokens": d.tokens.tolist(), "own_probs": d.own_probs.tolist(), "alt_probs": d.alt_probs.tolist()}
+            for d in drafts]
+
+
 def greedy_drafts(drafter: Dsv41Drafter, batches) -> list:
     return [d for batch in batches for d in drafter.draft(random_rounds(drafter, batch, 160, 1000 + batch), False)]
 
@@ -300,6 +311,7 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
     def save():
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
+    res.update(code_paths())
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
     say(f"== read bandwidth {bandwidth / 1e12:.2f} TB/s")
     if "exl3_4" in variants:
@@ -314,11 +326,12 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
         b = res["bf16"] = {"weight_bytes": weight_bytes, "round_kernels": graphed.describe()["round_kernels"],
                            "experts": graphed.experts,
                            "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
+        grouped_drafts = greedy_drafts(graphed, batches)
+        b["greedy_drafts"] = kept(grouped_drafts)  # --compare sets them against another run's
         save()
         stacked = [layer.moe.experts for layer in drafter.model.layers]
         if all(getattr(experts, "grouped", False) for experts in stacked):
             say("== bf16, CUDA graphs, every expert on every row (the grouped GEMMs' baseline)")
-            grouped_drafts = greedy_drafts(graphed, batches)
             for experts in stacked:
                 experts.grouped = False
             every = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
@@ -517,8 +530,7 @@ def experts_ab(batches: list[int], rounds: int, out: str, modes: list[str]) -> N
     `auto` through the worker over tcp loopback."""
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": FLASH,
                  "bits": BITS, "batches": batches, "rounds": rounds, "goals_x_floor": GOALS}
-    res["remote_drafter"] = str(Path(remote_drafter.__file__).parent)  # which tree's code (--compare)
-    res["ofl"] = str(Path(ofl.__file__).parent)
+    res.update(code_paths())
     res["read_bandwidth_bytes_per_s"] = bandwidth = read_bandwidth()
     res["exllamav3"] = exl3.load_exllamav3(say).version
     model, sizes = exl3_flash_model()
@@ -545,8 +557,7 @@ def experts_ab(batches: list[int], rounds: int, out: str, modes: list[str]) -> N
                                "peak_allocated_bytes": torch.cuda.max_memory_allocated() - allocated}
         say(f"    experts: {res[mode]['experts']}; memory beyond the weights: {res[mode]['memory']}")
         drafts[mode] = greedy_drafts(drafter, batches)
-        res[mode]["greedy_drafts"] = [{"tokens": d.tokens.tolist(), "own_probs": d.own_probs.tolist(),
-                                       "alt_probs": d.alt_probs.tolist()} for d in drafts[mode]]
+        res[mode]["greedy_drafts"] = kept(drafts[mode])
         if mode == "auto":
             say("== the same through the worker over tcp loopback")
             res["worker_tcp"] = {"rounds": measure(drafter, batches, rounds)}
@@ -563,8 +574,9 @@ def experts_ab(batches: list[int], rounds: int, out: str, modes: list[str]) -> N
 
 
 def compare(before: str, after: str, out: str, mode: str = "auto") -> dict:
-    """Two --experts-ab runs of one machine and call (the code before a change, then after):
-    each batch's p50 and p99 after over before, the worker's own cost over tcp in both, and
+    """Two runs of one machine and call (the code before a change, then after), of --experts-ab
+    (mode: the experts' mode set side by side) or of --variants bf16 (mode bf16): each batch's
+    p50 and p99 after over before, the worker's own cost over tcp in both where timed, and
     their greedy drafts compared (the same random model and requests in both)."""
     runs = []
     for path in (before, after):
@@ -611,14 +623,17 @@ def main(argv=None) -> int:
                     "through the worker over tcp (--out)")
     ap.add_argument("--modes", default="exllamav3,auto", help="with --experts-ab: the expert kernels, "
                     "in turn (REMOTE_DRAFTER_EXL3_EXPERTS values; default: %(default)s)")
-    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="instead: two --experts-ab "
-                    "JSONs of one call (the code before a change and after) set side by side (--out)")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="instead: two JSONs of one "
+                    "call (the code before a change and after) set side by side (--out): --experts-ab runs, "
+                    "or with --compare-mode bf16 runs of --variants bf16")
+    ap.add_argument("--compare-mode", default="auto", help="with --compare: the rounds compared, an "
+                    "--experts-ab mode or bf16 (default: %(default)s)")
     ap.add_argument("--moe-layers", action="store_true", help="instead: one MoE layer alone, ours "
                     "against exllamav3's BlockSparseMLP on the same weights and rows, in a CUDA graph "
                     "and eager (--out)")
     args = ap.parse_args(argv)
     if args.compare:
-        compare(*args.compare, args.out)
+        compare(*args.compare, args.out, args.compare_mode)
         return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (and exllamav3: the [exl3] extra)")

@@ -12,8 +12,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # The package's whole test suite (every tier, exllamav3's build included: longer than a device
 # call allows beside a measurement) comes first in the full GPU tier alone. An ONLY_* mode
 # below is one measurement; those that time our kernels run the kernels' GPU tests themselves
-# (ONLY_DSV41, =tests, =moe-before-after, =before-after, =plan). SKIP_TESTS=1: no suite even
-# in the full tier; ALL_TESTS=1: the suite before a mode too.
+# (ONLY_DSV41, =tests, =moe-before-after, =bf16-before-after, =before-after, =plan).
+# SKIP_TESTS=1: no suite even in the full tier; ALL_TESTS=1: the suite before a mode too.
 only=${ONLY_DSV41:-}${ONLY_DRAFTER_ROUND:-}${ONLY_EXL3_DRAFTER:-}${ONLY_EXL3:-}
 if [[ -z ${SKIP_TESTS:-} && ( -z $only || -n ${ALL_TESTS:-} ) ]]; then
   echo "== remote-drafter tests under this torch (CPU tiers + the GPU tests)"
@@ -35,7 +35,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # layer against exllamav3's BlockSparseMLP, =before-after a change to the round (below), =plan
   # the experts' plan kernel against torch's sort (below),
   # =link-before-after the worker's own cost around the stub drafter before and after (below),
-  # =moe-before-after one MoE layer on our expert kernels before and after (below)
+  # =moe-before-after one MoE layer on our expert kernels before and after, =bf16-before-after
+  # the bf16 round before and after (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -128,6 +129,22 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
       "$OUT/exl3-moe-layer-before-1.json,$OUT/exl3-moe-layer-before-2.json" \
       "$OUT/exl3-moe-layer-after-1.json,$OUT/exl3-moe-layer-after-2.json" \
       --out "$OUT/exl3-moe-layer-before-after.json" || echo "== no comparison (above)"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == bf16-before-after ]]; then  # =bf16-before-after: a change to the
+    # round's own kernels or modules (not the EXL3 experts'): their GPU tests, then the bf16 round
+    # (drafter_round.py --variants bf16) by this tree's code and BEFORE's (below), each in a
+    # process of its own, --compare (no exllamav3 wanted: GPU_WHEELS=.whl-small)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py \
+      2>&1 | tail -3 | tee "$OUT/bf16-pytest.txt" || echo "== tests failed (above); the timing goes on"
+    for side in after before; do
+      echo "== the bf16 round, $side, at $SECONDS s"
+      PYTHONPATH=$(side_path "$side") python3 packages/remote-drafter/benchmarks/drafter_round.py --variants bf16 \
+        --out "$OUT/bf16-$side.json" 2>&1 | tee "$OUT/bf16-$side.log" | grep "batch\|==" | head -8 \
+        || echo "== the $side run failed (above)"
+    done
+    python3 packages/remote-drafter/benchmarks/drafter_round.py --compare "$OUT/bf16-before.json" \
+      "$OUT/bf16-after.json" --compare-mode bf16 --out "$OUT/bf16-before-after.json" || echo "== no comparison (above)"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own

@@ -309,8 +309,8 @@ def test_the_gpu_script_runs_in_its_smoke_form(tmp_path):
 
 
 def test_the_round_script_sets_two_runs_of_the_served_round_side_by_side(tmp_path):
-    """drafter_round.py --compare (its GPU run feeds it --experts-ab of the code before a
-    change and after, in one call): each batch's p50 and p99 after over before, the worker's
+    """drafter_round.py --compare (its GPU run feeds it --experts-ab, or --variants bf16, of the
+    code before a change and after, in one call): each batch's p50 and p99 after over before, the worker's
     own cost of both, and where their greedy drafts part, with the gap there; two runs of the
     same code (a BEFORE that did not take) refused."""
     import json
@@ -334,6 +334,16 @@ def test_the_round_script_sets_two_runs_of_the_served_round_side_by_side(tmp_pat
     paths[0].write_text(json.dumps(run([4.0, 8.0], [[1, 2, 3], [4, 5, 6]])))  # BEFORE missed: this tree twice
     with pytest.raises(SystemExit, match="both runs timed the same code"):
         script.main(["--compare", *map(str, paths), "--out", str(out)])
+    # runs of --variants bf16 (gpu.sh =bf16-before-after): their rounds under "bf16", no worker
+    for path, p50s, code in zip(paths, ([4.0, 8.0], [2.0, 4.0]), ("/before/remote_drafter", "/after/remote_drafter")):
+        bf16 = run(p50s, [[1, 2, 3], [4, 5, 6]], code)
+        bf16["bf16"] = bf16.pop("auto")
+        del bf16["worker_tcp"]
+        path.write_text(json.dumps(bf16))
+    assert script.main(["--compare", *map(str, paths), "--compare-mode", "bf16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["p50_after_over_before"] for r in res["rounds"]] == [0.5, 0.5] and "worker_own_beyond_wire_ms" not in res
+    assert res["drafts_after_vs_before"]["same_greedy_drafts"] == 2
 
 
 def test_the_gpu_script_measures_a_worker_in_its_own_process(tmp_path):

@@ -219,11 +219,11 @@ class Dsv41Drafter(Drafter):
         """What runs the round's mixes, RoPE, norms, routers, top two and attention. The model's
         choice: a drafter built later over the same model with another choice changes it for
         this one too."""
-        num = self.model.numerics
+        num, served = self.model.numerics, "mHC, RoPE, norms, routers, top two"
         if num.kernels is not None:
             if num.attention_refusal:
-                return f"triton (mHC, RoPE, norms, routers, top two); torch attends ({num.attention_refusal})"
-            return "triton (mHC, RoPE, norms, routers, top two, attention)"
+                return f"triton ({served}); torch attends ({num.attention_refusal})"
+            return f"triton ({served}, attention)"
         return f"torch ({self._kernels_why or 'another drafter of this model chose it'})"
 
     def manifest(self) -> Manifest:

@@ -34,7 +34,7 @@ from .modules.inputs import BlockEmbedding, TapProjection
 from .modules.mix import HyperMix, OutputCollapse
 from .modules.module import Linear, Module, Weights
 from .modules.moe import FusedExperts, MoE
-from .modules.numerics import Numerics, attention, relative_error
+from .modules.numerics import Numerics, attention, differs
 
 
 class DecoderLayer(Module):
@@ -158,10 +158,9 @@ class Dsv41Model(Module):
             num.kernels = None
             return f"{type(exc).__name__}: {exc}"
         for name, a in torch_path.items():
-            err = relative_error(a, kernel_path[name])
-            if not err <= (0 if name.endswith(("tokens", "experts")) else num.rounding):
+            if why := differs(a, kernel_path[name], 0 if name.endswith(("tokens", "experts")) else num.rounding):
                 num.kernels = None
-                return f"the kernels' {name} differs from torch's by {err:.2e} (relative to its largest value)"
+                return f"the kernels' {name} {why}"
         num.attention_refusal = self._attention_refusal(kernels)
         return None
 
@@ -172,17 +171,16 @@ class Dsv41Model(Module):
         whole context, one half padding and one all padding, the kernel against torch."""
         c, num = self.config, self.numerics
         g, n = torch.Generator().manual_seed(1), c.sliding_window
-        q = torch.randn(3, c.block_size, c.num_attention_heads, c.head_dim, generator=g)
-        windows = torch.randn(3, n, c.n_mtp_layers, c.head_dim, generator=g).to(self.device, self.dtype)
-        new = torch.randn(3, c.block_size, c.head_dim, generator=g).to(self.device, self.dtype)
+        q, windows, new = (torch.randn(3, *shape, generator=g).to(self.device, self.dtype) for shape in (
+            (c.block_size, c.num_attention_heads, c.head_dim), (n, c.n_mtp_layers, c.head_dim),
+            (c.block_size, c.head_dim)))
         padding = torch.arange(n, device=self.device) >= torch.tensor([[0], [n // 2], [n]], device=self.device)
-        args = (q.to(self.device, self.dtype), windows[:, :, 0], new, unseen_keys(padding, c.block_size),
-                self.layers[0].attention.sink)
+        args = (q, windows[:, :, 0], new, unseen_keys(padding, c.block_size), self.layers[0].attention.sink)
         try:
-            err = relative_error(attention(*args, num.wide), kernels.attend(*args))
+            why = differs(attention(*args, num.wide), kernels.attend(*args), num.rounding)
         except Exception as exc:  # noqa: BLE001 - any failure to build or run it: torch attends
             return f"{type(exc).__name__}: {exc}"
-        return None if err <= num.rounding else f"it differs from torch's by {err:.2e} (relative to its largest value)"
+        return why and f"it {why}"
 
     @torch.inference_mode()
     def _probes(self) -> dict[str, torch.Tensor]:

@@ -66,6 +66,12 @@ def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
     return float((want.float() - got.float()).abs().max() / want.float().abs().max().clamp(min=1e-30))
 
 
+def differs(want: torch.Tensor, got: torch.Tensor, tolerance: float) -> str | None:
+    """How a kernel's result differs from torch's `want` past `tolerance` (relative_error), or None."""
+    err = relative_error(want, got)
+    return None if err <= tolerance else f"differs from torch's by {err:.2e} (relative to its largest value)"
+
+
 class Numerics:
     """dtype, wide, eps, and `kernels` (the module kernels.py, or None: torch), which
     Dsv41Model.use_kernels sets for every module at once, the attention kernel apart."""
