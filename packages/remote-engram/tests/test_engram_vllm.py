@@ -208,8 +208,12 @@ def test_three_hosts_one_frozen_one_killed_mid_generation(tiny, reference, tmp_p
         wait_until(lambda: rows(0), lambda n: n > before[0], "host 0 serving the generation",
                    timeout_s=120, interval_s=0.002)
         stop_process(hosts[0].proc.pid)
-        at_freeze = rows(1)
-        wait_until(lambda: rows(1), lambda n: n > at_freeze, "host 1 serving after the freeze",
+        # host 1 is killed only once host 0 is set aside: both failing inside one read would
+        # be one failover, not two
+        wait_until(lambda: served_hosts(listen)[0]["state"], lambda s: s == "failed",
+                   "host 0 set aside after the freeze", timeout_s=120, interval_s=0.002)
+        at_aside = rows(1)
+        wait_until(lambda: rows(1), lambda n: n > at_aside, "host 1 serving after host 0 aside",
                    timeout_s=120, interval_s=0.002)
         hosts[1].proc.kill()
         worker.join(timeout=300)
