@@ -43,7 +43,8 @@ def test_the_env_variable_reaches_the_config(monkeypatch):
 
 def test_counters_served_move_with_rounds_and_a_watchdog_fire(capsys):
     worker, listen = Worker(), free_address()
-    h = Handoff(config(metrics_listen=listen, heartbeat_timeout_ms=300), ECHO,
+    # deadlines no loaded machine reaches: only the SIGKILL below may fire the watchdog
+    h = Handoff(config(metrics_listen=listen, round_deadline_ms=2000, heartbeat_timeout_ms=2000), ECHO,
                 {"address": worker.address, "backend": "tcp"}).start()
     try:
         assert h.enabled, h.reason

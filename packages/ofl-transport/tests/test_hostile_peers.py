@@ -182,7 +182,8 @@ def test_idle_links_are_closed_while_a_pinging_client_stays(server_log):
     keeps it, and a client that does not ping notices the close before it sends, and
     reconnects without losing its call."""
     log, path = server_log
-    srv = ServeProcess("tcp", env={"OFL_IDLE_TIMEOUT_MS": "600"}, stderr=log)
+    # long enough that a stalled ping thread on a loaded machine does not lose the engine its link
+    srv = ServeProcess("tcp", env={"OFL_IDLE_TIMEOUT_MS": "3000"}, stderr=log)
     try:
         with Connection(srv.address, backend="tcp") as engine, \
                 Connection(srv.address, backend="tcp", keepalive=False) as quiet:

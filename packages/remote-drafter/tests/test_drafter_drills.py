@@ -60,6 +60,8 @@ def test_stalled_worker_costs_only_its_deadline(models, target, reference, worke
             stop_process(worker.proc.pid)
         if len(steps) == 4:
             os.kill(worker.proc.pid, 18)  # SIGCONT
+            # drafting resumes once the link is back: the decode's last steps are not a race
+            wait_until(lambda: client.transport.conn.connected, what="the link back after the stall")
 
     t0 = time.monotonic()
     result = decode(target, client, on_round)
@@ -101,6 +103,7 @@ def test_worker_killed_mid_round_then_restarted(models, target, reference, worke
         if len(steps) == 3:
             killer.join(30)
             worker.restart()
+            wait_until(lambda: client.transport.conn.connected, what="the link to the restarted worker")
 
     result = decode(target, client, on_round)
     assert killed, "the worker was not killed with a round in flight"

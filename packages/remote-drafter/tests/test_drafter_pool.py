@@ -79,7 +79,10 @@ def test_a_frozen_primary_moves_rounds_to_the_standby(models, target, reference,
 @pytest.mark.parametrize("fault", [kill, stop_process], ids=["killed", "frozen"])
 def test_through_the_proxy_the_pool_serves_after_the_primary_fails(models, target, reference, pool, fault):
     from async_handoff import HandoffConfig
-    config = HandoffConfig(round_deadline_ms=2000, max_wait_ms=2000, startup_timeout_s=30)
+    # the proxy beats only between rounds: a heartbeat timeout well past the frozen round's
+    # deadline, so the watchdog never takes the proxy's wait on it for a stuck proxy
+    config = HandoffConfig(round_deadline_ms=2000, max_wait_ms=2000, heartbeat_timeout_ms=2000,
+                           startup_timeout_s=30)
     transport = AsyncTransport(pool[0].address, "tcp", expectation(models["target"], None), config,
                                standbys=(pool[1].address,))
     client = DrafterClient(transport, "8:5", deadline_s=2)
