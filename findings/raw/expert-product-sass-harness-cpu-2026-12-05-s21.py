@@ -1,8 +1,9 @@
 """Session 21's look inside the experts' product kernel on any CPU (no GPU): it is compiled for
-sm_90 as tests/hopper_kernels.py compiles the round's kernels, and the main loop (the one
+sm_90 as tests/gpu_kernels.py compiles the round's kernels, and the main loop (the one
 backward branch of the SASS) is counted by opcode: what a step of the product issues. From the
 repository root, TRITON_INTERPRET unset, with the tile columns a program and warps:
     TRITON_CACHE_DIR=/tmp/triton-cache python findings/raw/expert-product-sass-harness-cpu-2026-12-05-s21.py 16 4
+A third argument compiles for another GPU (86: an RTX 3090's sm_86; session 23).
 Apply a trial's patch first (git apply findings/raw/<patch>) to count its loop instead.
 """
 
@@ -11,18 +12,19 @@ import re
 import sys
 
 sys.path.insert(0, "packages/remote-drafter/tests")
-import hopper_kernels  # noqa: E402
+import gpu_kernels  # noqa: E402
 
 
-def main(nt: int, warps: int) -> None:
-    """The product's variant as hopper_kernels lists it (the tuning's configurations)."""
+def main(nt: int, warps: int, arch: int = 90) -> None:
+    """The product's variant as gpu_kernels lists it (the tuning's configurations)."""
     name = f"expert products nt={nt} warps={warps}"
-    found = [v for v in hopper_kernels.variants() if v[0] == name]
+    found = [v for v in gpu_kernels.variants() if v[0] == name]
     if not found:
         raise SystemExit(f"no variant {name!r}: the start-up tuning does not take it")
     _, kernel, signature, constexprs, warps = found[0]
-    sass = hopper_kernels.cubin_dump(kernel, signature, constexprs, warps, "-sass")
-    print(hopper_kernels.usage(kernel, signature, constexprs, warps))
+    compiled = gpu_kernels.compiled(kernel, signature, constexprs, warps, arch)
+    sass = gpu_kernels.cubin_dump(compiled, "-sass")
+    print(gpu_kernels.usage(compiled))
     ops, loop = [], None
     for line in sass.splitlines():
         if m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(\s+0x([0-9a-f]+))?", line):
@@ -37,4 +39,4 @@ def main(nt: int, warps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(*map(int, sys.argv[1:4]))

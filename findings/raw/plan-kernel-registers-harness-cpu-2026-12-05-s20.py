@@ -1,5 +1,5 @@
 """Session 20's trial (any CPU, no GPU): the experts' plan kernel (_plan_kernel) compiled for
-sm_90 with larger steps (B slots a step) and more warps, as tests/hopper_kernels.py compiles
+sm_90 with larger steps (B slots a step) and more warps, as tests/gpu_kernels.py compiles
 the round's kernels: registers a thread and bytes spilled to the stack, for the Flash
 drafter's 192 experts and DeepSeek-V4's 256 (E = 256 or 512 with the padding expert), with
 and without the shared expert. From the repository root, TRITON_INTERPRET unset:
@@ -9,7 +9,7 @@ and without the shared expert. From the repository root, TRITON_INTERPRET unset:
 import sys
 
 sys.path.insert(0, "packages/remote-drafter/tests")
-import hopper_kernels  # noqa: E402
+import gpu_kernels  # noqa: E402
 
 from remote_drafter.models import exl3_triton, exl3_triton_experts  # noqa: E402
 
@@ -22,7 +22,8 @@ for block, warps in ((32, 8), (32, 4), (64, 8), (64, 16), (128, 16), (128, 32), 
     cells = []
     for shared in (True, False):
         for experts in (256, 512):
-            line = hopper_kernels.usage(exl3_triton_experts._plan_kernel, {**INTS, **POINTERS},
-                                        {"SHARED": shared, "E": experts, "B": block, "ITEM": exl3_triton.ITEM_ROWS}, warps)
+            line = gpu_kernels.usage(gpu_kernels.compiled(
+                exl3_triton_experts._plan_kernel, {**INTS, **POINTERS},
+                {"SHARED": shared, "E": experts, "B": block, "ITEM": exl3_triton.ITEM_ROWS}, warps))
             cells.append(" ".join(line.split()[:2]))
     print(block, warps, "|", " | ".join(cells), flush=True)

@@ -41,7 +41,7 @@ _HAD = tl.constexpr(HAD)  # a kernel reads a global only as a constexpr
 SLOT_BLOCK = 16  # slots a program of the rotations takes (the tensor cores' M: 16 or more)
 PLAN_BLOCK = 32  # slots (and work items) the plan's kernel takes at a time
 # warps of the plan's kernel and of the activation's: with 4 the activation's two rotations
-# spill registers on sm_90 (tests/test_kernels_compile_for_hopper.py)
+# spill registers on sm_90 (tests/test_kernels_compile_for_the_gpus.py)
 PLAN_WARPS = ACTIVATION_WARPS = 8
 
 

@@ -1,11 +1,14 @@
-"""The round's Triton kernels compiled for a Hopper GPU (sm_90) on any CPU, in a process of
-its own (tests/test_kernels_compile_for_hopper.py runs it): Triton decides between its CPU
-interpreter and its compiler when a kernel is defined, and the CPU tests define them
-interpreted. Prints {kernel variant: cuobjdump's resource usage line, or the error}.
+"""The round's Triton kernels compiled for the drafter's GPUs on any CPU, in a process of its
+own (tests/test_kernels_compile_for_the_gpus.py runs it): Hopper (sm_90, the H100 and H200 of
+the GPU tier) and Ampere (sm_86, the RTX 3090 the deployment drafts on). Triton decides
+between its CPU interpreter and its compiler when a kernel is defined, and the CPU tests define
+them interpreted. Prints {kernel variant: {"usage": cuobjdump's resource usage line, or the
+error; "shared": the shared memory a program takes, bytes}}.
 
-    TRITON_CACHE_DIR=<a folder> python packages/remote-drafter/tests/hopper_kernels.py
+    TRITON_CACHE_DIR=<a folder> python packages/remote-drafter/tests/gpu_kernels.py --arch 86
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,29 +23,32 @@ from triton.compiler import ASTSource
 from remote_drafter.models import exl3_triton, exl3_triton_experts
 from remote_drafter.models.dsv41 import kernels
 
-HOPPER = GPUTarget("cuda", 90, 32)
+ARCHS = {90: "Hopper (H100, H200)", 86: "Ampere (RTX 3090)"}
 EXPERTS, TOP_K, VOCAB = 192, 8, 129280  # the Flash drafter's routed experts, choices, vocabulary
 CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
 
 
-def cubin_dump(fn, signature: dict, constexprs: dict, num_warps: int = 4, what: str = "--dump-resource-usage") -> str:
-    """fn compiled for sm_90 (its parameters' types in `signature`, constexprs by value), its
-    cubin as cuobjdump prints it (`what`: its resource usage, or -sass for the instructions)."""
+def compiled(fn, signature: dict, constexprs: dict, num_warps: int = 4, arch: int = 90):
+    """fn compiled for sm_`arch`, its parameters' types in `signature`, constexprs by value."""
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     if set(sig) != set(fn.arg_names):
         raise ValueError(f"name every parameter of {fn.__name__}")
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=HOPPER,
-                            options={"num_warps": num_warps})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def cubin_dump(kernel, what: str = "--dump-resource-usage") -> str:
+    """A compiled kernel's cubin as cuobjdump prints it (`what`: its resource usage, or -sass
+    for the instructions)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         return subprocess.run([CUOBJDUMP, what, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def usage(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> str:
+def usage(kernel) -> str:
     """cubin_dump's resource usage line."""
-    out = cubin_dump(fn, signature, constexprs, num_warps)
-    return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
+    return " ".join(line.strip() for line in cubin_dump(kernel).splitlines() if "REG:" in line)
 
 
 def variants():
@@ -113,14 +119,20 @@ def variants():
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, choices=sorted(ARCHS), default=90,
+                        help="the GPU's compute capability, major and minor: " +
+                        ", ".join(f"{a} {name}" for a, name in ARCHS.items()))
+    arch = parser.parse_args().arch
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the kernels")
     out = {}
     for name, fn, sig, constexprs, warps in variants():
         try:
-            out[name] = usage(fn, sig, constexprs, warps)
+            kernel = compiled(fn, sig, constexprs, warps, arch)
+            out[name] = {"usage": usage(kernel), "shared": kernel.metadata.shared}
         except Exception as exc:  # noqa: BLE001 - reported per kernel, the test names it
-            out[name] = f"error: {type(exc).__name__}: {exc}"
+            out[name] = {"usage": f"error: {type(exc).__name__}: {exc}", "shared": None}
     print(json.dumps(out))
     return 0
 
