@@ -2,6 +2,8 @@
 on machines without a GPU (CI), compiled on a GPU. CUDA-graph capture and replay need a GPU:
 benchmarks/kernels.sh covers them (the latency phase replays captured rounds)."""
 
+import functools
+
 import pytest
 import torch
 from native_kernel_support import DEVICE, tiny_model
@@ -16,20 +18,22 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("tiles", [K.ROOMY, K.COMPACT], ids=["roomy", "compact"])
 @pytest.mark.parametrize("m,k,n", [(5, 40, 24), (33, 96, 70), (130, 64, 16)])
-def test_linear_with_each_fusion(m, k, n):
+def test_linear_with_each_fusion(m, k, n, tiles):
     g = torch.Generator().manual_seed(m)
     x, w, w2 = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n, k)))
     norm, resid = torch.rand(k, generator=g) + 0.5, torch.randn(m, n, generator=g)
     y = torch.full((m, n), float("nan"))
     dev = lambda t: t.to(DEVICE)  # noqa: E731
+    linear = functools.partial(K.linear, tiles=tiles)
     xd = x.double()
     normed = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * norm.double()
-    assert rel(K.linear(dev(x), dev(w), dev(y)).cpu(), xd @ w.double().T) < 1e-6
-    assert rel(K.linear(dev(x), dev(w), dev(y), resid=dev(resid)).cpu(), xd @ w.double().T + resid.double()) < 1e-6
-    assert rel(K.linear(dev(x), dev(w), dev(y), norm=dev(norm), eps=1e-5).cpu(), normed @ w.double().T) < 1e-6
+    assert rel(linear(dev(x), dev(w), dev(y)).cpu(), xd @ w.double().T) < 1e-6
+    assert rel(linear(dev(x), dev(w), dev(y), resid=dev(resid)).cpu(), xd @ w.double().T + resid.double()) < 1e-6
+    assert rel(linear(dev(x), dev(w), dev(y), norm=dev(norm), eps=1e-5).cpu(), normed @ w.double().T) < 1e-6
     a, b = normed @ w.double().T, normed @ w2.double().T
-    got = K.linear(dev(x), dev(w), dev(y), norm=dev(norm), eps=1e-5, w2=dev(w2)).cpu()
+    got = linear(dev(x), dev(w), dev(y), norm=dev(norm), eps=1e-5, w2=dev(w2)).cpu()
     assert rel(got, torch.nn.functional.silu(a) * b) < 1e-6
 
 
@@ -42,6 +46,19 @@ def test_every_stage_of_the_round_within_tolerance(batch, width):
     names = {c.name.split("/", 1)[1] for c in report.checks}
     assert names == set(stage_names(model.config.num_layers))
     assert max(c.error for c in report.checks) < 1e-5  # float32 arithmetic: far under the tolerances
+
+
+def test_the_compact_tiles_pass_the_gate_as_the_roomy_ones_do():
+    """A card with less shared memory a program (an RTX 3090) takes COMPACT's tiles: the same
+    round within the same tolerances and the same drafts, over a window of several key steps
+    (80 keys: two steps of ROOMY's, three of COMPACT's) and several row blocks (240 rows)."""
+    model = tiny_model(seed=5, window=80).to(DEVICE)
+    case = Case("tiles", model, random_inputs(model.config, 3, torch.Generator().manual_seed(2)))
+    for tiles in (K.ROOMY, K.COMPACT):
+        report = run_case(case, DEVICE, native_cls=functools.partial(NativeRound, tiles=tiles))
+        assert report.passed, (tiles, [c for c in report.checks if not c.passed])
+        assert max(c.error for c in report.checks) < 1e-5
+    assert NativeRound(model).tiles == K.tiles_for(DEVICE)
 
 
 def test_token_only_context_too():

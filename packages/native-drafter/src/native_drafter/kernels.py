@@ -14,6 +14,9 @@ CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +24,35 @@ import triton.language as tl
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tile sizes that decide how much shared memory one program takes."""
+    rows: int  # a projection's rows a program (SwiGLU's: at most 64)
+    keys: int  # the attention's context keys a step
+
+
+# An H100 or H200 gives a program 227 KiB of shared memory, an A100 163; an RTX 3090 99, where
+# ROOMY's normed projection and attention do not launch (tests/native_gpu_compile.py measures
+# both sets on both cards). COMPACT's projections sum in the same order (bit-identical rows);
+# its attention's online softmax steps over fewer keys at a time.
+ROOMY, COMPACT = Tiles(rows=128, keys=64), Tiles(rows=64, keys=32)
+ROOMY_SHARED = 160 << 10  # the shared memory a program of ROOMY's tiles may take, bytes
+
+
+@functools.cache
+def _tiles_on(index: int) -> Tiles:
+    shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return ROOMY if shared >= ROOMY_SHARED else COMPACT
+
+
+def tiles_for(device: torch.device | str) -> Tiles:
+    """The tiles a card's shared memory fits (ROOMY off a GPU: Triton's CPU interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ROOMY
+    return _tiles_on(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @triton.jit
@@ -70,20 +102,24 @@ def _linear_kernel(x_ptr, w_ptr, w2_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, PREC
 LINEAR_PRECISION = "tf32x3"
 
 
+def linear_launch(m: int, k: int, swiglu: bool, tiles: Tiles) -> dict:
+    """The projection kernel's tiles and launch options for an [m, k] operand."""
+    bm = min(64 if swiglu else tiles.rows, tiles.rows, _pow2(m))
+    return {"BM": bm, "BN": 64, "BK": min(64, _pow2(k)), "num_warps": 8 if bm >= 64 else 4, "num_stages": 2}
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, norm: torch.Tensor | None = None,
-           eps: float = 0.0, resid: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+           eps: float = 0.0, resid: torch.Tensor | None = None, w2: torch.Tensor | None = None,
+           tiles: Tiles | None = None) -> torch.Tensor:
     """y = [RMSNorm_norm](x) @ w^T [+ resid]; with w2: silu(. @ w^T) * (. @ w2^T). x, y, resid
-    contiguous float32 [M, *]; w, w2 [N, K] float32."""
+    contiguous float32 [M, *]; w, w2 [N, K] float32; `tiles`: the card's (tiles_for)."""
     m, k = x.shape
     n = w.shape[0]
-    bm = min(64 if w2 is not None else 128, _pow2(m))
-    bn, bk = 64, min(64, _pow2(k))
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    launch = linear_launch(m, k, w2 is not None, tiles or tiles_for(x.device))
+    grid = (triton.cdiv(m, launch["BM"]), triton.cdiv(n, launch["BN"]))
     _linear_kernel[grid](x, w, w2 if w2 is not None else w, norm if norm is not None else w,
                          resid if resid is not None else y, y, m, n, k, eps, LINEAR_PRECISION,
-                         NORM=norm is not None, RESID=resid is not None, SWIGLU=w2 is not None,
-                         BM=bm, BN=bn, BK=bk,
-                         num_warps=8 if bm >= 64 else 4, num_stages=2)
+                         NORM=norm is not None, RESID=resid is not None, SWIGLU=w2 is not None, **launch)
     return y
 
 
@@ -181,16 +217,21 @@ def _attention_kernel(qkv_ptr, kv_ptr, cos_c_ptr, sin_c_ptr, cos_b_ptr, sin_b_pt
                  mask=wm[:, None] & km[None, :])
 
 
+def attention_launch(block: int, window: int, tiles: Tiles) -> dict:
+    """The attention kernel's tiles and launch options for `block` queries over `window` keys."""
+    return {"WP": _pow2(block), "BC": min(tiles.keys, _pow2(window)), "num_warps": 4}
+
+
 def attention(qkv, kv, cos_c, sin_c, cos_b, sin_b, valid, out, probs, *, batch: int, heads: int,
-              kv_heads: int, head_dim: int, block: int, window: int) -> torch.Tensor:
+              kv_heads: int, head_dim: int, block: int, window: int, tiles: Tiles | None = None) -> torch.Tensor:
     """qkv [B*W, (H+2KVH)*D] (block q|k|v), kv [B*C, 2*KVH*D] (context k|v), cos/sin [B*C or
-    B*W, D/2], valid [B, C] bool -> out [B*W, H*D]; probs [B, H, W, C+W] or None."""
-    wp = _pow2(block)
-    bc = min(64, _pow2(window))
+    B*W, D/2], valid [B, C] bool -> out [B*W, H*D]; probs [B, H, W, C+W] or None; `tiles`:
+    the card's (tiles_for)."""
     _attention_kernel[(batch, heads)](qkv, kv, cos_c, sin_c, cos_b, sin_b, valid.view(torch.uint8),
                                       out, probs if probs is not None else out, window, block,
-                                      head_dim ** -0.5, H=heads, KVH=kv_heads, D=head_dim, WP=wp,
-                                      BC=bc, PROBS=probs is not None, num_warps=4)
+                                      head_dim ** -0.5, H=heads, KVH=kv_heads, D=head_dim,
+                                      PROBS=probs is not None,
+                                      **attention_launch(block, window, tiles or tiles_for(qkv.device)))
     return out
 
 

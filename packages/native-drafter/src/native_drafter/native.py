@@ -61,13 +61,15 @@ class Workspace:
 class NativeRound:
     """DSparkModel's round (block_logits, then the greedy Markov chain) on the kernels."""
 
-    def __init__(self, model: DSparkModel):
+    def __init__(self, model: DSparkModel, tiles: K.Tiles | None = None):
+        """`tiles`: those the card's shared memory fits unless given (kernels.tiles_for)."""
         dtypes = {p.dtype for p in model.parameters()} | {model.embed.dtype, model.head.dtype}
         if dtypes != {torch.float32}:
             raise ValueError(f"the native kernels compute float32 drafters (the worker's default "
                              f"--dtype); this one holds {sorted(map(str, dtypes))}")
         c = self.config = model.config
         self.device = model.embed.device
+        self.tiles = tiles or K.tiles_for(self.device)
         self.eps, self.theta = c.rms_norm_eps, c.rope_theta
         self.heads, self.kv_heads = c.num_heads, c.num_kv_heads
         self.head_dim = c.hidden_size // c.num_heads
@@ -127,7 +129,8 @@ class NativeRound:
         c, b, wd = self.config, ws.batch, ws.width
         n = c.window
         ctx_in = ws.in_ctx if c.feature else self.embed[ws.in_ctx]
-        K.linear(ctx_in.reshape(b * n, -1), self.wc, ws.ctx)
+        t = self.tiles
+        K.linear(ctx_in.reshape(b * n, -1), self.wc, ws.ctx, tiles=t)
         block_pos = ws.in_anchor_pos[:, None] + torch.arange(wd, device=self.device)
         for pos, cos, sin in ((ws.in_ctx_pos, ws.cos_c, ws.sin_c), (block_pos, ws.cos_b, ws.sin_b)):
             table = rotate(self.unit.expand(pos.shape[0], 1, pos.shape[1], self.head_dim), pos, self.theta)
@@ -139,18 +142,18 @@ class NativeRound:
         x = ws.x0
         for i, L in enumerate(self.layers):
             kv, qkv, attn = ws.bufs[f"L{i}.ctx_kv"], ws.bufs[f"L{i}.qkv"], ws.bufs[f"L{i}.attn"]
-            K.linear(ws.ctx, L["wkv"], kv, norm=self.ctx_norm, eps=self.eps)
-            K.linear(x, L["wqkv"], qkv, norm=L["in_norm"], eps=self.eps)
+            K.linear(ws.ctx, L["wkv"], kv, norm=self.ctx_norm, eps=self.eps, tiles=t)
+            K.linear(x, L["wqkv"], qkv, norm=L["in_norm"], eps=self.eps, tiles=t)
             K.attention(qkv, kv, ws.cos_c, ws.sin_c, ws.cos_b, ws.sin_b, ws.in_ctx_valid, attn,
                         ws.bufs.get(f"L{i}.attn_probs"), batch=b, heads=self.heads,
-                        kv_heads=self.kv_heads, head_dim=self.head_dim, block=wd, window=n)
+                        kv_heads=self.kv_heads, head_dim=self.head_dim, block=wd, window=n, tiles=t)
             resid = ws.bufs[f"L{i}.attn_resid"]
-            K.linear(attn, L["wo"], resid, resid=x)
+            K.linear(attn, L["wo"], resid, resid=x, tiles=t)
             act = ws.bufs[f"L{i}.mlp_act"]
-            K.linear(resid, L["wg"], act, norm=L["post_norm"], eps=self.eps, w2=L["wu"])
+            K.linear(resid, L["wg"], act, norm=L["post_norm"], eps=self.eps, w2=L["wu"], tiles=t)
             x = ws.bufs[f"L{i}.out"]
-            K.linear(act, L["wd"], x, resid=resid)
-        return K.linear(x, self.head, ws.z, norm=self.norm, eps=self.eps)
+            K.linear(act, L["wd"], x, resid=resid, tiles=t)
+        return K.linear(x, self.head, ws.z, norm=self.norm, eps=self.eps, tiles=t)
 
     def correct(self, ws: Workspace, i: int, previous: torch.Tensor, tokens: torch.Tensor | None = None):
         """Position i's corrected logits [B, V] (z_i + W2 W1[previous]); with `tokens` [B]

@@ -1,0 +1,34 @@
+"""The kernels compile for the GPU tier's H200 (sm_90) and the deployment's RTX 3090 (sm_86) on
+a machine without either (see native_gpu_compile), each with the tiles its shared memory takes,
+and a program's shared memory fits what the card gives one."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="needs Triton (native-drafter[test])")
+from native_drafter import kernels as K  # noqa: E402
+
+# the most shared memory one program may take, bytes: ROOMY's tiles on an H100 or H200 (which
+# give 227 KiB: ROOMY_SHARED is what tiles_for asks of a card before it takes them), COMPACT's
+# on an RTX 3090 (99 KiB)
+LIMIT = {90: K.ROOMY_SHARED, 86: 99 << 10}
+
+
+@pytest.mark.parametrize("arch", LIMIT)
+def test_every_kernel_variant_compiles_and_fits_the_card(tmp_path, arch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton >= 3.9 warns when unset; 3.6 fuses by default
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # CI caches nothing outside the repo
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("native_gpu_compile.py")), "--arch", str(arch)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = json.loads(proc.stdout.splitlines()[-1])
+    assert len(variants) == 10
+    for name, v in variants.items():
+        assert v["usage"].startswith("REG:"), (name, v)
+        assert v["shared"] <= LIMIT[arch], (name, v)
