@@ -11,6 +11,8 @@ import sys
 import numpy as np
 from native_kernel_support import DEVICE, tiny_checkpoint
 
+from native_drafter import kernels
+from native_drafter.backend import NativeDSparkDrafter
 from native_drafter.cli import main as native_drafter
 from native_drafter.worker_check import compare_workers
 from remote_drafter.engine.history import History
@@ -60,3 +62,10 @@ def test_after_the_gate_the_native_worker_drafts_what_the_torch_worker_drafts(tm
     result = compare_workers(ckpt, target, requests, DEVICE, 5, env=worker_env(state))
     assert result["entries"] == 6 and result["drafted"] == 6
     assert result["identical"] == 6, result["drafts"]
+
+
+def test_the_status_says_which_tiles_the_card_takes(tmp_path):
+    ckpt, target = tiny_checkpoint(tmp_path)
+    described = NativeDSparkDrafter(DSparkDrafter.load(ckpt, target, device=DEVICE)).describe()
+    assert described["kernels"] == "native"
+    assert described["kernel_tiles"] == kernels.tiles_for(DEVICE).name in ("roomy", "compact")

@@ -30,7 +30,7 @@ class NativeDSparkDrafter(DSparkDrafter):
         self._spaces: OrderedDict[int, object] = OrderedDict()
 
     def describe(self) -> dict:
-        return {**super().describe(), "kernels": "native"}
+        return {**super().describe(), "kernels": "native", "kernel_tiles": self.round.tiles.name}
 
     def _workspace(self, batch: int):
         ws = self._spaces.pop(batch, None) or self.round.workspace(batch)

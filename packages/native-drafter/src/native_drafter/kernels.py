@@ -29,6 +29,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 @dataclass(frozen=True)
 class Tiles:
     """The tile sizes that decide how much shared memory one program takes."""
+    name: str  # what the worker's status says
     rows: int  # a projection's rows a program (SwiGLU's: at most 64)
     keys: int  # the attention's context keys a step
 
@@ -37,7 +38,7 @@ class Tiles:
 # ROOMY's normed projection and attention do not launch (tests/native_gpu_compile.py measures
 # both sets on both cards). COMPACT's projections sum in the same order (bit-identical rows);
 # its attention's online softmax steps over fewer keys at a time.
-ROOMY, COMPACT = Tiles(rows=128, keys=64), Tiles(rows=64, keys=32)
+ROOMY, COMPACT = Tiles("roomy", rows=128, keys=64), Tiles("compact", rows=64, keys=32)
 ROOMY_SHARED = 160 << 10  # the shared memory a program of ROOMY's tiles may take, bytes
 
 
