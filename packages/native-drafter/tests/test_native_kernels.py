@@ -61,6 +61,17 @@ def test_the_compact_tiles_pass_the_gate_as_the_roomy_ones_do():
     assert NativeRound(model).tiles == K.tiles_for(DEVICE)
 
 
+def test_a_card_with_less_shared_memory_a_program_takes_the_compact_tiles(monkeypatch):
+    """An H200 gives a program 227 KiB, an RTX 3090 99 (what Triton's driver reports)."""
+    monkeypatch.setattr(K, "_max_shared", {0: 232448, 1: 101376}.__getitem__)
+    K._tiles_on.cache_clear()
+    try:
+        assert K.tiles_for("cuda:0") is K.ROOMY and K.tiles_for("cuda:1") is K.COMPACT
+        assert K.tiles_for("cpu") is K.ROOMY  # Triton's interpreter: no limit
+    finally:
+        K._tiles_on.cache_clear()
+
+
 def test_token_only_context_too():
     """Token-only drafters (no hidden rows): the context is the committed tokens' embeddings."""
     model = tiny_model(seed=7, target_layers=[], target_hidden_size=0).to(DEVICE)

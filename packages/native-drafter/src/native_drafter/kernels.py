@@ -42,10 +42,15 @@ ROOMY, COMPACT = Tiles("roomy", rows=128, keys=64), Tiles("compact", rows=64, ke
 ROOMY_SHARED = 160 << 10  # the shared memory a program of ROOMY's tiles may take, bytes
 
 
+def _max_shared(index: int) -> int:
+    """The shared memory CUDA device `index` gives one program (opted in), bytes: the limit
+    Triton's launcher holds a kernel to."""
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 @functools.cache
 def _tiles_on(index: int) -> Tiles:
-    shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return ROOMY if shared >= ROOMY_SHARED else COMPACT
+    return ROOMY if _max_shared(index) >= ROOMY_SHARED else COMPACT
 
 
 def tiles_for(device: torch.device | str) -> Tiles:
