@@ -1,6 +1,7 @@
 """The kernels compile for the GPU tier's H200 (sm_90) and the deployment's RTX 3090 (sm_86) on
 a machine without either (see native_gpu_compile), each with the tiles its shared memory takes,
-and a program's shared memory fits what the card gives one."""
+and a program's shared memory fits what the card gives one. On the 3090 no variant spills
+registers; on the H200 the projections do (ROOMY is the set its runs were timed with)."""
 
 import json
 import os
@@ -32,3 +33,5 @@ def test_every_kernel_variant_compiles_and_fits_the_card(tmp_path, arch):
     for name, v in variants.items():
         assert v["usage"].startswith("REG:"), (name, v)
         assert v["shared"] <= LIMIT[arch], (name, v)
+        if arch == 86:
+            assert " STACK:0 " in v["usage"] and " LOCAL:0 " in v["usage"], (name, v)
