@@ -27,6 +27,7 @@ from dsv41_stack.cli import main
 from dsv41_stack.config import StackConfig
 from dsv41_stack.deployment import Deployment
 from dsv41_stack.roles import SERVED_NAME
+from ofl.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("LONGCTX_VLLM_PYTHON")
@@ -173,12 +174,16 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
         deployment.up("engine", rank=1)
         deployment.up("engine", rank=0)
         url = deployment.engine_url()
-        steps, rounds = engine_metric(url, STEPS), worker_stats(address)["rounds"]
+        steps0, rounds0 = engine_metric(url, STEPS), worker_stats(address)["rounds"]
         for prompt in ("one two three one two three one two", "def f(x):\n    return x\n"):
             assert_target_only(model, complete(url, prompt, 24))
-        steps, rounds = engine_metric(url, STEPS) - steps, worker_stats(address)["rounds"] - rounds
+        steps = engine_metric(url, STEPS) - steps0
         accepted = engine_metric(url, "vllm:spec_decode_num_accepted_tokens_total")
         rank0, rank1 = proposer_health(listen, 0), proposer_health(listen, 1)
+        # deferred, the last step's round may still be on its way when the completion returns:
+        # the worker's count is read once it has every round rank 0 sent
+        rounds = wait_until(lambda: worker_stats(address)["rounds"] - rounds0,
+                            lambda n: n >= rank0["client"]["rounds"], "the worker serving every round rank 0 sent", 30)
     finally:
         main(["down", *args, "--rank", "0"])
         main(["down", *args, "--rank", "1"])
