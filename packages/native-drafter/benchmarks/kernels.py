@@ -9,8 +9,10 @@
                    states sent to both through the client: drafts compared token for token
   latency  (GPU)   one greedy round at batch 1/4/16 x width 3/5/8 for torch eager, torch
                    eager in a CUDA graph, torch.compile, torch.compile in a CUDA graph,
-                   native and native in a CUDA graph (median of triton's do_bench); the
-                   bandwidth floor from a device-to-device copy measured in the same run
+                   native and native in a CUDA graph with the card's tiles, and where those
+                   are ROOMY the same with COMPACT's (the 3090's, which spill no register)
+                   (median of triton's do_bench); the bandwidth floor from a
+                   device-to-device copy measured in the same run
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def floor_bytes(model, batch: int) -> dict:
 def time_shape(base, batch: int, width: int, bench, bandwidth: float, compile_it: bool, device) -> list[dict]:
     """Every variant at one (batch, width): median ms, distance from the floor, and whether
     its drafts equal torch eager's."""
+    from native_drafter import kernels
     from native_drafter.kernel_gate import random_inputs
     from native_drafter.native import NativeRound, with_width
     model = with_width(base, width)
@@ -161,6 +164,15 @@ def time_shape(base, batch: int, width: int, bench, bandwidth: float, compile_it
     variants = {"torch eager": eager, "torch eager+graph": graphed(eager),
                 "native": run_native, "native+graph": native.capture(ws).replay}
     drafts = {"native": run_native}
+    if native.tiles is kernels.ROOMY:  # the other set too, where the card launches both
+        compact = NativeRound(model, tiles=kernels.COMPACT)
+        ws_compact = compact.workspace(batch, width)
+        ws_compact.load(inputs)
+
+        def run_compact():
+            return compact.run(ws_compact)
+        variants |= {"native compact": run_compact, "native compact+graph": compact.capture(ws_compact).replay}
+        drafts["native compact"] = run_compact
     compile_s = None
     if compile_it:
         t0 = time.time()
