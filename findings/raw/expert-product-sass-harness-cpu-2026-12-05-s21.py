@@ -14,6 +14,8 @@ import sys
 sys.path.insert(0, "packages/remote-drafter/tests")
 import gpu_kernels  # noqa: E402
 
+from remote_drafter.testing import compiled_for, cubin_dump, resource_usage  # noqa: E402
+
 
 def main(nt: int, warps: int, arch: int = 90) -> None:
     """The product's variant as gpu_kernels lists it (the tuning's configurations)."""
@@ -22,9 +24,9 @@ def main(nt: int, warps: int, arch: int = 90) -> None:
     if not found:
         raise SystemExit(f"no variant {name!r}: the start-up tuning does not take it")
     _, kernel, signature, constexprs, warps = found[0]
-    compiled = gpu_kernels.compiled(kernel, signature, constexprs, warps, arch)
-    sass = gpu_kernels.cubin_dump(compiled, "-sass")
-    print(gpu_kernels.usage(compiled))
+    compiled = compiled_for(kernel, signature, constexprs, arch, num_warps=warps)
+    sass = cubin_dump(compiled, "-sass")
+    print(resource_usage(compiled))
     ops, loop = [], None
     for line in sass.splitlines():
         if m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(\s+0x([0-9a-f]+))?", line):

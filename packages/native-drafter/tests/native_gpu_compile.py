@@ -11,31 +11,14 @@ in a process without TRITON_INTERPRET; prints {variant: {"usage": cuobjdump's re
 
 import argparse
 import json
-import os
-import subprocess
-import tempfile
-
-import triton
-import triton.backends.nvidia as nvidia
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from native_drafter import kernels as K
+from remote_drafter.testing import compiled_for, resource_usage
 
 # each card's compute capability and the tiles its shared memory takes
 ARCHS = {90: ("Hopper (H100, H200)", K.ROOMY), 86: ("Ampere (RTX 3090)", K.COMPACT)}
 F = "*fp32"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 576, 9, 3, 64, 16, 128  # the miniature's drafter
-CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-
-
-def resources(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    return " ".join(line.strip() for line in out.splitlines() if "REG:" in line)
 
 
 def variants(tiles: K.Tiles):
@@ -71,9 +54,8 @@ def main():
     out = {}
     for name, fn, signature, constexprs, options in variants(ARCHS[arch][1]):
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                                              constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
-            out[name] = {"usage": resources(kernel), "shared": kernel.metadata.shared}
+            kernel = compiled_for(fn, signature, constexprs, arch, **options)
+            out[name] = {"usage": resource_usage(kernel), "shared": kernel.metadata.shared}
         except Exception as exc:  # noqa: BLE001 - reported per variant, the test names it
             out[name] = {"usage": f"error: {type(exc).__name__}: {exc}", "shared": None}
     print(json.dumps(out))

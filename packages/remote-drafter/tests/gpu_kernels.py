@@ -11,44 +11,16 @@ error; "shared": the shared memory a program takes, bytes}}.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import triton
-import triton.backends.nvidia as nvidia
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from remote_drafter.models import exl3_triton, exl3_triton_experts
 from remote_drafter.models.dsv41 import kernels
+from remote_drafter.testing import compiled_for, resource_usage
 
 ARCHS = {90: "Hopper (H100, H200)", 86: "Ampere (RTX 3090)"}
 EXPERTS, TOP_K, VOCAB = 192, 8, 129280  # the Flash drafter's routed experts, choices, vocabulary
-CUOBJDUMP = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
-
-
-def compiled(fn, signature: dict, constexprs: dict, num_warps: int = 4, arch: int = 90):
-    """fn compiled for sm_`arch`, its parameters' types in `signature`, constexprs by value."""
-    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    if set(sig) != set(fn.arg_names):
-        raise ValueError(f"name every parameter of {fn.__name__}")
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-
-
-def cubin_dump(kernel, what: str = "--dump-resource-usage") -> str:
-    """A compiled kernel's cubin as cuobjdump prints it (`what`: its resource usage, or -sass
-    for the instructions)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([CUOBJDUMP, what, f.name], capture_output=True, text=True, check=True).stdout
-
-
-def usage(kernel) -> str:
-    """cubin_dump's resource usage line."""
-    return " ".join(line.strip() for line in cubin_dump(kernel).splitlines() if "REG:" in line)
 
 
 def variants():
@@ -129,8 +101,8 @@ def main() -> int:
     out = {}
     for name, fn, sig, constexprs, warps in variants():
         try:
-            kernel = compiled(fn, sig, constexprs, warps, arch)
-            out[name] = {"usage": usage(kernel), "shared": kernel.metadata.shared}
+            kernel = compiled_for(fn, sig, constexprs, arch, num_warps=warps)
+            out[name] = {"usage": resource_usage(kernel), "shared": kernel.metadata.shared}
         except Exception as exc:  # noqa: BLE001 - reported per kernel, the test names it
             out[name] = {"usage": f"error: {type(exc).__name__}: {exc}", "shared": None}
     print(json.dumps(out))

@@ -1,7 +1,8 @@
-"""Test helpers the drafter suites share (remote-drafter's, drafter-tp2's, the stack's): tiny
-targets and drafters on disk, a real worker process, a client on another loopback address
-(another host, to the worker), and a drafter that is wrong on purpose. Torch side: it needs
-the [worker] extra, as the drafters it builds do."""
+"""Test helpers the drafter suites share (remote-drafter's, drafter-tp2's, native-drafter's, the
+stack's): tiny targets and drafters on disk, a real worker process, a client on another
+loopback address (another host, to the worker), a drafter that is wrong on purpose, and Triton
+kernels compiled for a GPU on a machine without one. Torch side: it needs the [worker] extra,
+as the drafters it builds do (and Triton for the compiling)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,36 @@ def draft_agreement(a: list, b: list) -> dict:
             i = min(differ[0], len(x.tokens) - 1)
             gaps.append(round(float(x.own_probs[i] - x.alt_probs[i]), 6))
     return {"same_greedy_drafts": len(a) - len(gaps), "requests": len(a), "top_two_gaps_where_they_part": gaps}
+
+
+def compiled_for(fn, signature: dict, constexprs: dict, arch: int, **options):
+    """Triton kernel `fn` compiled for CUDA sm_`arch` by Triton's own compiler and ptxas, no
+    GPU needed: its parameters' types in `signature`, its constexprs by value; `options`: the
+    launch's (num_warps, num_stages). Run it where TRITON_INTERPRET is unset: Triton decides
+    between its interpreter and its compiler when a kernel is defined."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    if set(sig) != set(fn.arg_names):
+        raise ValueError(f"name every parameter of {fn.__name__}")
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def cubin_dump(kernel, what: str = "--dump-resource-usage") -> str:
+    """A compiled kernel's cubin as the cuobjdump Triton ships prints it (`what`: its resource
+    usage, or -sass for the instructions)."""
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+    cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, what, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(kernel) -> str:
+    """A compiled kernel's resource line: registers, spilled bytes (STACK), local memory..."""
+    return " ".join(line.strip() for line in cubin_dump(kernel).splitlines() if "REG:" in line)
