@@ -3,16 +3,13 @@ a machine without either (see native_gpu_compile), each with the tiles its share
 and a program's shared memory fits what the card gives one. On the 3090 no variant spills
 registers; on the H200 the projections do (ROOMY is the set its runs were timed with)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton", reason="needs Triton (native-drafter[test])")
 from native_drafter import kernels as K  # noqa: E402
+from remote_drafter.testing import compile_report, spill_free  # noqa: E402
 
 # the most shared memory one program may take, bytes: ROOMY's tiles on an H100 or H200 (which
 # give 227 KiB: ROOMY_SHARED is what tiles_for asks of a card before it takes them), COMPACT's
@@ -22,16 +19,10 @@ LIMIT = {90: K.ROOMY_SHARED, 86: 99 << 10}
 
 @pytest.mark.parametrize("arch", LIMIT)
 def test_every_kernel_variant_compiles_and_fits_the_card(tmp_path, arch):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton >= 3.9 warns when unset; 3.6 fuses by default
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # CI caches nothing outside the repo
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("native_gpu_compile.py")), "--arch", str(arch)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    variants = json.loads(proc.stdout.splitlines()[-1])
+    variants = compile_report(Path(__file__).with_name("native_gpu_compile.py"), arch, tmp_path / "triton-cache")
     assert len(variants) == 10
     for name, v in variants.items():
         assert v["usage"].startswith("REG:"), (name, v)
         assert v["shared"] <= LIMIT[arch], (name, v)
         if arch == 86:
-            assert " STACK:0 " in v["usage"] and " LOCAL:0 " in v["usage"], (name, v)
+            assert spill_free(v["usage"]), (name, v)

@@ -9,10 +9,6 @@ that takes more shared memory than the card gives a program. This is the CI's Tr
 machine's (benchmarks/gpu.sh) compiles them again when its tests run them."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,19 +34,13 @@ KNOWN_SPILLS = {(86, "plan shared=False experts=192"):
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """compiled(arch) -> {kernel variant: {"usage": its resource usage or the error, "shared":
-    bytes}}, once per arch; Triton's cache under the test's folder (CI caches nothing outside
-    the repo)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton >= 3.9 warns when unset; 3.6 fuses by default
-    done = {}
+    bytes}}, once per arch."""
+    from remote_drafter.testing import compile_report
+    cache, done = tmp_path_factory.mktemp("triton-cache"), {}
 
     def run(arch: int) -> dict:
         if arch not in done:
-            out = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_kernels.py")), "--arch",
-                                  str(arch)], env=env, capture_output=True, text=True, timeout=600)
-            assert out.returncode == 0, out.stderr[-2000:]
-            done[arch] = json.loads(out.stdout.splitlines()[-1])
+            done[arch] = compile_report(Path(__file__).with_name("gpu_kernels.py"), arch, cache)
         return done[arch]
     return run
 
@@ -60,11 +50,12 @@ def compiled(tmp_path_factory):
                  if (arch, kernel) in KNOWN_SPILLS else [])
     for arch in SHARED_LIMIT for kernel in KERNELS])
 def test_the_kernel_compiles_without_spilling(compiled, arch, kernel):
+    from remote_drafter.testing import spill_free
     result = compiled(arch)[kernel]
     line = result["usage"]
     assert line.startswith("REG:"), line
     assert result["shared"] <= SHARED_LIMIT[arch], result
-    assert " STACK:0 " in line and " LOCAL:0 " in line, line
+    assert spill_free(line), line
 
 
 @pytest.mark.parametrize("arch", SHARED_LIMIT)

@@ -152,3 +152,24 @@ def cubin_dump(kernel, what: str = "--dump-resource-usage") -> str:
 def resource_usage(kernel) -> str:
     """A compiled kernel's resource line: registers, spilled bytes (STACK), local memory..."""
     return " ".join(line.strip() for line in cubin_dump(kernel).splitlines() if "REG:" in line)
+
+
+def compile_report(script: str, arch: int, cache_dir: str) -> dict:
+    """What `script --arch ARCH` prints last, as JSON: a compile script (tests' gpu_kernels.py,
+    native_gpu_compile.py) run in a process of its own, TRITON_INTERPRET unset there so its
+    kernels are compiled, Triton's cache in `cache_dir` (CI caches nothing outside the repo)."""
+    import json
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # triton >= 3.9 warns when unset; 3.6 fuses by default
+    run = subprocess.run([sys.executable, str(script), "--arch", str(arch)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode:
+        raise AssertionError(f"{script} --arch {arch} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def spill_free(usage: str) -> bool:
+    """A resource_usage line with nothing in local memory: no register spilled."""
+    return " STACK:0 " in usage and " LOCAL:0 " in usage
