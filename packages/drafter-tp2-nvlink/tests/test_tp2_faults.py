@@ -71,12 +71,14 @@ def test_rank_1_killed_or_hung_mid_serve_stops_rank_0(models, target, lock_dir, 
     assert "drafter-tp2 rank 0: stopped serving:" in err0 and "failed" in err0, err0
     assert "clients get no drafts" in err0
     why = err0.split("stopped serving:", 1)[1].splitlines()[0]
-    # What stopped it says how it was found, not the clock: a death at once, by the closed
-    # link; a hang by the pair's 3 s deadline (tp2_env's DRAFTER_TP2_TIMEOUT_S)
-    if fault == "kill":
-        assert "Timed out" not in why, why
-    else:
+    # What stopped it says how it was found: a hang by the pair's 3 s deadline (tp2_env's
+    # DRAFTER_TP2_TIMEOUT_S); a death by the closed link, or, where gloo had a send pending to
+    # the dead rank, by that same deadline (gloo does not always fail a pending send when the
+    # link closes)
+    if fault == "hang":
         assert "Timed out waiting 3000ms" in why, why
+    else:
+        assert "Timed out waiting 3000ms for send" in why or "Timed out" not in why, why
     assert counters["rounds_failed"] + counters["entries_failed"] > 0, counters
 
 
