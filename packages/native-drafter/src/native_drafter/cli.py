@@ -199,6 +199,7 @@ def cmd_states(args) -> int:
     tokens, offsets, _ = load_tokens(args.tokens, args.split)
     states = make_states(LlamaLM.load(args.target), tokens, offsets, drafter.hidden_layers,
                          drafter.window, args.requests, args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.save(states, args.out)
     print(f"native-drafter states: {args.requests} round starts ({args.split} documents {states['docs']}) "
           f"-> {args.out}")
