@@ -6,7 +6,9 @@
 #
 # The target's embedding (56.6 MB as bf16) and the states do not fit one call beside the
 # committed checkpoint, so they travel in two calls made right after each other (the
-# machine stays warm ~30 s; $HOME keeps what came). Here, once:
+# machine stays warm ~30 s; $HOME keeps what came). Here, once (the corpus and its token ids
+# first, if .artifacts/corpus/tokens is missing: `native-drafter corpus`, then `native-drafter
+# tokens --target .artifacts/smollm2-135m`, about a minute):
 #   .venv/bin/native-drafter states --checkpoint packages/native-drafter/checkpoints/smollm2-135m-dspark \
 #       --target .artifacts/smollm2-135m --out .artifacts/native-drafter/kernels/states.pt
 #   .venv/bin/python packages/native-drafter/benchmarks/kernels.py pack     # -> .artifacts/native-drafter/kx0, kx1
