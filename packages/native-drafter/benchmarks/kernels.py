@@ -33,6 +33,13 @@ KX = ".artifacts/native-drafter"
 
 def cmd_pack(args) -> int:
     from safetensors import safe_open
+    wheels = [w for w in (os.listdir(args.wheels) if os.path.isdir(args.wheels) else [])
+              if w.startswith(("cffi-", "pycparser-")) and w.endswith(".whl")]
+    if len(wheels) < 2:
+        raise SystemExit(f"pack: {args.wheels} lacks the cffi and pycparser wheels the GPU machine "
+                         "installs (it reaches no registry): python3 -m pip download --no-deps "
+                         "--only-binary=:all: --python-version 3.12 --implementation cp --platform "
+                         f"manylinux2014_x86_64 -d {args.wheels} cffi pycparser")
     with safe_open(os.path.join(args.target, "model.safetensors"), framework="pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight")
     raw = embed.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
@@ -46,9 +53,8 @@ def cmd_pack(args) -> int:
     meta = {"shape": list(embed.shape), "sha256": hashlib.sha256(raw).hexdigest()}
     with open(os.path.join(KX, "kx0", "embed.json"), "w") as f:
         json.dump(meta, f)
-    for wheel in os.listdir(os.path.join(KX, "wheels")):
-        if wheel.startswith(("cffi-", "pycparser-")):
-            shutil.copy2(os.path.join(KX, "wheels", wheel), os.path.join(KX, "kx0"))
+    for wheel in wheels:
+        shutil.copy2(os.path.join(args.wheels, wheel), os.path.join(KX, "kx0"))
     shutil.copy2(args.states, os.path.join(KX, "kx1", "states.pt"))
     subprocess.run(["du", "-sh", os.path.join(KX, "kx0"), os.path.join(KX, "kx1")], check=True)
     return 0
@@ -258,6 +264,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("pack")
     s.add_argument("--target", default=".artifacts/smollm2-135m")
     s.add_argument("--states", default=f"{KX}/kernels/states.pt")
+    s.add_argument("--wheels", default=f"{KX}/wheels", help="a folder holding cffi's and pycparser's "
+                   "Python 3.12 manylinux wheels (the GPU machine installs them; e.g. .whl-small)")
     s.set_defaults(fn=cmd_pack)
     s = sub.add_parser("unpack")
     s.add_argument("--keep", required=True)
