@@ -16,6 +16,8 @@ if [[ "$(cat /tmp/site/.wheels-stamp 2>/dev/null)" != "$stamp" ]]; then
     --target /tmp/site "${1:-.whl}"/*.whl && echo "$stamp" > /tmp/site/.wheels-stamp
 fi
 export PYTHONPATH=/tmp/site$(printf ':%s' packages/*/src)
+# exllamav3's CUDA extension built on an earlier machine, where carried and fitting (tools/exl3-ext.sh)
+[[ -d .exl3ext ]] && bash tools/exl3-ext.sh install /tmp/site
 for builder in packages/async-handoff/src/async_handoff/_hostflags_build.py \
                packages/ofl-transport/src/ofl/_gather_build.py; do
   python3 - "$builder" <<'PY'

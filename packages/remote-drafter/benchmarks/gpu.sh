@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU tier of remote-drafter, in one call on an H200 machine (see the README):
-#   device run: bash packages/remote-drafter/benchmarks/gpu.sh   (carry: .whl)
+#   device run: bash packages/remote-drafter/benchmarks/gpu.sh   (carry: .whl, and .exl3ext where
+#   an earlier call packed exllamav3's build: tools/exl3-ext.sh)
 # No registry there: tools/gpu-env.sh installs the carried wheels (.whl/, python 3.12; another
 # folder: GPU_WHEELS=<it>) and builds the C helpers. Writes JSON under $OUT.
 set -euo pipefail
