@@ -37,7 +37,7 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
   # the experts' plan kernel against torch's sort (below),
   # =link-before-after the worker's own cost around the stub drafter before and after (below),
   # =moe-before-after one MoE layer on our expert kernels before and after, =bf16-before-after
-  # the bf16 round before and after (below)
+  # the bf16 round before and after (below), =attention the attention kernel's variants (below)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $ONLY_DRAFTER_ROUND == phases ]]; then  # =phases: the bf16 round's host share, its small
     # arrays in one copy against one each and one blocking each, replays on the caller's stream
@@ -146,6 +146,14 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     done
     python3 packages/remote-drafter/benchmarks/drafter_round.py --compare "$OUT/bf16-before.json" \
       "$OUT/bf16-after.json" --compare-mode bf16 --out "$OUT/bf16-before-after.json" || echo "== no comparison (above)"
+    exit
+  fi
+  if [[ $ONLY_DRAFTER_ROUND == attention ]]; then  # =attention: the window's attention kernel's
+    # GPU tests, then its variants (keys split, the weighted sum on the tensor cores, warps, key
+    # steps) timed in CUDA graphs at the Flash shapes against the served form (no exllamav3 wanted)
+    python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py \
+      2>&1 | tail -3 | tee "$OUT/attention-pytest.txt" || echo "== tests failed (above); the timing goes on"
+    python3 packages/remote-drafter/benchmarks/attention_variants.py --out "$OUT/attention-variants.json"
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == link-before-after ]]; then  # =link-before-after: the worker's own

@@ -69,11 +69,18 @@ def variants():
            {"D": 512, "DIMS": 64, "G": 64, "SIGN": -1, "KEEP": 512}, 4)
     yield ("rms norm", kernels._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
            {"D": 4096, "BLOCK": 4096, "WEIGHT": True}, 4)
-    yield ("attend", kernels._attend_kernel,
-           {"q_ptr": "*bf16", "ctx_ptr": "*bf16", "new_ptr": "*bf16", "unseen_ptr": "*u8", "sink_ptr": "*fp32",
-            "out_ptr": "*bf16", "C": "i32", "W": "i32", "CS_B": "i32", "CS_C": "i32", "scale": "fp32"},
-           {"H": 64, "D": 512, "DP": 512, "BM": kernels.ATTEND_ROWS, "BK": kernels.ATTEND_KEYS, "IEEE": False},
-           kernels.ATTEND_WARPS)
+    attend = {"q_ptr": "*bf16", "ctx_ptr": "*bf16", "new_ptr": "*bf16", "unseen_ptr": "*u8", "sink_ptr": "*fp32",
+              "C": "i32", "W": "i32", "CS_B": "i32", "CS_C": "i32", "scale": "fp32", "SPLIT_KEYS": "i32"}
+    shape = {"H": 64, "D": 512, "DP": 512, "BM": kernels.ATTEND_ROWS}
+    yield ("attend", kernels._attend_kernel, {**attend, "out_ptr": "*bf16", "m_ptr": "*bf16", "l_ptr": "*bf16"},
+           {**shape, "BK": kernels.ATTEND_KEYS, "SPLIT": False, "IEEE": False, "SUM": "ieee"}, kernels.ATTEND_WARPS)
+    # the variants benchmarks/attention_variants.py times: keys split, the weighted sum on the tensor cores
+    yield ("attend split tf32x3", kernels._attend_kernel,
+           {**attend, "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"},
+           {**shape, "BK": kernels.ATTEND_KEYS, "SPLIT": True, "IEEE": False, "SUM": "tf32x3"}, kernels.ATTEND_WARPS)
+    yield ("attend join", kernels._attend_join_kernel,
+           {"part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+            "W": "i32", "SPLITS": "i32"}, shape, kernels.ATTEND_WARPS)
     for nt, warps in sorted({(c["nt"], c["num_warps"]) for c in exl3_triton_experts.TritonExl3Experts.CONFIGS}):
         yield (f"expert products nt={nt} warps={warps}", exl3_triton._expert_tiles_kernel,
                {"x_ptr": "*fp16", "experts_ptr": "*i64", "first_rows_ptr": "*i32", "table_ptr": "*i64",

@@ -137,30 +137,54 @@ def test_rope_and_norm_kernels_are_torchs(loaded, dtype):
         assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item()), method
 
 
+def attention_inputs(m: Dsv41Model, dtype: torch.dtype, ctx_rows: int = 37) -> tuple:
+    """q, two layers' window rows, the new rows, unseen keys and the sinks of three requests:
+    a full context, some padding and none (the block alone)."""
+    c, g = m.config, torch.Generator().manual_seed(3)
+    b, w, heads, d = 3, c.block_size, c.num_attention_heads, c.head_dim
+    q = torch.randn(b, w, heads, d, generator=g).to(DEVICE, dtype)
+    windows = torch.randn(b, ctx_rows, 2, d, generator=g).to(DEVICE, dtype)  # two layers' rows
+    new = torch.randn(b, w, d, generator=g).to(DEVICE, dtype)
+    kept = torch.tensor([ctx_rows, 5, 0], device=DEVICE)
+    unseen = unseen_keys(torch.arange(ctx_rows, device=DEVICE) >= ctx_rows - kept[:, None], w)
+    return q, windows, new, unseen, m.layers[0].attention.sink
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_kernel_is_torchs(loaded, dtype):
     """The window's attention: requests with a full context, some padding and none (the
     block alone), a context spanning several of the kernel's key steps, its rows one layer's
     of the windows (strided), query rows past the kernel's last full block, each head's sink."""
     m, c = model(loaded, dtype), loaded.config
-    g = torch.Generator().manual_seed(3)
-    b, w, heads, d, ctx_rows = 3, c.block_size, c.num_attention_heads, c.head_dim, 37
-    q = torch.randn(b, w, heads, d, generator=g).to(DEVICE, dtype)
-    windows = torch.randn(b, ctx_rows, 2, d, generator=g).to(DEVICE, dtype)  # two layers' rows
-    new = torch.randn(b, w, d, generator=g).to(DEVICE, dtype)
-    kept = torch.tensor([ctx_rows, 5, 0], device=DEVICE)
-    unseen = unseen_keys(torch.arange(ctx_rows, device=DEVICE) >= ctx_rows - kept[:, None], w)
-    sink = m.layers[0].attention.sink
-    assert (w * heads) % kernels.ATTEND_ROWS and ctx_rows + w > 2 * kernels.ATTEND_KEYS
+    q, windows, new, unseen, sink = attention_inputs(m, dtype)
+    w, ctx_rows = c.block_size, windows.shape[1]
+    assert (w * c.num_attention_heads) % kernels.ATTEND_ROWS and ctx_rows + w > 2 * kernels.ATTEND_KEYS
     want, got = both(m, m.numerics.attend, q, windows[:, :, 1], new, unseen, sink)
     assert got.shape == want.shape == q.shape and got.dtype == want.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * want.abs().max().item())
+    # the keys split over 2 and 3 programs a block of rows (the third request's first split
+    # sees no key), joined with the sink by a second launch
+    for splits in (2, 3):
+        split = kernels.attend(q, windows[:, :, 1], new, unseen, sink, splits=splits)
+        assert torch.allclose(want.float(), split.float(), rtol=tol, atol=tol * want.abs().max().item()), splits
     # the padding is left out: changing it changes nothing
     windows[1, :ctx_rows - 5] = 100.0
     m.numerics.kernels = kernels
     assert torch.equal(m.numerics.attend(q, windows[:, :, 1], new, unseen, sink), got)
     m.numerics.kernels = None
+
+
+def test_every_attention_variant_the_benchmark_times_is_torchs(loaded):
+    """benchmarks/attention_variants.py's variants (on the CPU the weighted sum is float32
+    whatever its dot's precision asked for on a GPU): each equals torch's attention."""
+    from benchmark_scripts import load
+    m = model(loaded, torch.bfloat16)
+    q, windows, new, unseen, sink = attention_inputs(m, torch.bfloat16)
+    want = m.numerics.attend(q, windows[:, :, 1], new, unseen, sink)
+    for name, options in load("attention_variants").VARIANTS.items():
+        got = kernels.attend(q, windows[:, :, 1], new, unseen, sink, **options)
+        assert torch.allclose(want.float(), got.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item()), name
 
 
 def test_drafts_with_the_kernels_are_torchs(loaded):

@@ -18,7 +18,10 @@
   reductions (pick.top_two), which leave most of the GPU idle at batch 1.
 * attend: a layer's attention over the window (scores, padding, the heads' sinks, softmax,
   the weighted keys), the softmax carried online over steps of keys, for a dozen launches in
-  torch (casts, two batched products, the mask, the sink's column, the softmax).
+  torch (casts, two batched products, the mask, the sink's column, the softmax). It can also
+  split the keys over several programs a block of query rows, each writing its partial
+  softmax, joined by a second kernel: more programs where a small batch leaves SMs idle
+  (benchmarks/attention_variants.py times it against the served form).
 
 The same arithmetic as the torch code in float32, in another order of summation: equal to
 it within float32 rounding (tests/test_dsv41_kernels.py, under Triton's CPU interpreter in
@@ -375,38 +378,48 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
 
 
 ATTEND_ROWS, ATTEND_KEYS, ATTEND_WARPS = 16, 16, 8  # (position, head) rows and keys a step; warps
+NO_SCORE = tl.constexpr(-1e30)  # a split's running maximum before its first visible key (finite: no inf - inf)
 
 
 @triton.jit
-def _attend_kernel(q_ptr, ctx_ptr, new_ptr, unseen_ptr, sink_ptr, out_ptr, C, W, CS_B, CS_C, scale,
-                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                   IEEE: tl.constexpr):
-    """Program (request b, block of BM of its W·H query rows, (position, head) in q's order):
-    softmax over [the keys' scores ; the head's sink] times the keys (which are the values),
-    the keys its C context rows (row stride CS_C, request stride CS_B) then its W new ones,
-    those `unseen` left out; BK keys a step, the softmax carried online. The scores' products
-    are exact (bf16 values) and summed in float32 on the tensor cores (IEEE: in float32 without
-    them, for a float32 model's rows, where TF32 would round them, and in Triton's CPU
-    interpreter, whose bf16 products are wrong); the weighted sum is float32 throughout."""
-    b, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def _attend_kernel(q_ptr, ctx_ptr, new_ptr, unseen_ptr, sink_ptr, out_ptr, m_ptr, l_ptr, C, W, CS_B, CS_C,
+                   scale, SPLIT_KEYS, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, SUM: tl.constexpr):
+    """Program (request b, block of BM of its W·H query rows, (position, head) in q's order,
+    split s of the keys): softmax over [the keys' scores ; the head's sink] times the keys
+    (which are the values), the keys its C context rows (row stride CS_C, request stride
+    CS_B) then its W new ones, those `unseen` left out; BK keys a step, the softmax carried
+    online. SPLIT: the program takes SPLIT_KEYS of the keys and writes its running maximum,
+    sum and unnormalised weighted keys (m, l, out in float32) for _attend_join_kernel, which
+    adds the sink; else it takes them all. The scores' products are exact (bf16 values) and
+    summed in float32 on the tensor cores (IEEE: in float32 without them, for a float32
+    model's rows, where TF32 would round them, and in Triton's CPU interpreter, whose bf16
+    products are wrong); the weighted sum is float32 (SUM: its dot's input precision)."""
+    b, blk, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     rows = blk * BM + tl.arange(0, BM)
     live = rows < W * H
     d = tl.arange(0, DP)
     dm = d < D
     q = tl.load(q_ptr + (b * W * H + rows[:, None]) * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
-    top = tl.load(sink_ptr + rows % H, mask=live, other=0.0).to(tl.float32)  # a logit with no value
-    total = tl.full([BM], 1.0, tl.float32)  # the sink's exp(sink - top)
-    acc = tl.zeros([BM, DP], tl.float32)
     n = C + W
-    for k0 in range(0, n, BK):
+    if SPLIT:
+        first, last = split * SPLIT_KEYS, tl.minimum(split * SPLIT_KEYS + SPLIT_KEYS, n)
+        top = tl.full([BM], NO_SCORE, tl.float32)
+        total = tl.zeros([BM], tl.float32)
+    else:
+        first, last = 0, n
+        top = tl.load(sink_ptr + rows % H, mask=live, other=0.0).to(tl.float32)  # a logit with no value
+        total = tl.full([BM], 1.0, tl.float32)  # the sink's exp(sink - top)
+    acc = tl.zeros([BM, DP], tl.float32)
+    for k0 in range(first, last, BK):
         k = k0 + tl.arange(0, BK)
-        old, new = k < C, (k >= C) & (k < n)
+        old, new = k < C, (k >= C) & (k < last)
         keys = tl.where(old[:, None],
-                        tl.load(ctx_ptr + b * CS_B + k[:, None] * CS_C + d[None, :], mask=old[:, None] & dm[None, :],
-                                other=0.0),
+                        tl.load(ctx_ptr + b * CS_B + k[:, None] * CS_C + d[None, :],
+                                mask=(old & (k < last))[:, None] & dm[None, :], other=0.0),
                         tl.load(new_ptr + (b * W + k[:, None] - C) * D + d[None, :], mask=new[:, None] & dm[None, :],
                                 other=0.0))
-        hidden = tl.load(unseen_ptr + b * n + k, mask=k < n, other=1) != 0
+        hidden = tl.load(unseen_ptr + b * n + k, mask=k < last, other=1) != 0
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee") * scale
         else:
@@ -416,7 +429,40 @@ def _attend_kernel(q_ptr, ctx_ptr, new_ptr, unseen_ptr, sink_ptr, out_ptr, C, W,
         kept = tl.exp(top - top_next)
         p = tl.exp(s - top_next[:, None])
         total = total * kept + tl.sum(p, 1)
-        acc = acc * kept[:, None] + tl.dot(p, keys.to(tl.float32), input_precision="ieee")
+        acc = acc * kept[:, None] + tl.dot(p, keys.to(tl.float32), input_precision=SUM)
+        top = top_next
+    if SPLIT:
+        at = (b * tl.num_programs(2) + split) * W * H + rows
+        tl.store(m_ptr + at, top, mask=live)
+        tl.store(l_ptr + at, total, mask=live)
+        tl.store(out_ptr + at[:, None] * D + d[None, :], acc, mask=live[:, None] & dm[None, :])
+    else:
+        o = acc / total[:, None]
+        tl.store(out_ptr + (b * W * H + rows[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attend_join_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, W, SPLITS, H: tl.constexpr, D: tl.constexpr,
+                        DP: tl.constexpr, BM: tl.constexpr):
+    """Program (request b, block of BM query rows): the splits' partial softmaxes joined, in
+    split order, with the head's sink, then normalised."""
+    b, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rows = blk * BM + tl.arange(0, BM)
+    live = rows < W * H
+    d = tl.arange(0, DP)
+    dm = d < D
+    top = tl.load(sink_ptr + rows % H, mask=live, other=0.0).to(tl.float32)
+    total = tl.full([BM], 1.0, tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
+    for split in range(0, SPLITS):
+        at = (b * SPLITS + split) * W * H + rows
+        m = tl.load(m_ptr + at, mask=live, other=NO_SCORE)
+        top_next = tl.maximum(top, m)
+        kept, weight = tl.exp(top - top_next), tl.exp(m - top_next)
+        total = total * kept + tl.load(l_ptr + at, mask=live, other=0.0) * weight
+        part = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+        acc = acc * kept[:, None] + part * weight[:, None]
         top = top_next
     o = acc / total[:, None]
     tl.store(out_ptr + (b * W * H + rows[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -424,17 +470,35 @@ def _attend_kernel(q_ptr, ctx_ptr, new_ptr, unseen_ptr, sink_ptr, out_ptr, C, W,
 
 
 def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.Tensor,
-           sink: torch.Tensor) -> torch.Tensor:
+           sink: torch.Tensor, splits: int = 1, keys: int = ATTEND_KEYS, warps: int = ATTEND_WARPS,
+           weighted_sum: str = "ieee") -> torch.Tensor:
     """As Numerics.attend in float32, in one launch: q [B, W, H, D], keys ctx [B, C, D] (rows
     may be strided: one layer's of the windows) and new [B, W, D], unseen [B, C + W] bool,
-    sink [H] -> [B, W, H, D] in q's dtype."""
+    sink [H] -> [B, W, H, D] in q's dtype. splits > 1: the keys split over that many programs
+    a block of query rows (more programs where the batch is small), joined by a second
+    launch; keys: a step's; warps: a program's; weighted_sum: the input precision of its
+    dot on bf16 rows on a GPU ("ieee", or "tf32x3": on the tensor cores). The defaults are
+    what serves (benchmarks/attention_variants.py times the others)."""
     b, w, h, d = q.shape
     q, new, ctx = q.contiguous(), new.to(q.dtype).contiguous(), ctx.to(q.dtype)  # casts as torch's
     if ctx.stride(-1) != 1:
         ctx = ctx.contiguous()
+    n = ctx.shape[1] + w
+    split_keys = triton.cdiv(triton.cdiv(n, splits), keys) * keys  # whole steps a split
+    splits = triton.cdiv(n, split_keys)
+    blocks = triton.cdiv(w * h, ATTEND_ROWS)
+    ieee = q.dtype == torch.float32 or not q.is_cuda
     out = torch.empty_like(q)
-    _attend_kernel[(b, triton.cdiv(w * h, ATTEND_ROWS))](
-        q, ctx, new, unseen.contiguous().view(torch.uint8), sink, out, ctx.shape[1], w, ctx.stride(0), ctx.stride(1),
-        d ** -0.5, H=h, D=d, DP=triton.next_power_of_2(d), BM=ATTEND_ROWS, BK=ATTEND_KEYS,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=ATTEND_WARPS)
+    if splits > 1:
+        part = torch.empty(b, splits, w * h, d, dtype=torch.float32, device=q.device)
+        m, total = (torch.empty(b, splits, w * h, dtype=torch.float32, device=q.device) for _ in range(2))
+    else:
+        part, m, total = out, out, out  # not written
+    _attend_kernel[(b, blocks, splits)](
+        q, ctx, new, unseen.contiguous().view(torch.uint8), sink, part, m, total, ctx.shape[1], w, ctx.stride(0),
+        ctx.stride(1), d ** -0.5, split_keys, H=h, D=d, DP=triton.next_power_of_2(d), BM=ATTEND_ROWS, BK=keys,
+        SPLIT=splits > 1, IEEE=ieee, SUM="ieee" if ieee else weighted_sum, num_warps=warps)
+    if splits > 1:
+        _attend_join_kernel[(b, blocks)](part, m, total, sink, out, w, splits, H=h, D=d, DP=triton.next_power_of_2(d),
+                                         BM=ATTEND_ROWS, num_warps=warps)
     return out
