@@ -13,18 +13,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 EXT=.exl3ext
 
+machine() {  # this machine as a build records it: torch, CUDA, Python, the GPU's architecture
+  python3 -c 'import json, sys, torch
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+                  "arch": "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else None}))'
+}
+
 fits() {  # exit 0 when $EXT's build fits this machine; the reason on stderr when not
-  python3 - "$EXT/exl3ext.json" <<'PY'
+  [[ -f $EXT/exl3ext.json ]] || { echo "exl3-ext: no carried build to use (no $EXT/exl3ext.json)" >&2; return 1; }
+  here=$(machine 2>/dev/null) || { echo "exl3-ext: no carried build to use (no torch here)" >&2; return 1; }
+  python3 - "$EXT/exl3ext.json" "$here" <<'PY'
 import json, sys
-try:
-    with open(sys.argv[1]) as f:
-        built = json.load(f)
-    import torch
-except (ImportError, OSError, ValueError) as e:
-    sys.exit(f"exl3-ext: no carried build to use ({e})")
-here = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-        "arch": "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else None}
-differ = {k: (built.get(k), v) for k, v in here.items() if built.get(k) != v}
+with open(sys.argv[1]) as f:
+    built = json.load(f)
+differ = {k: (built.get(k), v) for k, v in json.loads(sys.argv[2]).items() if built.get(k) != v}
 if differ:
     sys.exit("exl3-ext: the carried build does not fit this machine (built, here): " +
              ", ".join(f"{k} {b} / {h}" for k, (b, h) in differ.items()))
@@ -37,11 +39,7 @@ case ${1:-} in
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
     python3 -c "from remote_drafter.models import exl3; exl3.load_exllamav3(print)" || exit 3
     so=$(python3 -c "from exllamav3.ext import exllamav3_ext as e; print(e.__file__)" | tail -n 1) || exit 3
-    python3 - "$so" > "${OUT:?}/exl3ext.json" <<'PY'
-import json, sys, torch
-print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                  "arch": "%d.%d" % torch.cuda.get_device_capability(), "built_at": sys.argv[1]}))
-PY
+    machine > "${OUT:?}/exl3ext.json" || exit 3
     # parts under the 16 MiB a file that comes back from the device machine
     xz -T8 -6 -c "$so" | split -b 15M - "$OUT/exl3ext.so.xz." || exit 3
     ls -la "$OUT"; cat "$OUT/exl3ext.json" ;;

@@ -2,7 +2,7 @@
 shapes, in its served form and the variants `attend` takes: the keys split over several
 programs a block of query rows (joined by a second launch), the weighted sum's dot on the
 tensor cores (tf32x3), other warps and key steps. Each variant is timed as a round runs it,
-inside a CUDA graph (20 calls a graph, 50 replays), and checked against torch's float32
+inside a CUDA graph (20 calls a graph, the median of 50 replays), and checked against torch's float32
 attention on the same rows (its relative error, and the start-up check's tolerance).
 
     python packages/remote-drafter/benchmarks/attention_variants.py --out attention-variants.json
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,11 @@ from remote_drafter.models.dsv41 import kernels
 from remote_drafter.models.dsv41.modules.attention import unseen_keys
 from remote_drafter.models.dsv41.modules.numerics import attention, relative_error
 
+sys.path.insert(0, str(Path(__file__).parent))
+from round_phases import in_graph  # noqa: E402
+
 HEADS, HEAD_DIM, BLOCK, WINDOW, LAYERS = 64, 512, 5, 128, 3  # the estimated Flash drafter's (dsv41_gpu.FLASH)
+REPLAYS = 50
 TOLERANCE = 2 ** -7  # two bf16 steps: what Dsv41Model's start-up check allows a bf16 model's kernels
 VARIANTS = {"served": {}, "tf32x3": {"weighted_sum": "tf32x3"}, "4 warps": {"warps": 4},
             "32 keys a step": {"keys": 32},
@@ -42,39 +47,18 @@ def rows(batch: int, seed: int) -> tuple:
     return q, windows[:, :, 1], new, unseen, sink
 
 
-def in_graph_us(call, calls: int = 20, replays: int = 50) -> float:
-    """µs a call, `calls` of it captured in one CUDA graph and the graph replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
-
-
 def measure(batches: list[int]) -> dict:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {
         "heads": HEADS, "head_dim": HEAD_DIM, "block": BLOCK, "window": WINDOW}, "tolerance": TOLERANCE, "batches": []}
     for batch in batches:
         args = rows(batch, batch)
         want = attention(*args, torch.float32)
-        entry = {"batch": batch, "torch_us": round(in_graph_us(lambda a=args: attention(*a, torch.float32)), 2),
+        entry = {"batch": batch, "torch_us": in_graph(lambda a=args: attention(*a, torch.float32), REPLAYS),
                  "variants": {}}
         for name, options in VARIANTS.items():
             try:
                 got = kernels.attend(*args, **options)
-                entry["variants"][name] = {"us": round(in_graph_us(lambda a=args, o=options: kernels.attend(*a, **o)), 2),
+                entry["variants"][name] = {"us": in_graph(lambda a=args, o=options: kernels.attend(*a, **o), REPLAYS),
                                            "relative_error": relative_error(want, got)}
             except Exception as exc:  # noqa: BLE001 - a variant that does not build or run is reported, the rest go on
                 entry["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
