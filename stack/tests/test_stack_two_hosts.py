@@ -156,7 +156,7 @@ def test_a_two_rank_engine_drafts_once_per_step(tmp_path, monkeypatch, mode):
     proc, address = spawn_worker(["--drafter", drafter, "--target", str(model), "--listen", "127.0.0.1:0"],
                                  env={**os.environ, "PROBE_LAYERS": "1", "PYTHONPATH": os.pathsep.join(
                                      [probes, os.environ.get("PYTHONPATH", "")])})
-    listen = f"127.0.0.1:{free_port()}"  # the proposers' counters: rank r on its port + r
+    listen = f"127.0.0.1:{free_port(span=2)}"  # the proposers' counters: rank r on its port + r
     drafter = (f"REMOTE_DRAFTER_ADDRESS={address}\nREMOTE_DRAFTER_TARGET={model}\n"
                f"REMOTE_DRAFTER_DEADLINE_MS=2000\nREMOTE_DRAFTER_METRICS_LISTEN={listen}\n")
     if mode == "deferred":

@@ -172,3 +172,12 @@ def test_the_gate_flags_an_unmeasured_cell_only_when_nothing_was_answered():
     assert any("not measured (1 errors)" in p for p in gate(dead, base, 0.05))
     interrupted = {"receipt": receipt, "cells": []}
     assert gate(interrupted, base, 0.05) == ["(64, 1, 'cold'): not measured in this run (interrupted?)"]
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    """Nothing binds a port between free_port and its server's start, so two calls (servers
+    started together) must not share one; span=2 keeps the next port out of later answers."""
+    from longctx_bench.launch import free_port
+    first = free_port(span=2)
+    others = [free_port() for _ in range(300)]
+    assert len(set(others)) == len(others) and not {first, first + 1} & set(others)

@@ -25,22 +25,36 @@ def ephemeral_low(default: int = 32768) -> int:
         return default
 
 
-def free_port() -> int:
-    """A port nothing listens on, for a server started next. Chosen below the ephemeral range
-    (and torch.distributed's 29500s): a port the kernel hands out (bind to 0) can be taken by
-    any outgoing connection between this check and the server's own bind."""
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: none is given twice
+
+
+def free_port(span: int = 1) -> int:
+    """A port nothing listens on (with span > 1: the first of that many in a row), for a
+    server started next; never one this process was given before, since nothing binds a port
+    between this check and its server's start. Chosen below the ephemeral range (and
+    torch.distributed's 29500s): a port the kernel hands out (bind to 0) can be taken by any
+    outgoing connection between this check and the server's own bind."""
     rng, high = random.SystemRandom(), min(ephemeral_low(), 29000)  # 29500+: torch.distributed's
-    for _ in range(200):
-        port = rng.randrange(20000, high) if high > 20100 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
+    for _ in range(200 if high > 20100 + span else 0):
+        port = rng.randrange(20000, high - span)
+        ports = range(port, port + span)
+        if not _HANDED_OUT.intersection(ports) and all(_bindable(p) for p in ports):
+            _HANDED_OUT.update(ports)
+            return port
     with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _HANDED_OUT.update(range(port, port + span))
+    return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # One rank on one host: the model runner inside vLLM's engine-core process (vLLM's own choice
