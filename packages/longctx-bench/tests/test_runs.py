@@ -32,8 +32,10 @@ def test_run_measures_every_cell(fake, tmp_path):
         (64, 1), (64, 2), (128, 1), (128, 2)]
     for c in res["cells"]:
         assert c["ttft_s"]["n"] == 2 * c["concurrency"]
-        assert 0.075 < c["ttft_s"]["mean"] < 0.5
-        assert 0.025 < c["step_p50_s"]["mean"] < 0.2
+        # bounds the server's sleeps guarantee on any machine: no token before its 80 ms,
+        # and a step inside its request (a busy client may read two events as one)
+        assert c["ttft_s"]["mean"] >= 0.08
+        assert 0 <= c["step_p50_s"]["mean"] < c["task_s"]["mean"] - c["ttft_s"]["mean"] + 1e-9
         assert c["tokens_per_event"]["mean"] == pytest.approx(8 / 5)
         assert not c["errors"] and not c["checks"]
         # cold: every request carries a fresh salt, so no cached prefix
