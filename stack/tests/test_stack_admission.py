@@ -6,7 +6,6 @@ the launcher proves the key to a real keyed Engram server for status and preflig
 key is never printed (args, status, preflight) nor written where others can read it
 (systemd units, rollback files)."""
 
-import socket
 import stat
 import urllib.error
 import urllib.request
@@ -18,6 +17,7 @@ from dsv41_stack import preflight
 from dsv41_stack.cli import main, template_path
 from dsv41_stack.config import StackConfig
 from dsv41_stack.roles import drafter_worker, engine, engram_server
+from longctx_bench.launch import free_port
 from ofl.http import MetricsServer
 from ofl.server import parse_address
 from remote_engram.synth import write_shards
@@ -31,11 +31,6 @@ def env_file(tmp_path, name: str, values: dict) -> str:
     path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
     return str(path)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_engine_hosts_become_the_offload_hosts_allow_list():

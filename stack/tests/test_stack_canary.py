@@ -16,6 +16,7 @@ from dsv41_stack.deployment import (
     handoff_degraded,
     handoff_moved,
 )
+from longctx_bench.launch import free_port
 
 LISTEN = "127.0.0.1:9496"
 CLEAN = {"rounds_ok": 10.0, "rounds_failed": 0.0, "rounds_bad": 0.0, "rounds_timed_out": 0.0,
@@ -60,11 +61,6 @@ def test_unserved_or_unreadable_counters_are_degraded():
     assert handoff_degraded(None, CLEAN, LISTEN) == [f"async proxy counters unreadable at {LISTEN}"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def exposition(counters: dict) -> str:
     kinds = {"enabled": "gauge"}
@@ -74,7 +70,7 @@ def exposition(counters: dict) -> str:
 
 def test_each_rank_is_read_where_it_serves():
     """One host: rank 0 at the address; two hosts: rank r at the port + r (its own host)."""
-    port = free_port()
+    port = free_port(span=2)  # rank r's counters at port + r
     servers = [serve(lambda r=r: exposition({**CLEAN, "rounds_ok": 100.0 + r}), f"127.0.0.1:{port + r}")
                for r in (0, 1)]
     base = {"ASYNC_HANDOFF_METRICS_LISTEN": f"127.0.0.1:{port}", "VLLM_DSPARK_REMOTE_ASYNC": "1",
