@@ -18,7 +18,9 @@ experts module the drafter serves) against exllamav3's own BlockSparseMLP on the
 and rows (time eager and agreement; `--moe-layers` alone: also in a CUDA graph, as a round
 serves it); the fused drafter through the real worker over tcp loopback
 (dsv41_gpu.measure: p50 as the engine sees it, the device p50, request bytes); peak memory
-with four sequences' windows; and a 3090 estimate (the floor scaled by bandwidth).
+with four sequences' windows, over the whole EXL3 section and (`served_memory`) of the
+served drafter alone in a process of its own, its CUDA context included; and a 3090
+estimate (the floor scaled by bandwidth).
 
     python packages/remote-drafter/benchmarks/drafter_round.py --out drafter-round.json
 """
@@ -28,7 +30,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -316,6 +320,8 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
     say(f"== read bandwidth {bandwidth / 1e12:.2f} TB/s")
     if "exl3_4" in variants:
         res["exllamav3"] = exl3.load_exllamav3(say).version
+        res["exl3_4_served_memory"] = served_memory_apart()
+        save()
         run_exl3(res, batches, rounds, bandwidth, save)
     if "bf16" in variants:
         say("== bf16, CUDA graphs (the chosen experts in grouped GEMMs)")
@@ -340,6 +346,50 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
             save()
     print_table(res)
     return res
+
+
+def served_memory_apart() -> dict:
+    """served_memory in a child process, this one idle meanwhile: what the card holds for the
+    served drafter alone, apart from this process's own context and cached blocks."""
+    say("== the served EXL3 drafter's memory, alone in a process of its own")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, __file__, "--served-memory", str(total - free), "--out", out.name],
+                       check=True, timeout=900)
+        return json.loads(Path(out.name).read_text())
+
+
+def served_memory(others_bytes: int) -> dict:
+    """The served EXL3 drafter (fused experts, CUDA graphs, dense copies where faster) built
+    in this process and drafting four sequences' windows: torch's allocated and reserved peaks
+    at start-up and serving, and the process's whole footprint (its CUDA context, modules and
+    kernels' workspaces beside what torch reserves) read off the card's free memory, less
+    `others_bytes`, what other processes held when this one started."""
+    torch.zeros(1, device="cuda")  # the context
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - others_bytes
+    exl3.load_exllamav3(say)
+    model, _ = exl3_flash_model()
+    drafter = Dsv41Drafter(model, FLASH_EXL3_MANIFEST, "cuda", cuda_graphs=None)
+    torch.cuda.synchronize()
+    started = {"allocated": torch.cuda.memory_allocated(), "peak_allocated": torch.cuda.max_memory_allocated(),
+               "peak_reserved": torch.cuda.max_memory_reserved()}
+    torch.cuda.reset_peak_memory_stats()
+    drafter.draft(random_rounds(drafter, 4, 160, 0), want_probs=False)  # four sequences' windows
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    process, reserved = total - free - others_bytes, torch.cuda.memory_reserved()
+    peak_reserved = max(started["peak_reserved"], torch.cuda.max_memory_reserved())
+    return {"graphs": drafter.describe()["cuda_graphs"], "context_bytes": context,
+            "after_start_up": started,
+            "serving_four_sequences": {"peak_allocated": torch.cuda.max_memory_allocated(),
+                                       "peak_reserved": torch.cuda.max_memory_reserved()},
+            "process_bytes_now": process,
+            # what torch released of its peak is the only part of the process not resident now
+            "process_peak_bytes": process - reserved + peak_reserved,
+            "card_3090_bytes": CARD_3090}
 
 
 def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save) -> None:
@@ -441,6 +491,12 @@ def print_table(res: dict) -> None:
                   f"{r['tcp_inside_draft_p50_ms']:10.2f} | {r['tcp_worker_own_ms']:12.2f} | "
                   f"{cell(tcp, i, 'wire_p50_ms'):>31} | {cell(tcp, i, 'tcp_worker_own_beyond_wire_ms'):>15} | "
                   f"{cell(eager, i, 'tcp_p50_ms')} / {cell(eager, i, 'tcp_inside_draft_p50_ms')}")
+    if m := res.get("exl3_4_served_memory"):
+        serving = m["serving_four_sequences"]
+        print(f"the served EXL3 drafter alone, four sequences' windows: process peak "
+              f"{m['process_peak_bytes'] / GIB:.2f} GiB ({m['process_peak_bytes'] / m['card_3090_bytes']:.0%} "
+              f"of a 24 GB card; CUDA context {m['context_bytes'] / GIB:.2f} GiB), torch's peaks serving "
+              f"{serving['peak_allocated'] / GIB:.2f} allocated / {serving['peak_reserved'] / GIB:.2f} GiB reserved")
 
 
 def profile(batches: list[int], out: str, variant: str) -> None:
@@ -628,6 +684,9 @@ def main(argv=None) -> int:
                     "or with --compare-mode bf16 runs of --variants bf16")
     ap.add_argument("--compare-mode", default="auto", help="with --compare: the rounds compared, an "
                     "--experts-ab mode or bf16 (default: %(default)s)")
+    ap.add_argument("--served-memory", type=int, metavar="OTHERS_BYTES", help="instead (a child of the "
+                    "default run): the served EXL3 drafter's memory in this process alone (--out), other "
+                    "processes holding OTHERS_BYTES of the card")
     ap.add_argument("--moe-layers", action="store_true", help="instead: one MoE layer alone, ours "
                     "against exllamav3's BlockSparseMLP on the same weights and rows, in a CUDA graph "
                     "and eager (--out)")
@@ -642,6 +701,10 @@ def main(argv=None) -> int:
         return 0
     if args.compile_experiment:
         compile_experiment([int(b) for b in args.batches.split(",")], args.rounds, args.out)
+        return 0
+    if args.served_memory is not None:
+        with open(args.out, "w") as f:
+            json.dump(served_memory(args.served_memory), f, indent=1)
         return 0
     if args.moe_layers:
         moe_layers_alone([int(b) for b in args.batches.split(",")], args.out)
