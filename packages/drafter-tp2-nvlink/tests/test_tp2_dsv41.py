@@ -8,10 +8,12 @@ import json
 import os
 import shutil
 import signal
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file, save_file
 
+from drafter_tp2.kinds.dsv41 import PairDrafter
 from drafter_tp2.launcher import free_master
 from drafter_tp2.parity import compare_single_rounds
 from drafter_tp2.testing import PairProcess, RankPair, tp2_env
@@ -105,6 +107,15 @@ def refused(folder, other, lock_dir) -> tuple[str, str]:
         pair.kill()
     assert (c0, c1) == (2, 2), (e0, e1)
     return e0, e1
+
+
+def test_both_ranks_attend_with_the_kernels_defaults(monkeypatch):
+    """The attention is replicated: a rank never times its own form (REMOTE_DRAFTER_ATTENTION
+    notwithstanding), so the stream entering each MoE stays the same bits on both ranks."""
+    monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "auto")
+    numerics = SimpleNamespace(attend_forms={1: {"splits": 3}})  # as a one-card drafter left them
+    rank = SimpleNamespace(model=SimpleNamespace(numerics=numerics))
+    assert PairDrafter._choose_attention(rank).startswith("the kernel's defaults") and numerics.attend_forms == {}
 
 
 def test_a_rank_without_its_experts_is_refused_on_both_ranks_by_name(folder, tmp_path, lock_dir):

@@ -1,14 +1,15 @@
 """The window's attention kernel (models/dsv41/kernels.py, `attend`) at the Flash drafter's
-shapes, in its served form and the variants `attend` takes: the keys split over several
-programs a block of query rows (joined by a second launch), the weighted sum's dot on the
-tensor cores (tf32x3), other warps and key steps. Each variant is timed as a round runs it,
+shapes, in every form a round may run (kernels.ATTEND_VARIANTS: its defaults, the keys split
+over several programs a block of query rows and joined by a second launch, the weighted
+sum's dot on the tensor cores (tf32x3), other warps and key steps). Each variant is timed as a round runs it,
 inside a CUDA graph (20 calls a graph, the median of 50 replays), and checked against torch's float32
 attention on the same rows (its relative error, and the start-up check's tolerance).
 
     python packages/remote-drafter/benchmarks/attention_variants.py --out attention-variants.json
 
 (`gpu.sh` with `ONLY_DRAFTER_ROUND=attention`; no exllamav3.) The table says which variant
-is fastest at each batch; the served defaults change only with such a run."""
+is fastest at each batch: what a drafter's start-up choice (Dsv41Model.choose_attention,
+REMOTE_DRAFTER_ATTENTION=auto) should find on the same card."""
 
 from __future__ import annotations
 
@@ -29,10 +30,6 @@ from round_phases import in_graph  # noqa: E402
 HEADS, HEAD_DIM, BLOCK, WINDOW, LAYERS = 64, 512, 5, 128, 3  # the estimated Flash drafter's (dsv41_gpu.FLASH)
 REPLAYS = 50
 TOLERANCE = 2 ** -7  # two bf16 steps: what Dsv41Model's start-up check allows a bf16 model's kernels
-VARIANTS = {"served": {}, "tf32x3": {"weighted_sum": "tf32x3"}, "4 warps": {"warps": 4},
-            "32 keys a step": {"keys": 32},
-            **{f"{s} splits": {"splits": s} for s in (2, 3, 5, 9)},
-            **{f"{s} splits, tf32x3": {"splits": s, "weighted_sum": "tf32x3"} for s in (3, 9)}}
 
 
 def rows(batch: int, seed: int) -> tuple:
@@ -55,7 +52,7 @@ def measure(batches: list[int]) -> dict:
         want = attention(*args, torch.float32)
         entry = {"batch": batch, "torch_us": in_graph(lambda a=args: attention(*a, torch.float32), REPLAYS),
                  "variants": {}}
-        for name, options in VARIANTS.items():
+        for name, options in kernels.ATTEND_VARIANTS.items():
             try:
                 got = kernels.attend(*args, **options)
                 entry["variants"][name] = {"us": in_graph(lambda a=args, o=options: kernels.attend(*a, **o), REPLAYS),
@@ -86,7 +83,7 @@ def table(res: dict) -> str:
         if ok:
             best = min(ok, key=lambda n: ok[n]["us"])
             lines.append(f"batch {b['batch']}: fastest {best} ({ok[best]['us']:.1f} µs, "
-                         f"{ok[best]['us'] / b['variants']['served']['us']:.2f}x the served)")
+                         f"{ok[best]['us'] / b['variants']['default']['us']:.2f}x the default)")
     return "\n".join(lines)
 
 

@@ -330,6 +330,7 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
         bfloors = [round_floor(drafter, bsizes, b, bandwidth) for b in batches]  # eager: the chosen experts
         graphed = Dsv41Drafter(drafter.model, drafter.manifest(), "cuda", cuda_graphs=True)
         b = res["bf16"] = {"weight_bytes": weight_bytes, "round_kernels": graphed.describe()["round_kernels"],
+                           "attention": graphed.describe()["attention"],
                            "experts": graphed.experts,
                            "rounds": rounds_of(graphed, bsizes, batches, rounds, bandwidth, bfloors)}
         grouped_drafts = greedy_drafts(graphed, batches)
@@ -433,6 +434,7 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
         floors = dense_floors(model, floors, batches, bandwidth)
         e["rounds"] = rounds_of(graphed, sizes, batches, rounds, bandwidth, floors)
         e["round_kernels"] = graphed.describe()["round_kernels"]
+        e["attention"] = graphed.describe()["attention"]  # its form per batch, timed at start-up
         graphed_drafts = greedy_drafts(graphed, batches)
         e["graphs_vs_eager"] = draft_agreement(eager_drafts, graphed_drafts)
         e["dense_vs_kernels_only"] = draft_agreement(kernels_only_drafts, graphed_drafts)
@@ -466,7 +468,8 @@ def run_exl3(res: dict, batches: list[int], rounds: int, bandwidth: float, save)
 def print_table(res: dict) -> None:
     e = res.get("exl3_4", {})
     print(f"{res['device']}, read {res['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; EXL3 experts: "
-          f"{e.get('experts')}; round kernels: {e.get('round_kernels')}")
+          f"{e.get('experts')}; round kernels: {e.get('round_kernels')}; attention's form per batch: "
+          f"{e.get('attention')}")
     print("batch | EXL3 per matrix | EXL3 fused eager | EXL3 fused graphs p50 / p99 | floor (3090 est.) | x floor "
           "| no dense copies (x its floor) | graphs, torch's | EXL3 head (x its floor) | bf16 graphs | bf16 floor | x floor")
     def cell(rows, i, key, fmt="{:.2f}"):

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="needs Triton: remote-drafter[test] install
 from remote_drafter.engine.identity import Manifest  # noqa: E402
 from remote_drafter.models.base import DraftRequest  # noqa: E402
 from remote_drafter.models.dsv41 import checkpoint, kernels, tiny  # noqa: E402
-from remote_drafter.models.dsv41.drafter import Dsv41Drafter  # noqa: E402
+from remote_drafter.models.dsv41.drafter import GRAPH_BATCHES, Dsv41Drafter  # noqa: E402
 from remote_drafter.models.dsv41.model import Dsv41Model  # noqa: E402
 from remote_drafter.models.dsv41.modules.attention import unseen_keys  # noqa: E402
 from remote_drafter.models.dsv41.modules.mix import HyperMix  # noqa: E402
@@ -175,16 +175,65 @@ def test_attention_kernel_is_torchs(loaded, dtype):
     m.numerics.kernels = None
 
 
-def test_every_attention_variant_the_benchmark_times_is_torchs(loaded):
-    """benchmarks/attention_variants.py's variants (on the CPU the weighted sum is float32
+def test_every_attention_variant_is_torchs(loaded):
+    """Every form of the kernel a round may run (on the CPU the weighted sum is float32
     whatever its dot's precision asked for on a GPU): each equals torch's attention."""
-    from benchmark_scripts import load
     m = model(loaded, torch.bfloat16)
     q, windows, new, unseen, sink = attention_inputs(m, torch.bfloat16)
     want = m.numerics.attend(q, windows[:, :, 1], new, unseen, sink)
-    for name, options in load("attention_variants").VARIANTS.items():
+    for name, options in kernels.ATTEND_VARIANTS.items():
         got = kernels.attend(q, windows[:, :, 1], new, unseen, sink, **options)
         assert torch.allclose(want.float(), got.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item()), name
+
+
+def test_the_fastest_attention_form_that_matches_torch_serves_at_each_batch(loaded, monkeypatch):
+    """choose_attention times every form that matched torch at each batch and the fastest
+    serves there: a faster form that computes something else, or raises, never does; a
+    batch between those chosen takes the next larger one's form, a batch past them the
+    largest's. (Timed here by a stand-in clock; the GPU tier times in CUDA graphs.)"""
+    m = model(loaded, torch.bfloat16)
+    assert m.use_kernels() is None
+    right, calls = kernels.attend, []
+
+    def attend(*args, **form):
+        calls.append((len(args[0]), form))
+        if form.get("splits") == 9:
+            raise RuntimeError("no such kernel here")
+        return right(*args, **form) * (1.05 if form.get("splits") == 2 else 1.0)
+    monkeypatch.setattr(kernels, "attend", attend)
+    ms = {1: {"2 splits": 0.1, "9 splits": 0.1, "3 splits": 0.5, "default": 1.0},
+          4: {"2 splits": 0.1, "9 splits": 0.1, "tf32x3": 0.7, "default": 0.8}}
+
+    def clock(fn):
+        fn()
+        batch, form = calls[-1]
+        name = next(n for n, f in kernels.ATTEND_VARIANTS.items() if f == form)
+        return ms[batch].get(name, 2.0)
+    assert m.choose_attention([1, 4], clock) == {1: "3 splits", 4: "tf32x3"}
+    q, windows, new, unseen, sink = attention_inputs(m, torch.bfloat16)
+    for batch, form in ((1, {"splits": 3}), (2, {"weighted_sum": "tf32x3"}), (3, {"weighted_sum": "tf32x3"})):
+        m.numerics.attend(q[:batch], windows[:batch, :, 1], new[:batch], unseen[:batch], sink)
+        assert calls[-1] == (batch, form)
+    m.numerics.attend(*(torch.cat([x] * 3) for x in (q, windows[:, :, 1], new, unseen)), sink)
+    assert calls[-1] == (9, {"weighted_sum": "tf32x3"})  # past every batch chosen: the largest's
+    # the kernel checked again: the forms start over from its defaults
+    assert m.use_kernels() is None and m.numerics.attend_forms == {}
+
+
+def test_the_attention_form_is_the_kernels_defaults_when_asked(loaded, monkeypatch):
+    """REMOTE_DRAFTER_ATTENTION=default keeps the kernel's defaults at every batch (nothing
+    timed); a value it does not know stops the drafter by name; torch attending, nothing is
+    chosen."""
+    m = model(loaded, torch.bfloat16)
+    d = Dsv41Drafter(m, MANIFEST, DEVICE)
+    assert m.use_kernels() is None
+    monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "default")
+    m.numerics.attend_forms = {1: {"splits": 3}}
+    assert d._choose_attention().startswith("the kernel's defaults") and m.numerics.attend_forms == {}
+    monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "fastest")
+    with pytest.raises(ValueError, match="REMOTE_DRAFTER_ATTENTION='fastest': one of auto, default"):
+        d._choose_attention()
+    assert m.use_kernels(False) == "not asked to" and d._choose_attention() == "torch attends"
 
 
 def test_drafts_with_the_kernels_are_torchs(loaded):
@@ -211,6 +260,9 @@ def test_drafts_with_the_kernels_are_torchs(loaded):
     if DEVICE == "cuda":  # the GPU tier: the kernels inside the round's CUDA graphs too
         graphed = Dsv41Drafter(m, MANIFEST, DEVICE, cuda_graphs=True)
         assert graphed.describe()["cuda_graphs"] != "off (eager rounds)"
+        # the attention's form timed at every captured batch (REMOTE_DRAFTER_ATTENTION=auto)
+        chosen = graphed.describe()["attention"]
+        assert set(chosen) == set(GRAPH_BATCHES) and set(chosen.values()) <= set(kernels.ATTEND_VARIANTS)
         assert [a.tokens.tolist() for a in want] == [b.tokens.tolist() for b in graphed.draft(requests, False)]
 
 

@@ -22,8 +22,8 @@ SHARED_LIMIT = {90: 227 << 10, 86: 99 << 10}
 KERNELS = [*(f"plan shared={s} experts={e}" for s in (True, False) for e in (192, 256)),
            *(f"route {f} bias={b}" for f in ("sqrtsoftplus", "sigmoid", "softmax") for b in (True, False)),
            "experts combine", "top two part, biased", "top two join", "mix products", "mix pre collapse=0",
-           "mix pre collapse=1", "mix pre collapse=2", "mix post", "rope", "rms norm", "attend", "attend split tf32x3",
-           "attend join",
+           "mix pre collapse=1", "mix pre collapse=2", "mix post", "rope", "rms norm", "attend", "attend tf32x3", "attend split",
+           "attend split tf32x3", "attend join",
            "expert products nt=4 warps=2", "expert products nt=8 warps=4", "expert products nt=16 warps=4",
            "experts rows in", "experts activation"]
 # strict: a spill that goes away fails here, so the entry goes with it

@@ -44,7 +44,8 @@ WORKER_PREFIXES = ("OFL_", drafter_env.REMOTE_DRAFTER_DEVICE_LOCK.name,
                    drafter_env.REMOTE_DRAFTER_CONFIDENCE_CUTOFF.name,
                    drafter_env.REMOTE_DRAFTER_CUDA_GRAPHS.name,
                    drafter_env.REMOTE_DRAFTER_EXL3_EXPERTS.name,
-                   drafter_env.REMOTE_DRAFTER_EXL3_DENSE_MIB.name)
+                   drafter_env.REMOTE_DRAFTER_EXL3_DENSE_MIB.name,
+                   drafter_env.REMOTE_DRAFTER_ATTENTION.name)
 HEADLESS_READY = "headless multiproc executor"  # vLLM 0.33's line once rank R > 0 waits for rank 0
 # vLLM's entry points: rank 0's OpenAI server; `vllm serve`, which honours --headless (the
 # OpenAI module ignores it), for ranks > 0

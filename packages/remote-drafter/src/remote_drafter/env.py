@@ -118,6 +118,15 @@ REMOTE_DRAFTER_EXL3_DENSE_MIB = EnvVar(
     "first, within this budget (status `exl3_dense`). Same weights, more bytes read: it pays "
     "where the GPU's arithmetic, not its memory, bounds the kernel. 0 = the kernels only.",
     kind="int")
+REMOTE_DRAFTER_ATTENTION = EnvVar(
+    "REMOTE_DRAFTER_ATTENTION", "auto",
+    "Worker, dsv41 drafter on CUDA with the round's kernels: the form of the window's attention "
+    "kernel. auto = at start-up every form that matches torch's attention (the kernel's "
+    "defaults; the keys split over several programs a block of query rows; the weighted sum on "
+    "the tensor cores) is timed at each batch the rounds are "
+    "captured for, the fastest serving there (status `attention`); default = the kernel's "
+    "defaults at every batch (the same form on every card).",
+    choices=("auto", "default"))
 REMOTE_DRAFTER_DEVICE_LOCK = EnvVar(
     "REMOTE_DRAFTER_DEVICE_LOCK", "auto",
     "Worker: auto = hold an exclusive lifetime lock on the worker's GPU (keyed by its UUID) "
@@ -137,7 +146,8 @@ ALL = [REMOTE_DRAFTER_ADDRESS, REMOTE_DRAFTER_STANDBYS, REMOTE_DRAFTER_BACKEND, 
        REMOTE_DRAFTER_VLLM_COLLECT, REMOTE_DRAFTER_METRICS_LISTEN, REMOTE_DRAFTER_DEVICE_LOCK,
        REMOTE_DRAFTER_LOCK_DIR, REMOTE_DRAFTER_MAX_REQUESTS_PER_CLIENT,
        REMOTE_DRAFTER_MAX_HISTORY_BYTES_PER_CLIENT, REMOTE_DRAFTER_CONFIDENCE_CUTOFF,
-       REMOTE_DRAFTER_CUDA_GRAPHS, REMOTE_DRAFTER_EXL3_EXPERTS, REMOTE_DRAFTER_EXL3_DENSE_MIB]
+       REMOTE_DRAFTER_CUDA_GRAPHS, REMOTE_DRAFTER_EXL3_EXPERTS, REMOTE_DRAFTER_EXL3_DENSE_MIB,
+       REMOTE_DRAFTER_ATTENTION]
 
 
 def capacity_mode() -> bool:

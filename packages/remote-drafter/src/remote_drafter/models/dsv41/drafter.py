@@ -29,7 +29,7 @@ from remote_drafter.engine.identity import Manifest, target_digest, tokenizer_di
 from remote_drafter.engine.sampling import is_greedy
 from remote_drafter.models import exl3, exl3_dense
 from remote_drafter.models.base import Draft, Drafter, DraftRequest
-from remote_drafter.models.cuda_graphs import BucketGraphs
+from remote_drafter.models.cuda_graphs import BucketGraphs, graph_ms
 from remote_drafter.models.pick import Picker, chain_arrays, split
 from remote_drafter.models.window import DeviceWindows
 
@@ -42,6 +42,7 @@ GRAPH_BATCHES = [1, 2, 4, 8, 16]  # buckets captured at start-up; larger rounds 
 # New rows a round encodes (each request's committed tokens since its last round; an open's
 # window): captured like the round, as a dozen small launches cost more than their work.
 ENCODE_BUCKETS = [4, 16, 64, 256]
+ATTENTION_CALLS_TIMED = 10  # a form's calls in one timed graph: a replay's own cost spread thin
 
 
 def dense_budget_mib() -> int:
@@ -90,6 +91,7 @@ class Dsv41Drafter(Drafter):
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
             why = None if model.numerics.kernels else "cpu"
         self._kernels_why = why
+        self.attention = self._choose_attention() if self._forward.cuda else "not chosen off a GPU"
         if model.served and self._forward.cuda:
             if model.experts_fused and not fuse_experts:
                 raise ValueError("this model's EXL3 experts are fused already (another drafter's "
@@ -120,6 +122,25 @@ class Dsv41Drafter(Drafter):
             log.info("EXL3: %d linears also hold dense fp16 copies (%.0f MiB), faster on this GPU "
                      "from %d rows", len(chosen), sum(c.nbytes for c in chosen) / 2**20,
                      min(c.from_rows for c in chosen))
+
+    def _choose_attention(self) -> dict[int, str] | str:
+        """The attention kernel's form per captured batch (REMOTE_DRAFTER_ATTENTION), timed
+        here, before the capture bakes it in; or why none was chosen."""
+        num = self.model.numerics
+        if num.kernels is None or num.attention_refusal is not None:
+            return "torch attends"
+        mode = env.REMOTE_DRAFTER_ATTENTION.get().strip() or env.REMOTE_DRAFTER_ATTENTION.default
+        if mode not in env.REMOTE_DRAFTER_ATTENTION.choices:
+            raise ValueError(f"REMOTE_DRAFTER_ATTENTION={mode!r}: one of {', '.join(env.REMOTE_DRAFTER_ATTENTION.choices)}")
+        if mode == "default":
+            num.attend_forms = {}
+            return "the kernel's defaults (REMOTE_DRAFTER_ATTENTION=default)"
+        started = time.monotonic()
+        chosen = self.model.choose_attention(GRAPH_BATCHES, lambda fn: graph_ms(
+            lambda: [fn() for _ in range(ATTENTION_CALLS_TIMED)], self.device) / ATTENTION_CALLS_TIMED)
+        log.info("attention kernel's form per batch (REMOTE_DRAFTER_ATTENTION=auto, chosen in %.1f s): %s",
+                 time.monotonic() - started, chosen)
+        return chosen
 
     def _choose_expert_kernels(self) -> str:
         """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""
@@ -232,7 +253,7 @@ class Dsv41Drafter(Drafter):
     def describe(self) -> dict:
         return {**super().describe(), "confidence_head": self.model.confidence is not None,
                 "confidence_cutoff": self.confidence_cutoff,
-                "experts": self.experts, "round_kernels": self.round_kernels,
+                "experts": self.experts, "round_kernels": self.round_kernels, "attention": self.attention,
                 "exl3_dense": exl3_dense.describe(self.model.dense_exl3) if self.model.served else "no EXL3 weights",
                 "cuda_graphs": sorted(self._forward.graphs) or "off (eager rounds)",
                 "encode_graphs": sorted(self._encode_rows.graphs) or "off (eager)"}

@@ -20,8 +20,9 @@
   the weighted keys), the softmax carried online over steps of keys, for a dozen launches in
   torch (casts, two batched products, the mask, the sink's column, the softmax). It can also
   split the keys over several programs a block of query rows, each writing its partial
-  softmax, joined by a second kernel: more programs where a small batch leaves SMs idle
-  (benchmarks/attention_variants.py times it against the served form).
+  softmax, joined by a second kernel: more programs where a small batch leaves SMs idle;
+  its weighted sum can run on the tensor cores (tf32x3). Which form serves at each batch is
+  timed at start-up (ATTEND_VARIANTS; Dsv41Model.choose_attention).
 
 The same arithmetic as the torch code in float32, in another order of summation: equal to
 it within float32 rounding (tests/test_dsv41_kernels.py, under Triton's CPU interpreter in
@@ -378,6 +379,13 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
 
 
 ATTEND_ROWS, ATTEND_KEYS, ATTEND_WARPS = 16, 16, 8  # (position, head) rows and keys a step; warps
+# The forms of `attend` a round may run, its defaults first: Dsv41Model.choose_attention times
+# those that match torch at start-up, per batch (REMOTE_DRAFTER_ATTENTION=auto), and
+# benchmarks/attention_variants.py times them all. Not among them: 4 warps or 32 keys a step,
+# which spill registers at the Flash drafter's head size (tests/gpu_kernels.py compiles each form)
+ATTEND_VARIANTS = {"default": {}, "tf32x3": {"weighted_sum": "tf32x3"},
+                   **{f"{s} splits": {"splits": s} for s in (2, 3, 5, 9)},
+                   **{f"{s} splits, tf32x3": {"splits": s, "weighted_sum": "tf32x3"} for s in (3, 9)}}
 NO_SCORE = tl.constexpr(-1e30)  # a split's running maximum before its first visible key (finite: no inf - inf)
 
 
@@ -477,8 +485,8 @@ def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.
     sink [H] -> [B, W, H, D] in q's dtype. splits > 1: the keys split over that many programs
     a block of query rows (more programs where the batch is small), joined by a second
     launch; keys: a step's; warps: a program's; weighted_sum: the input precision of its
-    dot on bf16 rows on a GPU ("ieee", or "tf32x3": on the tensor cores). The defaults are
-    what serves (benchmarks/attention_variants.py times the others)."""
+    dot on bf16 rows on a GPU ("ieee", or "tf32x3": on the tensor cores). ATTEND_VARIANTS
+    names the forms a round may run."""
     b, w, h, d = q.shape
     q, new, ctx = q.contiguous(), new.to(q.dtype).contiguous(), ctx.to(q.dtype)  # casts as torch's
     if ctx.stride(-1) != 1:

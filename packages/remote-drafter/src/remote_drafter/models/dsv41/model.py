@@ -16,6 +16,8 @@ The full story: ARCHITECTURE.md § DeepSeek-V4.1's drafter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from remote_drafter.models import exl3_dense
@@ -144,7 +146,7 @@ class Dsv41Model(Module):
         when they serve, else why not. The window's attention takes its kernel where that
         matched torch too, else torch's, beside the others (numerics.attention_refusal says why)."""
         num = self.numerics
-        num.kernels, num.attention_refusal = None, None
+        num.kernels, num.attention_refusal, num.attend_forms = None, None, {}
         if not on:
             return "not asked to"
         if num.wide != torch.float32:
@@ -165,10 +167,11 @@ class Dsv41Model(Module):
         return None
 
     @torch.inference_mode()
-    def _attention_refusal(self, kernels) -> str | None:
-        """Why the attention kernel may not serve (None: it may): layer 0's attention as a round
-        calls it (a window's context rows, one layer's of the windows' strided rows), over a
-        whole context, one half padding and one all padding, the kernel against torch."""
+    def _attention_refusal(self, kernels, form: dict | None = None) -> str | None:
+        """Why the attention kernel (in `form`, one of kernels.ATTEND_VARIANTS) may not serve
+        (None: it may): layer 0's attention as a round calls it (a window's context rows, one
+        layer's of the windows' strided rows), over a whole context, one half padding and one
+        all padding, the kernel against torch."""
         c, num = self.config, self.numerics
         g, n = torch.Generator().manual_seed(1), c.sliding_window
         q, windows, new = (torch.randn(3, *shape, generator=g).to(self.device, self.dtype) for shape in (
@@ -177,10 +180,38 @@ class Dsv41Model(Module):
         padding = torch.arange(n, device=self.device) >= torch.tensor([[0], [n // 2], [n]], device=self.device)
         args = (q, windows[:, :, 0], new, unseen_keys(padding, c.block_size), self.layers[0].attention.sink)
         try:
-            why = differs(attention(*args, num.wide), kernels.attend(*args), num.rounding)
+            why = differs(attention(*args, num.wide), kernels.attend(*args, **(form or {})), num.rounding)
         except Exception as exc:  # noqa: BLE001 - any failure to build or run it: torch attends
             return f"{type(exc).__name__}: {exc}"
         return why and f"it {why}"
+
+    @torch.inference_mode()
+    def choose_attention(self, batches: list[int], timed: Callable[[Callable], float]) -> dict[int, str]:
+        """The attention kernel's form at each batch the rounds run: every form of
+        kernels.ATTEND_VARIANTS that matches torch (_attention_refusal) timed by `timed` (ms
+        of a call of its argument: cuda_graphs.graph_ms) on layer 0's attention at the
+        round's shapes, a whole window of context, the fastest serving there (ties: the
+        earlier form). {batch: its form's name}; nothing changes where the kernel does not
+        serve."""
+        from . import kernels
+        num = self.numerics
+        if num.kernels is None or num.attention_refusal is not None:
+            return {}
+        forms = {name: form for name, form in kernels.ATTEND_VARIANTS.items()
+                 if self._attention_refusal(kernels, form) is None}
+        if not forms:  # none matched torch this time: the kernel's defaults serve
+            return {}
+        c, g, chosen = self.config, torch.Generator().manual_seed(2), {}
+        for b in batches:
+            q, windows, new = (torch.randn(b, *shape, generator=g).to(self.device, self.dtype) for shape in (
+                (c.block_size, c.num_attention_heads, c.head_dim), (c.sliding_window, c.n_mtp_layers, c.head_dim),
+                (c.block_size, c.head_dim)))
+            unseen = unseen_keys(torch.ones(b, c.sliding_window, dtype=torch.bool, device=self.device), c.block_size)
+            args = (q, windows[:, :, 0], new, unseen, self.layers[0].attention.sink)
+            times = {name: timed(lambda form=form, args=args: kernels.attend(*args, **form)) for name, form in forms.items()}
+            chosen[b] = min(times, key=times.get)
+        num.attend_forms = {b: forms[name] for b, name in chosen.items()}
+        return chosen
 
     @torch.inference_mode()
     def _probes(self) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from remote_drafter.models import pick
+from remote_drafter.models.cuda_graphs import bucket_for
 
 from ..config import Dsv41DrafterConfig
 
@@ -81,6 +82,9 @@ class Numerics:
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
         self.kernels = None
         self.attention_refusal: str | None = None  # why the attention kernel does not serve beside the others
+        # the attention kernel's form (kernels.ATTEND_VARIANTS) by the batches it was chosen at
+        # (Dsv41Model.choose_attention); a batch takes the smallest at or above it, else the largest's
+        self.attend_forms: dict[int, dict] = {}
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
     @property
@@ -120,7 +124,9 @@ class Numerics:
                sink: torch.Tensor) -> torch.Tensor:
         """attention() (a kernel where the kernels serve and it matched torch too)."""
         if self.kernels is not None and self.attention_refusal is None:
-            return self.kernels.attend(q, ctx, new, unseen, sink)
+            forms = self.attend_forms
+            form = forms[bucket_for(forms, len(q), max(forms))] if forms else {}
+            return self.kernels.attend(q, ctx, new, unseen, sink, **form)
         return attention(q, ctx, new, unseen, sink, self.wide)
 
     def mixes(self, fn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
