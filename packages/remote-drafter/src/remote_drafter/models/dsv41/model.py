@@ -191,8 +191,8 @@ class Dsv41Model(Module):
         kernels.ATTEND_VARIANTS that matches torch (_attention_refusal) timed by `timed` (ms
         of a call of its argument: cuda_graphs.graph_ms) on layer 0's attention at the
         round's shapes, a whole window of context, the fastest serving there (ties: the
-        earlier form). {batch: its form's name}; nothing changes where the kernel does not
-        serve."""
+        earlier form; a form whose timing raises is passed over). {batch: its form's name};
+        nothing changes where the kernel does not serve."""
         from . import kernels
         num = self.numerics
         if num.kernels is None or num.attention_refusal is not None:
@@ -208,9 +208,14 @@ class Dsv41Model(Module):
                 (c.block_size, c.head_dim)))
             unseen = unseen_keys(torch.ones(b, c.sliding_window, dtype=torch.bool, device=self.device), c.block_size)
             args = (q, windows[:, :, 0], new, unseen, self.layers[0].attention.sink)
-            times = {name: timed(lambda form=form, args=args: kernels.attend(*args, **form)) for name, form in forms.items()}
-            chosen[b] = min(times, key=times.get)
-        num.attend_forms = {b: forms[name] for b, name in chosen.items()}
+            times = {}
+            for name, form in forms.items():
+                try:
+                    times[name] = timed(lambda form=form, args=args: kernels.attend(*args, **form))
+                except Exception:  # noqa: BLE001 - a form this GPU cannot capture or run does not serve
+                    continue
+            chosen[b] = min(times, key=times.get) if times else "default"
+        num.attend_forms = {b: kernels.ATTEND_VARIANTS[name] for b, name in chosen.items()}
         return chosen
 
     @torch.inference_mode()
