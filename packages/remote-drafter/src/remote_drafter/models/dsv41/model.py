@@ -172,18 +172,25 @@ class Dsv41Model(Module):
         (None: it may): layer 0's attention as a round calls it (a window's context rows, one
         layer's of the windows' strided rows), over a whole context, one half padding and one
         all padding, the kernel against torch."""
-        c, num = self.config, self.numerics
-        g, n = torch.Generator().manual_seed(1), c.sliding_window
-        q, windows, new = (torch.randn(3, *shape, generator=g).to(self.device, self.dtype) for shape in (
-            (c.block_size, c.num_attention_heads, c.head_dim), (n, c.n_mtp_layers, c.head_dim),
-            (c.block_size, c.head_dim)))
-        padding = torch.arange(n, device=self.device) >= torch.tensor([[0], [n // 2], [n]], device=self.device)
-        args = (q, windows[:, :, 0], new, unseen_keys(padding, c.block_size), self.layers[0].attention.sink)
+        n = self.config.sliding_window
+        args = self._attention_args(torch.arange(n) >= torch.tensor([[0], [n // 2], [n]]), seed=1)
         try:
-            why = differs(attention(*args, num.wide), kernels.attend(*args, **(form or {})), num.rounding)
+            why = differs(attention(*args, self.numerics.wide), kernels.attend(*args, **(form or {})),
+                          self.numerics.rounding)
         except Exception as exc:  # noqa: BLE001 - any failure to build or run it: torch attends
             return f"{type(exc).__name__}: {exc}"
         return why and f"it {why}"
+
+    def _attention_args(self, valid: torch.Tensor, seed: int) -> tuple:
+        """Layer 0's attention inputs as a round has them, for len(valid) requests: random
+        queries, one layer's of the windows' strided context rows (`valid` [B, window]: which
+        hold a committed position), the block's new rows, the keys unseen, the sinks."""
+        c, g = self.config, torch.Generator().manual_seed(seed)
+        q, windows, new = (torch.randn(len(valid), *shape, generator=g).to(self.device, self.dtype) for shape in (
+            (c.block_size, c.num_attention_heads, c.head_dim), (c.sliding_window, c.n_mtp_layers, c.head_dim),
+            (c.block_size, c.head_dim)))
+        unseen = unseen_keys(valid.to(self.device), c.block_size)
+        return q, windows[:, :, 0], new, unseen, self.layers[0].attention.sink
 
     @torch.inference_mode()
     def choose_attention(self, batches: list[int], timed: Callable[[Callable], float]) -> dict[int, str]:
@@ -201,13 +208,9 @@ class Dsv41Model(Module):
                  if self._attention_refusal(kernels, form) is None}
         if not forms:  # none matched torch this time: the kernel's defaults serve
             return {}
-        c, g, chosen = self.config, torch.Generator().manual_seed(2), {}
+        chosen = {}
         for b in batches:
-            q, windows, new = (torch.randn(b, *shape, generator=g).to(self.device, self.dtype) for shape in (
-                (c.block_size, c.num_attention_heads, c.head_dim), (c.sliding_window, c.n_mtp_layers, c.head_dim),
-                (c.block_size, c.head_dim)))
-            unseen = unseen_keys(torch.ones(b, c.sliding_window, dtype=torch.bool, device=self.device), c.block_size)
-            args = (q, windows[:, :, 0], new, unseen, self.layers[0].attention.sink)
+            args = self._attention_args(torch.ones(b, self.config.sliding_window, dtype=torch.bool), seed=2)
             times = {}
             for name, form in forms.items():
                 try:
