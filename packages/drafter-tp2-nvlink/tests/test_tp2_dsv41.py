@@ -113,9 +113,9 @@ def test_both_ranks_attend_with_the_kernels_defaults(monkeypatch):
     """The attention is replicated: a rank never times its own form (REMOTE_DRAFTER_ATTENTION
     notwithstanding), so the stream entering each MoE stays the same bits on both ranks."""
     monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "auto")
-    numerics = SimpleNamespace(attend_forms={1: {"splits": 3}})  # as a one-card drafter left them
-    rank = SimpleNamespace(model=SimpleNamespace(numerics=numerics))
-    assert PairDrafter._choose_attention(rank).startswith("the kernel's defaults") and numerics.attend_forms == {}
+    numerics = SimpleNamespace(attend_chosen=None)
+    PairDrafter._choose_attention(SimpleNamespace(model=SimpleNamespace(numerics=numerics)))
+    assert numerics.attend_chosen == {}  # chosen: the defaults, so no timing follows
 
 
 def test_a_rank_without_its_experts_is_refused_on_both_ranks_by_name(folder, tmp_path, lock_dir):

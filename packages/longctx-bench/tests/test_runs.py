@@ -32,10 +32,11 @@ def test_run_measures_every_cell(fake, tmp_path):
         (64, 1), (64, 2), (128, 1), (128, 2)]
     for c in res["cells"]:
         assert c["ttft_s"]["n"] == 2 * c["concurrency"]
-        # bounds the server's sleeps guarantee on any machine: no token before its 80 ms,
-        # and a step inside its request (a busy client may read two events as one)
-        assert c["ttft_s"]["mean"] >= 0.08
-        assert 0 <= c["step_p50_s"]["mean"] < c["task_s"]["mean"] - c["ttft_s"]["mean"] + 1e-9
+        # bounds the server's sleeps guarantee on any machine (a busy client may read two
+        # events as one, so no bound on a step): no token before its 80 ms, and the last
+        # not before its four 30 ms gaps after that (test_metrics.py checks the definitions)
+        assert c["ttft_s"]["mean"] >= 0.08 and c["task_s"]["mean"] >= 0.08 + 4 * 0.03
+        assert c["step_p50_s"]["n"] == c["ttft_s"]["n"]
         assert c["tokens_per_event"]["mean"] == pytest.approx(8 / 5)
         assert not c["errors"] and not c["checks"]
         # cold: every request carries a fresh salt, so no cached prefix

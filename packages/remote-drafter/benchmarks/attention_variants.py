@@ -1,7 +1,7 @@
 """The window's attention kernel (models/dsv41/kernels.py, `attend`) at the Flash drafter's
 shapes, in every form a round may run (kernels.ATTEND_VARIANTS: its defaults, the keys split
 over several programs a block of query rows and joined by a second launch, the weighted
-sum's dot on the tensor cores (tf32x3), other warps and key steps). Each variant is timed as a round runs it,
+sum's dot on the tensor cores (tf32x3)). Each variant is timed as a round runs it,
 inside a CUDA graph (20 calls a graph, the median of 50 replays), and checked against torch's float32
 attention on the same rows (its relative error, and the start-up check's tolerance).
 

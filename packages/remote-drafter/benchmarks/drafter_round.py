@@ -70,6 +70,7 @@ BANDWIDTH_3090 = 936e9  # bytes/s, the card's datasheet figure
 BITS = 4
 HEAD_BITS = 6  # exllamav3's default for heads
 FLASH_EXL3_MANIFEST = Manifest(*["random-flash-exl3"] * 4, kind="dsv41")  # the random Flash-width EXL3 drafter
+SERVED_MEMORY_TIMEOUT_S = 300  # the child's start-up as a worker's: experts tuned, copies timed, graphs captured
 GOALS = {"exl3_4": {1: 3.0, 4: 3.0, 16: 2.0}, "bf16": {1: 3.0, 4: 3.0, 16: 3.0}}  # x floor
 
 
@@ -351,15 +352,20 @@ def run(batches: list[int], rounds: int, out: str, variants: list[str]) -> dict:
 
 def served_memory_apart() -> dict:
     """served_memory in a child process, this one idle meanwhile: what the card holds for the
-    served drafter alone, apart from this process's own context and cached blocks."""
+    served drafter alone, apart from this process's own context and cached blocks; or, where
+    the child fails, why (recorded: the rest of the run goes on)."""
     say("== the served EXL3 drafter's memory, alone in a process of its own")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, __file__, "--served-memory", str(total - free), "--out", out.name],
-                       check=True, timeout=900)
-        return json.loads(Path(out.name).read_text())
+        try:
+            subprocess.run([sys.executable, __file__, "--served-memory", str(total - free), "--out", out.name],
+                           check=True, timeout=SERVED_MEMORY_TIMEOUT_S)
+            return json.loads(Path(out.name).read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as exc:
+            say(f"    the served drafter's memory: not measured ({type(exc).__name__}: {exc})")
+            return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def served_memory(others_bytes: int) -> dict:
@@ -494,7 +500,9 @@ def print_table(res: dict) -> None:
                   f"{r['tcp_inside_draft_p50_ms']:10.2f} | {r['tcp_worker_own_ms']:12.2f} | "
                   f"{cell(tcp, i, 'wire_p50_ms'):>31} | {cell(tcp, i, 'tcp_worker_own_beyond_wire_ms'):>15} | "
                   f"{cell(eager, i, 'tcp_p50_ms')} / {cell(eager, i, 'tcp_inside_draft_p50_ms')}")
-    if m := res.get("exl3_4_served_memory"):
+    if (m := res.get("exl3_4_served_memory")) and "error" in m:
+        print(f"the served EXL3 drafter alone: not measured ({m['error']})")
+    elif m:
         serving = m["serving_four_sequences"]
         print(f"the served EXL3 drafter alone, four sequences' windows: process peak "
               f"{m['process_peak_bytes'] / GIB:.2f} GiB ({m['process_peak_bytes'] / m['card_3090_bytes']:.0%} "

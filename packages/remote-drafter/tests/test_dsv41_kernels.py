@@ -218,24 +218,28 @@ def test_the_fastest_attention_form_that_matches_torch_serves_at_each_batch(load
         assert calls[-1] == (batch, form)
     m.numerics.attend(*(torch.cat([x] * 3) for x in (q, windows[:, :, 1], new, unseen)), sink)
     assert calls[-1] == (9, {"weighted_sum": "tf32x3"})  # past every batch chosen: the largest's
-    # the kernel checked again: the forms start over from its defaults
-    assert m.use_kernels() is None and m.numerics.attend_forms == {}
+    # the kernel checked again (another drafter of the model): the forms chosen stand
+    assert m.use_kernels() is None and m.numerics.attend_chosen == {1: "3 splits", 4: "tf32x3"}
 
 
-def test_the_attention_form_is_the_kernels_defaults_when_asked(loaded, monkeypatch):
+def test_the_attention_form_is_the_kernels_defaults_when_asked_and_chosen_once_a_model(loaded, monkeypatch):
     """REMOTE_DRAFTER_ATTENTION=default keeps the kernel's defaults at every batch (nothing
-    timed); a value it does not know stops the drafter by name; torch attending, nothing is
-    chosen."""
+    timed); a later drafter of the same model keeps what the first chose (its graphs run it);
+    a value the variable does not take stops the drafter by name; status says what attends."""
     m = model(loaded, torch.bfloat16)
     d = Dsv41Drafter(m, MANIFEST, DEVICE)
     assert m.use_kernels() is None
+    m.numerics.attend_chosen = None  # as a model no drafter has chosen for
     monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "default")
-    m.numerics.attend_forms = {1: {"splits": 3}}
-    assert d._choose_attention().startswith("the kernel's defaults") and m.numerics.attend_forms == {}
+    d._choose_attention()
+    assert m.numerics.attend_chosen == {} and d.describe()["attention"] == "the kernel's defaults"
+    m.numerics.attend_chosen = {1: "3 splits"}  # an earlier drafter's choice
+    d._choose_attention()
+    assert d.describe()["attention"] == {1: "3 splits"}
     monkeypatch.setenv("REMOTE_DRAFTER_ATTENTION", "fastest")
     with pytest.raises(ValueError, match="REMOTE_DRAFTER_ATTENTION='fastest': one of auto, default"):
         d._choose_attention()
-    assert m.use_kernels(False) == "not asked to" and d._choose_attention() == "torch attends"
+    assert m.use_kernels(False) == "not asked to" and d.describe()["attention"] == "torch attends"
 
 
 def test_drafts_with_the_kernels_are_torchs(loaded):

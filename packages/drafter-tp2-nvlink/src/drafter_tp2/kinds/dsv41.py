@@ -42,12 +42,11 @@ class PairDrafter(Dsv41Drafter):
     tally: Tally | None = None
     rounds_run = 0
 
-    def _choose_attention(self) -> str:
+    def _choose_attention(self) -> None:
         """The attention kernel's defaults on both ranks, whatever REMOTE_DRAFTER_ATTENTION
         says: the attention is replicated, and the routing agrees only while the stream
         entering each MoE is the same bits on both (forms timed per rank could differ)."""
-        self.model.numerics.attend_forms = {}
-        return "the kernel's defaults (replicated on both ranks)"
+        self.model.numerics.attend_chosen = {}
 
     def describe(self) -> dict:
         d = super().describe()

@@ -37,14 +37,20 @@ def no_collection():
 
 
 def side_stream_graph(fn, device) -> tuple[torch.cuda.CUDAGraph, object]:
-    """fn() warmed up on a side stream, then captured there: (the graph, fn's output in it)."""
+    """fn() warmed up on a side stream, then captured there: (the graph, fn's output in it).
+    The caller's stream is current again afterwards, also when the capture fails (torch
+    restores it only after ending the capture, which may be what raises)."""
+    caller = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    stream.wait_stream(caller)
     with torch.cuda.stream(stream):
         fn()  # warm-up before capture: lazy kernel choices and allocations
     graph = torch.cuda.CUDAGraph()
-    with no_collection(), torch.cuda.graph(graph, stream=stream):
-        out = fn()
+    try:
+        with no_collection(), torch.cuda.graph(graph, stream=stream):
+            out = fn()
+    finally:
+        torch.cuda.set_stream(caller)
     return graph, out
 
 

@@ -91,7 +91,8 @@ class Dsv41Drafter(Drafter):
         else:  # the CPU: torch unless a caller (a test) chose the kernels for the model
             why = None if model.numerics.kernels else "cpu"
         self._kernels_why = why
-        self.attention = self._choose_attention() if self._forward.cuda else "not chosen off a GPU"
+        if self._forward.cuda:
+            self._choose_attention()
         if model.served and self._forward.cuda:
             if model.experts_fused and not fuse_experts:
                 raise ValueError("this model's EXL3 experts are fused already (another drafter's "
@@ -123,24 +124,32 @@ class Dsv41Drafter(Drafter):
                      "from %d rows", len(chosen), sum(c.nbytes for c in chosen) / 2**20,
                      min(c.from_rows for c in chosen))
 
-    def _choose_attention(self) -> dict[int, str] | str:
+    def _choose_attention(self) -> None:
         """The attention kernel's form per captured batch (REMOTE_DRAFTER_ATTENTION), timed
-        here, before the capture bakes it in; or why none was chosen."""
-        num = self.model.numerics
-        if num.kernels is None or num.attention_refusal is not None:
-            return "torch attends"
-        mode = env.REMOTE_DRAFTER_ATTENTION.get().strip() or env.REMOTE_DRAFTER_ATTENTION.default
-        if mode not in env.REMOTE_DRAFTER_ATTENTION.choices:
-            raise ValueError(f"REMOTE_DRAFTER_ATTENTION={mode!r}: one of {', '.join(env.REMOTE_DRAFTER_ATTENTION.choices)}")
+        here, before the capture bakes it in. Once a model: a later drafter of the same model
+        keeps what the first chose (the first one's graphs run it)."""
+        var, num = env.REMOTE_DRAFTER_ATTENTION, self.model.numerics
+        mode = var.get().strip() or var.default
+        if mode not in var.choices:
+            raise ValueError(f"REMOTE_DRAFTER_ATTENTION={mode!r}: one of {', '.join(var.choices)}")
+        if num.kernels is None or num.attention_refusal is not None or num.attend_chosen is not None:
+            return
         if mode == "default":
-            num.attend_forms = {}
-            return "the kernel's defaults (REMOTE_DRAFTER_ATTENTION=default)"
+            num.attend_chosen = {}
+            return
         started = time.monotonic()
         chosen = self.model.choose_attention(GRAPH_BATCHES, lambda fn: graph_ms(
             lambda: [fn() for _ in range(ATTENTION_CALLS_TIMED)], self.device) / ATTENTION_CALLS_TIMED)
         log.info("attention kernel's form per batch (REMOTE_DRAFTER_ATTENTION=auto, chosen in %.1f s): %s",
                  time.monotonic() - started, chosen)
-        return chosen
+
+    @property
+    def attention(self) -> dict[int, str] | str:
+        """The attention kernel's form per batch, as status shows it."""
+        num = self.model.numerics
+        if num.kernels is None or num.attention_refusal is not None:
+            return "torch attends"
+        return num.attend_chosen or "the kernel's defaults"
 
     def _choose_expert_kernels(self) -> str:
         """Ours or exllamav3's fused experts per round row count (REMOTE_DRAFTER_EXL3_EXPERTS)."""

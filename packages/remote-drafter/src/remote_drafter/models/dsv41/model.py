@@ -146,7 +146,7 @@ class Dsv41Model(Module):
         when they serve, else why not. The window's attention takes its kernel where that
         matched torch too, else torch's, beside the others (numerics.attention_refusal says why)."""
         num = self.numerics
-        num.kernels, num.attention_refusal, num.attend_forms = None, None, {}
+        num.kernels, num.attention_refusal = None, None
         if not on:
             return "not asked to"
         if num.wide != torch.float32:
@@ -198,8 +198,8 @@ class Dsv41Model(Module):
         kernels.ATTEND_VARIANTS that matches torch (_attention_refusal) timed by `timed` (ms
         of a call of its argument: cuda_graphs.graph_ms) on layer 0's attention at the
         round's shapes, a whole window of context, the fastest serving there (ties: the
-        earlier form; a form whose timing raises is passed over). {batch: its form's name};
-        nothing changes where the kernel does not serve."""
+        earlier form; a form whose timing raises is passed over). {batch: its form's name}
+        (numerics.attend_chosen); nothing changes where the kernel does not serve."""
         from . import kernels
         num = self.numerics
         if num.kernels is None or num.attention_refusal is not None:
@@ -207,6 +207,7 @@ class Dsv41Model(Module):
         forms = {name: form for name, form in kernels.ATTEND_VARIANTS.items()
                  if self._attention_refusal(kernels, form) is None}
         if not forms:  # none matched torch this time: the kernel's defaults serve
+            num.attend_chosen = {}
             return {}
         chosen = {}
         for b in batches:
@@ -218,7 +219,7 @@ class Dsv41Model(Module):
                 except Exception:  # noqa: BLE001 - a form this GPU cannot capture or run does not serve
                     continue
             chosen[b] = min(times, key=times.get) if times else "default"
-        num.attend_forms = {b: kernels.ATTEND_VARIANTS[name] for b, name in chosen.items()}
+        num.attend_chosen = chosen
         return chosen
 
     @torch.inference_mode()

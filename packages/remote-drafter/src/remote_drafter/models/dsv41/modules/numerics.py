@@ -82,9 +82,10 @@ class Numerics:
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
         self.kernels = None
         self.attention_refusal: str | None = None  # why the attention kernel does not serve beside the others
-        # the attention kernel's form (kernels.ATTEND_VARIANTS) by the batches it was chosen at
-        # (Dsv41Model.choose_attention); a batch takes the smallest at or above it, else the largest's
-        self.attend_forms: dict[int, dict] = {}
+        # the attention kernel's form by the batches it was chosen at (names of
+        # kernels.ATTEND_VARIANTS; Dsv41Model.choose_attention): a batch takes the smallest at or
+        # above it, else the largest's; None (not chosen) or {}: the kernel's defaults
+        self.attend_chosen: dict[int, str] | None = None
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's, per device, for the kernels
 
     @property
@@ -124,9 +125,9 @@ class Numerics:
                sink: torch.Tensor) -> torch.Tensor:
         """attention() (a kernel where the kernels serve and it matched torch too)."""
         if self.kernels is not None and self.attention_refusal is None:
-            forms = self.attend_forms
-            form = forms[bucket_for(forms, len(q), max(forms))] if forms else {}
-            return self.kernels.attend(q, ctx, new, unseen, sink, **form)
+            chosen = self.attend_chosen
+            name = chosen[bucket_for(chosen, len(q), max(chosen))] if chosen else "default"
+            return self.kernels.attend(q, ctx, new, unseen, sink, **self.kernels.ATTEND_VARIANTS[name])
         return attention(q, ctx, new, unseen, sink, self.wide)
 
     def mixes(self, fn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
