@@ -32,7 +32,6 @@ def env_file(tmp_path, name: str, values: dict) -> str:
     return str(path)
 
 
-
 def test_engine_hosts_become_the_offload_hosts_allow_list():
     cfg = StackConfig({"STACK_ENGINE_HOSTS": "10.0.0.2, 10.0.1.0/30", "STACK_ENGRAM_LISTEN":
                        "10.0.0.1:7480,10.0.1.1:7480", "STACK_DRAFTER": "ngram",

@@ -61,7 +61,6 @@ def test_unserved_or_unreadable_counters_are_degraded():
     assert handoff_degraded(None, CLEAN, LISTEN) == [f"async proxy counters unreadable at {LISTEN}"]
 
 
-
 def exposition(counters: dict) -> str:
     kinds = {"enabled": "gauge"}
     return "".join(f"# TYPE async_handoff_{k}{'' if k in kinds else '_total'} {kinds.get(k, 'counter')}\n"

@@ -149,8 +149,8 @@ if [[ -n ${ONLY_DRAFTER_ROUND:-} ]]; then  # DeepSeek's drafter's round at the F
     exit
   fi
   if [[ $ONLY_DRAFTER_ROUND == attention ]]; then  # =attention: the window's attention kernel's
-    # GPU tests, then its variants (keys split, the weighted sum on the tensor cores, warps, key
-    # steps) timed in CUDA graphs at the Flash shapes against the served form (no exllamav3 wanted)
+    # GPU tests, then every form a round may run (keys split, the weighted sum on the tensor
+    # cores) timed in CUDA graphs at the Flash shapes against its defaults (no exllamav3 wanted)
     python3 -m pytest -q -p no:cacheprovider packages/remote-drafter/tests/test_dsv41_kernels.py \
       2>&1 | tail -3 | tee "$OUT/attention-pytest.txt" || echo "== tests failed (above); the timing goes on"
     python3 packages/remote-drafter/benchmarks/attention_variants.py --out "$OUT/attention-variants.json"

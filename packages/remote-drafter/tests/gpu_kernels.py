@@ -72,17 +72,14 @@ def variants():
     attend = {"q_ptr": "*bf16", "ctx_ptr": "*bf16", "new_ptr": "*bf16", "unseen_ptr": "*u8", "sink_ptr": "*fp32",
               "C": "i32", "W": "i32", "CS_B": "i32", "CS_C": "i32", "scale": "fp32", "SPLIT_KEYS": "i32"}
     shape = {"H": 64, "D": 512, "DP": 512, "BM": kernels.ATTEND_ROWS}
-    compiled = {}  # every form a round may run (the splits' count is no constexpr: one build for all)
-    for form in kernels.ATTEND_VARIANTS.values():
-        split, weighted_sum = form.get("splits", 1) > 1, form.get("weighted_sum", "ieee")
-        warps, keys = form.get("warps", kernels.ATTEND_WARPS), form.get("keys", kernels.ATTEND_KEYS)
-        name = ["attend"] + ["split"] * split + [weighted_sum] * (weighted_sum != "ieee") \
-            + [f"{warps} warps"] * (warps != kernels.ATTEND_WARPS) + [f"{keys} keys a step"] * (keys != kernels.ATTEND_KEYS)
-        compiled[" ".join(name)] = split, weighted_sum, warps, keys
-    for name, (split, weighted_sum, warps, keys) in compiled.items():
+    # every form a round may run (kernels.ATTEND_VARIANTS; the splits' count is no constexpr: one build for all)
+    builds = {(form.get("splits", 1) > 1, form.get("weighted_sum", "ieee")) for form in kernels.ATTEND_VARIANTS.values()}
+    for split, weighted_sum in sorted(builds):
+        name = " ".join(["attend"] + ["split"] * split + [weighted_sum] * (weighted_sum != "ieee"))
         out = "*fp32" if split else "*bf16"  # a split's partial softmax, or the rows themselves
         yield (name, kernels._attend_kernel, {**attend, "out_ptr": out, "m_ptr": out, "l_ptr": out},
-               {**shape, "BK": keys, "SPLIT": split, "IEEE": False, "SUM": weighted_sum}, warps)
+               {**shape, "BK": kernels.ATTEND_KEYS, "SPLIT": split, "IEEE": False, "SUM": weighted_sum},
+               kernels.ATTEND_WARPS)
     yield ("attend join", kernels._attend_join_kernel,
            {"part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
             "W": "i32", "SPLITS": "i32"}, shape, kernels.ATTEND_WARPS)

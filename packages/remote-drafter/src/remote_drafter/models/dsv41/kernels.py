@@ -381,8 +381,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, scoring: str,
 ATTEND_ROWS, ATTEND_KEYS, ATTEND_WARPS = 16, 16, 8  # (position, head) rows and keys a step; warps
 # The forms of `attend` a round may run, its defaults first: Dsv41Model.choose_attention times
 # those that match torch at start-up, per batch (REMOTE_DRAFTER_ATTENTION=auto), and
-# benchmarks/attention_variants.py times them all. Not among them: 4 warps or 32 keys a step,
-# which spill registers at the Flash drafter's head size (tests/gpu_kernels.py compiles each form)
+# benchmarks/attention_variants.py times them all (tests/gpu_kernels.py compiles each: other
+# warps or key steps spill registers at the Flash drafter's head size)
 ATTEND_VARIANTS = {"default": {}, "tf32x3": {"weighted_sum": "tf32x3"},
                    **{f"{s} splits": {"splits": s} for s in (2, 3, 5, 9)},
                    **{f"{s} splits, tf32x3": {"splits": s, "weighted_sum": "tf32x3"} for s in (3, 9)}}
@@ -478,21 +478,19 @@ def _attend_join_kernel(part_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, W, SPLITS, H:
 
 
 def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.Tensor,
-           sink: torch.Tensor, splits: int = 1, keys: int = ATTEND_KEYS, warps: int = ATTEND_WARPS,
-           weighted_sum: str = "ieee") -> torch.Tensor:
+           sink: torch.Tensor, splits: int = 1, weighted_sum: str = "ieee") -> torch.Tensor:
     """As Numerics.attend in float32, in one launch: q [B, W, H, D], keys ctx [B, C, D] (rows
     may be strided: one layer's of the windows) and new [B, W, D], unseen [B, C + W] bool,
     sink [H] -> [B, W, H, D] in q's dtype. splits > 1: the keys split over that many programs
     a block of query rows (more programs where the batch is small), joined by a second
-    launch; keys: a step's; warps: a program's; weighted_sum: the input precision of its
-    dot on bf16 rows on a GPU ("ieee", or "tf32x3": on the tensor cores). ATTEND_VARIANTS
+    launch; weighted_sum: the input precision of its dot on bf16 rows on a GPU ("ieee", or "tf32x3": on the tensor cores). ATTEND_VARIANTS
     names the forms a round may run."""
     b, w, h, d = q.shape
     q, new, ctx = q.contiguous(), new.to(q.dtype).contiguous(), ctx.to(q.dtype)  # casts as torch's
     if ctx.stride(-1) != 1:
         ctx = ctx.contiguous()
     n = ctx.shape[1] + w
-    split_keys = triton.cdiv(triton.cdiv(n, splits), keys) * keys  # whole steps a split
+    split_keys = triton.cdiv(triton.cdiv(n, splits), ATTEND_KEYS) * ATTEND_KEYS  # whole steps a split
     splits = triton.cdiv(n, split_keys)
     blocks = triton.cdiv(w * h, ATTEND_ROWS)
     ieee = q.dtype == torch.float32 or not q.is_cuda
@@ -504,9 +502,9 @@ def attend(q: torch.Tensor, ctx: torch.Tensor, new: torch.Tensor, unseen: torch.
         part, m, total = out, out, out  # not written
     _attend_kernel[(b, blocks, splits)](
         q, ctx, new, unseen.contiguous().view(torch.uint8), sink, part, m, total, ctx.shape[1], w, ctx.stride(0),
-        ctx.stride(1), d ** -0.5, split_keys, H=h, D=d, DP=triton.next_power_of_2(d), BM=ATTEND_ROWS, BK=keys,
-        SPLIT=splits > 1, IEEE=ieee, SUM="ieee" if ieee else weighted_sum, num_warps=warps)
+        ctx.stride(1), d ** -0.5, split_keys, H=h, D=d, DP=triton.next_power_of_2(d), BM=ATTEND_ROWS,
+        BK=ATTEND_KEYS, SPLIT=splits > 1, IEEE=ieee, SUM="ieee" if ieee else weighted_sum, num_warps=ATTEND_WARPS)
     if splits > 1:
         _attend_join_kernel[(b, blocks)](part, m, total, sink, out, w, splits, H=h, D=d, DP=triton.next_power_of_2(d),
-                                         BM=ATTEND_ROWS, num_warps=warps)
+                                         BM=ATTEND_ROWS, num_warps=ATTEND_WARPS)
     return out
